@@ -1,0 +1,23 @@
+"""Backend registry: `make_backend(loaded, opt)` picks the implementation named by `opt.backend`."""
+from __future__ import annotations
+
+from ..config import EngineError, OptimizationSpec
+from ..models import LoadedModel
+from .base import Backend, DecodeSession
+
+
+def make_backend(loaded: LoadedModel, opt: OptimizationSpec) -> Backend:
+    if opt.backend == "hf":
+        from .hf import HFBackend
+
+        return HFBackend(loaded, opt)
+    if opt.backend == "native":
+        try:
+            from ..native.backend import NativeBackend
+        except ImportError as e:  # pragma: no cover - until the native engine lands
+            raise EngineError(f"backend native is not available: {e}") from e
+        return NativeBackend(loaded, opt)
+    raise EngineError(f"unknown backend {opt.backend!r}; choose hf or native")
+
+
+__all__ = ["Backend", "DecodeSession", "make_backend"]

@@ -1,0 +1,95 @@
+"""Backend `hf`: the transformers model's own forward, driven by our decode loop so each token is timed.
+
+KV cache `contiguous` uses transformers' `DynamicCache` (one growing tensor per layer); `off` recomputes
+the whole sequence every step (the O(n^2) baseline). Paged caches are the native backend's.
+"""
+from __future__ import annotations
+
+import torch
+
+from ..config import EngineError, OptimizationSpec
+from ..models import LoadedModel, weights_bytes
+
+SUPPORTED_KV = ("off", "contiguous")
+
+
+class HFSession:
+    def __init__(self, model, batch_size: int, max_len: int, use_cache: bool):
+        self._model = model
+        self._use_cache = use_cache
+        self._max_len = max_len
+        self._batch_size = batch_size
+        self._tokens: torch.Tensor | None = None  # [B, L] every token so far (needed when cache is off)
+        self._cache = None
+        if use_cache:
+            from transformers import DynamicCache
+
+            self._cache = DynamicCache(config=model.config)
+
+    @property
+    def length(self) -> int:
+        return 0 if self._tokens is None else int(self._tokens.shape[1])
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        assert tokens.dim() == 2 and tokens.shape[0] == self._batch_size, tokens.shape
+        start = self.length
+        if start + tokens.shape[1] > self._max_len:
+            raise EngineError(f"sequence would exceed the session's max_len {self._max_len}")
+        self._tokens = tokens if self._tokens is None else torch.cat([self._tokens, tokens], dim=1)
+        n_new = tokens.shape[1]
+        with torch.inference_mode():
+            if self._use_cache:
+                pos = torch.arange(start, start + n_new, device=tokens.device)
+                out = self._model(
+                    input_ids=tokens,
+                    past_key_values=self._cache,
+                    use_cache=True,
+                    cache_position=pos,
+                    position_ids=pos.unsqueeze(0).expand(tokens.shape[0], -1),
+                )
+                return out.logits.float()
+            out = self._model(input_ids=self._tokens, use_cache=False, logits_to_keep=n_new)
+            return out.logits.float()
+
+    def rollback(self, num_tokens: int) -> None:
+        if num_tokens <= 0:
+            return
+        assert self._tokens is not None and num_tokens <= self.length
+        self._tokens = self._tokens[:, : self.length - num_tokens]
+        if self._cache is not None:
+            self._cache.crop(-num_tokens)  # transformers 5: a negative value removes that many tokens
+
+    def kv_cache_bytes(self) -> tuple[int, int]:
+        if self._cache is None:
+            return (0, 0)
+        total = 0
+        for layer in getattr(self._cache, "layers", []):
+            for t in (getattr(layer, "keys", None), getattr(layer, "values", None)):
+                if isinstance(t, torch.Tensor):
+                    total += t.numel() * t.element_size()
+        return (total, total)
+
+
+class HFBackend:
+    name = "hf"
+
+    def __init__(self, loaded: LoadedModel, opt: OptimizationSpec):
+        if opt.kv_cache not in SUPPORTED_KV:
+            raise EngineError(
+                f"backend hf supports kv_cache {SUPPORTED_KV}, not {opt.kv_cache!r} (use engine.backend=native)"
+            )
+        self.loaded = loaded
+        self.opt = opt
+        self._model = loaded.model
+        if opt.compile:
+            self._model.forward = torch.compile(self._model.forward, dynamic=True)
+
+    def new_session(self, batch_size: int, max_len: int) -> HFSession:
+        return HFSession(self._model, batch_size, max_len, use_cache=self.opt.kv_cache != "off")
+
+    def score(self, input_ids: torch.Tensor) -> torch.Tensor:
+        with torch.inference_mode():
+            return self._model(input_ids=input_ids, use_cache=False).logits.float()
+
+    def weights_bytes(self) -> int:
+        return weights_bytes(self._model)

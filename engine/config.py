@@ -1,0 +1,121 @@
+"""Plain dataclasses that describe one engine run.
+
+The engine knows nothing of Hydra, Ray or MLflow: callers (a notebook, `experiments/`) build these
+objects and call `engine.run_trial_engine`. Validation of user input lives in `experiments/`; the engine
+only asserts its own invariants and raises `EngineError` with a clear message when asked the impossible.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+ATTENTION_IMPLS = ("eager", "sdpa", "flash")
+KV_CACHE_MODES = ("off", "contiguous", "paged")
+BACKENDS = ("hf", "native")
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+class EngineError(RuntimeError):
+    """A request the engine cannot honour (bad path, unsupported backend on this device, ...)."""
+
+
+@dataclass(frozen=True)
+class TinyModelSpec:
+    """A seeded random-weight Llama for fast tests (built from a transformers `LlamaConfig`)."""
+
+    num_layers: int = 2
+    hidden_size: int = 64
+    intermediate_size: int = 128
+    num_heads: int = 4
+    num_kv_heads: int = 2
+    vocab_size: int = 384  # >= 259 so the byte tokenizer fits
+    max_position_embeddings: int = 2048
+    tie_word_embeddings: bool = True
+    seed: int = 0
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """Which model to load.
+
+    `path` is a local HF checkpoint directory, a hub id, `prepared://NAME` (a model that
+    `engine.prepare` converts once into a local checkpoint) or `tiny://NAME` (random weights from `tiny`).
+    """
+
+    name: str
+    path: str
+    dtype: str = "float32"
+    revision: Optional[str] = None
+    trust_remote_code: bool = False
+    tiny: TinyModelSpec = field(default_factory=TinyModelSpec)
+
+
+@dataclass(frozen=True)
+class OptimizationSpec:
+    """The switchable parts of the optimization chain."""
+
+    backend: str = "hf"
+    attention: str = "sdpa"
+    kv_cache: str = "contiguous"
+    kv_block_size: int = 16
+    compile: bool = False
+
+
+@dataclass(frozen=True)
+class SamplingSpec:
+    """Greedy when `temperature == 0`; otherwise seeded multinomial sampling with optional top-k/top-p."""
+
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int = 0
+
+
+@dataclass(frozen=True)
+class TextSource:
+    """Where prompt and evaluation text comes from.
+
+    `kind`: `pydoc` (the Python reference manual that ships with CPython, offline), `file` (`path`),
+    or `datasets` (`name`, `split`, `column`; needs the `datasets` package and the data locally).
+    """
+
+    kind: str = "pydoc"
+    path: Optional[str] = None
+    name: Optional[str] = None
+    config: Optional[str] = None
+    split: str = "test"
+    column: str = "text"
+
+
+@dataclass(frozen=True)
+class WorkloadSpec:
+    """A static batch: `batch_size` prompts of exactly `context_len` tokens, `max_new_tokens` each."""
+
+    context_len: int = 128
+    max_new_tokens: int = 32
+    batch_size: int = 1
+    warmup: int = 1
+    repeats: int = 1
+    sampling: SamplingSpec = field(default_factory=SamplingSpec)
+    text: TextSource = field(default_factory=TextSource)
+
+
+@dataclass(frozen=True)
+class EvalSpec:
+    """Accuracy measurement: perplexity over `num_windows` windows of `context_len` tokens."""
+
+    enabled: bool = True
+    num_windows: int = 2
+    text: TextSource = field(default_factory=TextSource)
+
+
+@dataclass(frozen=True)
+class EngineTrial:
+    """Everything the engine needs for one measured trial."""
+
+    model: ModelSpec
+    optimization: OptimizationSpec = field(default_factory=OptimizationSpec)
+    workload: WorkloadSpec = field(default_factory=WorkloadSpec)
+    eval: EvalSpec = field(default_factory=EvalSpec)
+    seed: int = 0
+    threads: int = 0  # torch intra-op threads; 0 leaves torch's default

