@@ -29,6 +29,9 @@ METRICS: dict[str, str] = {
     "model_load_s": "seconds to load the model (not part of any timed region)",
 }
 
+# Metrics that must be bit-identical when a trial is re-run (reproduce compares them exactly).
+DETERMINISTIC = ("ppl", "nll_mean", "kv_cache_bytes", "kv_cache_used_bytes", "weights_bytes")
+
 PERCENTILES = (50, 90, 99)
 
 

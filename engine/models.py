@@ -174,6 +174,29 @@ def resolve_path(spec: ModelSpec) -> str:
     return path
 
 
+# Known without converting anything, so a sweep can be validated before `prepare` has ever run.
+PREPARED_MAX_POSITIONS = {"smollm2-135m-instruct": 8192}
+
+
+def max_positions(spec: ModelSpec) -> Optional[int]:
+    """The model's maximum positions, read from its config without loading weights (None if unknown)."""
+    if spec.path.startswith(TINY_SCHEME):
+        return spec.tiny.max_position_embeddings
+    if spec.path.startswith(PREPARED_SCHEME):
+        return PREPARED_MAX_POSITIONS.get(spec.path[len(PREPARED_SCHEME):])
+    cfg_path = os.path.join(spec.path, "config.json")
+    try:
+        if os.path.isfile(cfg_path):
+            with open(cfg_path) as f:
+                return int(json.load(f).get("max_position_embeddings") or 0) or None
+        from transformers import AutoConfig  # hub id: works from the local HF cache or where a hub is reachable
+
+        cfg = AutoConfig.from_pretrained(spec.path, revision=spec.revision, trust_remote_code=spec.trust_remote_code)
+        return int(getattr(cfg, "max_position_embeddings", 0) or 0) or None
+    except Exception:  # unreadable config: the load itself will report it, as a failed trial
+        return None
+
+
 def tiny_llama_config(t: TinyModelSpec, attn_implementation: str):
     from transformers import LlamaConfig
 

@@ -1,0 +1,88 @@
+"""Static checks of an `EngineTrial`: everything the engine can tell is impossible without loading weights.
+
+Returns (field, message) pairs keyed by the engine dataclass path (e.g. "workload.context_len"), so a
+caller can report every problem at once and map fields to its own config keys.
+"""
+from __future__ import annotations
+
+import os
+
+from .config import ATTENTION_IMPLS, BACKENDS, DTYPES, KV_CACHE_MODES, EngineTrial, TextSource
+from .models import PREPARED_MODELS, PREPARED_SCHEME, TINY_SCHEME, max_positions
+
+HF_KV_MODES = ("off", "contiguous")
+TEXT_KINDS = ("pydoc", "file", "datasets")
+
+
+def _choice(field: str, value, allowed) -> list[tuple[str, str]]:
+    if value not in allowed:
+        return [(field, f"{value!r} is not allowed; choose one of {', '.join(map(str, allowed))}")]
+    return []
+
+
+def _text(field: str, src: TextSource) -> list[tuple[str, str]]:
+    out = _choice(f"{field}.kind", src.kind, TEXT_KINDS)
+    if src.kind == "file":
+        if not src.path:
+            out.append((f"{field}.path", "text.kind=file needs a path"))
+        elif not os.path.isfile(src.path):
+            out.append((f"{field}.path", f"file {src.path!r} does not exist"))
+    if src.kind == "datasets" and not src.name:
+        out.append((f"{field}.name", "text.kind=datasets needs a dataset name"))
+    return out
+
+
+def check_trial(trial: EngineTrial, gpu_available: bool) -> list[tuple[str, str]]:
+    p: list[tuple[str, str]] = []
+    m, o, w = trial.model, trial.optimization, trial.workload
+    p += _choice("model.dtype", m.dtype, DTYPES)
+    p += _choice("optimization.backend", o.backend, BACKENDS)
+    p += _choice("optimization.attention", o.attention, ATTENTION_IMPLS)
+    p += _choice("optimization.kv_cache", o.kv_cache, KV_CACHE_MODES)
+    if o.backend == "hf" and o.kv_cache not in HF_KV_MODES:
+        p.append(("optimization.kv_cache", f"backend hf supports {', '.join(HF_KV_MODES)}; paged needs backend native"))
+    if o.kv_block_size < 1:
+        p.append(("optimization.kv_block_size", f"must be >= 1, got {o.kv_block_size}"))
+    if o.attention == "flash" and not gpu_available:
+        p.append(("optimization.attention", "flash needs a CUDA GPU (none requested/available); use sdpa or eager"))
+    if m.path.startswith(PREPARED_SCHEME):
+        name = m.path[len(PREPARED_SCHEME):]
+        if name not in PREPARED_MODELS:
+            p.append(("model.path", f"unknown prepared model {name!r}; known: {', '.join(sorted(PREPARED_MODELS))}"))
+    elif m.path.startswith(TINY_SCHEME):
+        t = m.tiny
+        if t.num_heads < 1 or t.hidden_size % t.num_heads:
+            p.append(("model.tiny.num_heads", f"hidden_size {t.hidden_size} must be divisible by num_heads {t.num_heads}"))
+        elif t.num_kv_heads < 1 or t.num_heads % t.num_kv_heads:
+            p.append(("model.tiny.num_kv_heads", f"num_heads {t.num_heads} must be divisible by num_kv_heads {t.num_kv_heads}"))
+        if t.vocab_size < 259:
+            p.append(("model.tiny.vocab_size", "must be >= 259 (byte tokenizer)"))
+    elif (os.path.sep in m.path or m.path.startswith(".")) and not os.path.isdir(m.path):
+        p.append(("model.path", f"{m.path!r} does not exist (expected a local HF checkpoint directory or a hub id)"))
+    for field, value, lo in (
+        ("workload.context_len", w.context_len, 1),
+        ("workload.max_new_tokens", w.max_new_tokens, 1),
+        ("workload.batch_size", w.batch_size, 1),
+        ("workload.repeats", w.repeats, 1),
+        ("workload.warmup", w.warmup, 0),
+        ("eval.num_windows", trial.eval.num_windows, 0),
+        ("threads", trial.threads, 0),
+    ):
+        if value < lo:
+            p.append((field, f"must be >= {lo}, got {value}"))
+    s = w.sampling
+    if s.temperature < 0:
+        p.append(("workload.sampling.temperature", f"must be >= 0 (0 = greedy), got {s.temperature}"))
+    if not 0 < s.top_p <= 1:
+        p.append(("workload.sampling.top_p", f"must be in (0, 1], got {s.top_p}"))
+    if s.top_k < 0:
+        p.append(("workload.sampling.top_k", f"must be >= 0, got {s.top_k}"))
+    p += _text("workload.text", w.text)
+    if trial.eval.enabled:
+        p += _text("eval.text", trial.eval.text)
+    if not any(f.startswith("model.path") for f, _ in p):
+        limit = max_positions(m)
+        need = w.context_len + w.max_new_tokens
+        if limit and need > limit:
+            p.append(("workload.context_len", f"context_len + max_new_tokens = {need} exceeds the model's maximum of {limit} positions"))
+    return p

@@ -1,0 +1,153 @@
+"""`infersweep`: launch sweeps, run one trial, reproduce a run by config hash, open the MLflow UI."""
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import shutil
+import subprocess
+import sys
+
+from .compose import SweepError
+
+EPILOG = """\
+overrides are Hydra overrides: group choices (kv_cache=off, attention=eager, model=tiny-llama),
+keys (workload.context_len=512, cluster.address=auto), comma lists that fan out a sweep
+(kv_cache=off,contiguous attention=eager,sdpa), and experiment=NAME for a whole sweep file
+in conf/experiment/. Groups: model attention kv_cache engine workload eval cluster tracking experiment.
+
+examples:
+  infersweep sweep experiment=quickstart
+  infersweep sweep kv_cache=off,contiguous attention=eager,sdpa workload.context_len=128,512
+  infersweep run model=tiny-llama workload.max_new_tokens=8
+  infersweep reproduce 3fa9c1
+  infersweep ui
+"""
+
+
+def _tracking(overrides: list[str]) -> dict:
+    from .compose import Composer
+
+    with Composer() as c:
+        cfg, _ = c.compose(overrides)
+    return cfg["tracking"]
+
+
+def cmd_sweep(args) -> int:
+    from .sweep import run_sweep
+
+    res = run_sweep(args.overrides, in_process=args.in_process)
+    print(f"\nMLflow: experiment '{res.sweep_name}', sweep {res.sweep_id} in {res.tracking_uri}")
+    print("open the dashboard with:  infersweep ui   (then http://127.0.0.1:5000)")
+    if res.failed:
+        print(f"{len(res.failed)} of {len(res.rows)} trial(s) FAILED (see the error above and error.txt in MLflow)")
+        return 1
+    return 0
+
+
+def cmd_run(args) -> int:
+    from .compose import expand
+    from .summary import table
+    from .sweep import run_specs
+
+    specs = expand(args.overrides)
+    if len(specs) != 1:
+        raise SweepError([f"`run` takes one trial, these overrides expand to {len(specs)}; use `infersweep sweep`"])
+    res = run_specs(specs, "infersweep run " + " ".join(args.overrides), in_process=True)
+    print(table(res.rows))
+    row = res.rows[0]
+    if row["status"] != "FINISHED":
+        print(row["outcome"].error)
+        return 1
+    print(f"\nconfig_hash {specs[0].config_hash}\nsample: {row['outcome'].sample_text!r}")
+    return 0
+
+
+def cmd_reproduce(args) -> int:
+    from .reproduce import format_comparison, reproduce
+
+    cmp = reproduce(args.hash, _tracking(args.overrides))
+    print(format_comparison(cmp))
+    return 0 if cmp.deterministic_match else 1
+
+
+def server_command(tracking: dict, port: int, host: str = "127.0.0.1") -> list[str]:
+    from .tracking import resolve_artifact_root, resolve_uri
+
+    mlflow_bin = shutil.which("mlflow") or os.path.join(os.path.dirname(sys.executable), "mlflow")
+    return [
+        mlflow_bin, "server",
+        "--backend-store-uri", resolve_uri(tracking["uri"]),
+        "--default-artifact-root", resolve_artifact_root(tracking["artifact_root"]),
+        "--host", host, "--port", str(port), "--workers", "1",
+    ]
+
+
+def cmd_ui(args) -> int:
+    tracking = _tracking(args.overrides)
+    port = args.port or tracking["ui_port"]
+    cmd = server_command(tracking, port, args.host)
+    print(f"MLflow UI on http://{args.host}:{port}  (Ctrl-C to stop)")
+    print("click: Experiments -> a sweep name -> expand the sweep-* parent run to see its trials;"
+          " select runs -> Compare for charts")
+    return subprocess.call(cmd)
+
+
+def cmd_prepare(args) -> int:
+    from engine.models import PREPARED_MODELS, prepare_model
+
+    names = args.names or sorted(PREPARED_MODELS)
+    for name in names:
+        path = prepare_model(name, force=args.force, progress=lambda m: print(f"  {m}", flush=True))
+        print(f"{name}: {path}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="infersweep",
+        description="Measure the LLM inference optimization chain: Hydra sweeps, run on Ray, recorded in MLflow.",
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    sub = p.add_subparsers(dest="command", required=True)
+    s = sub.add_parser("sweep", help="fan out a sweep over Ray and record every trial in MLflow",
+                       epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    s.add_argument("overrides", nargs="*", help="Hydra overrides (comma lists sweep)")
+    s.add_argument("--in-process", action="store_true", help="run trials in this process instead of on Ray (debugging)")
+    s.set_defaults(fn=cmd_sweep)
+    r = sub.add_parser("run", help="run one trial in this process (same results path as sweep)")
+    r.add_argument("overrides", nargs="*")
+    r.set_defaults(fn=cmd_run)
+    rp = sub.add_parser("reproduce", help="re-run a recorded trial by config hash (a prefix is enough) and compare")
+    rp.add_argument("hash", help="config_hash or a unique prefix of it")
+    rp.add_argument("overrides", nargs="*", help="tracking.* overrides, to read another store")
+    rp.set_defaults(fn=cmd_reproduce)
+    u = sub.add_parser("ui", help="start the MLflow UI on the project's store (127.0.0.1)")
+    u.add_argument("overrides", nargs="*", help="tracking.* overrides")
+    u.add_argument("--port", type=int, default=0, help="default: tracking.ui_port (5000)")
+    u.add_argument("--host", default="127.0.0.1", help="bind address; keep 127.0.0.1 unless you mean it")
+    u.set_defaults(fn=cmd_ui)
+    pr = sub.add_parser("prepare", help="convert shipped models into local HF checkpoints (done once)")
+    pr.add_argument("names", nargs="*", help="default: all known")
+    pr.add_argument("--force", action="store_true")
+    pr.set_defaults(fn=cmd_prepare)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    try:
+        return args.fn(args)
+    except SweepError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("\ninterrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

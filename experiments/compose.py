@@ -1,0 +1,289 @@
+"""Hydra compose + sweep expansion + validation: overrides in, a validated list of TrialSpecs out.
+
+Every problem is collected before anything runs: override syntax, unknown groups/options/keys and wrong
+types (each override is composed alone so one bad value does not hide the next), then value checks of
+every expanded trial. A `SweepError` carries them all.
+"""
+from __future__ import annotations
+
+import copy
+import itertools
+import os
+from pathlib import Path
+from typing import Any, Iterable
+
+from omegaconf import OmegaConf, open_dict
+
+from engine.config import EngineError
+
+from . import schema
+from .spec import TrialSpec, config_key, to_engine_trial
+
+PROJECT_ROOT = Path(__file__).resolve().parents[1]
+
+
+def conf_dir() -> Path:
+    return Path(os.environ.get("INFERSWEEP_CONF") or PROJECT_ROOT / "conf")
+
+
+class SweepError(Exception):
+    """Every problem found in a sweep, reported together."""
+
+    def __init__(self, problems: list[str]):
+        self.problems = problems
+        super().__init__("invalid sweep:\n" + "\n".join(f"  - {p}" for p in problems))
+
+
+def _first_lines(e: Exception, n: int = 2) -> str:
+    lines = [ln.strip() for ln in str(e).strip().splitlines() if ln.strip()]
+    return " | ".join(lines[:n])
+
+
+def _schema_keys(node) -> set[str]:
+    out: set[str] = set()
+    for k, v in node.items():
+        out.add(k)
+        if isinstance(v, dict):
+            out |= {f"{k}.{sub}" for sub in _schema_keys(v)}
+    return out
+
+
+def _schema_tree() -> dict:
+    return OmegaConf.to_container(OmegaConf.structured(schema.TrialConf), resolve=False, throw_on_missing=False)
+
+
+def describe_error(key: str, e: Exception) -> str:
+    """Hydra's error for one override, rewritten to name the key and what is allowed."""
+    msg = str(e)
+    if "Could not find" in msg and "Available options" in msg:
+        options = []
+        for ln in msg.split("Available options", 1)[1].splitlines()[1:]:
+            if not ln.startswith("\t"):
+                break
+            options.append(ln.strip())
+        group = key.split("@")[0].lstrip("+~")
+        return f"{group}: unknown option; available: {', '.join(options)}"
+    if "Could not override" in msg or "Could not append" in msg:
+        parent = key.lstrip("+~").rsplit(".", 1)[0] if "." in key else ""
+        tree = _schema_tree()
+        node = tree
+        for part in parent.split(".") if parent else []:
+            node = node.get(part, {}) if isinstance(node, dict) else {}
+        known = sorted(k for k in node) if isinstance(node, dict) else []
+        where = f"in {parent}" if parent else "at top level"
+        return f"{key.lstrip('+~')}: unknown key; keys {where}: {', '.join(known)}"
+    cause = e.__cause__ or e.__context__
+    if cause is not None and "Error merging override" in msg:
+        return f"{key}: {_first_lines(cause, 1)}"
+    return f"{key}: {_first_lines(e)}"
+
+
+def _unknown(config: dict) -> list[str]:
+    extra = _schema_keys(config) - _schema_keys(_schema_tree())
+    return sorted(k for k in extra if not any(k.startswith(p + ".") for p in extra))
+
+
+def _prune(config: dict, dotted: list[str]) -> dict:
+    out = copy.deepcopy(config)
+    for key in dotted:
+        *parents, leaf = key.split(".")
+        node = out
+        for p in parents:
+            node = node[p]
+        node.pop(leaf, None)
+    return out
+
+
+def check_config(config: dict, gpu_available: bool | None = None) -> list[str]:
+    """All problems of one resolved config: keys the schema does not know (added with `+key=`), then
+    value checks of the rest."""
+    extra = _unknown(config)
+    problems = [f"{k}: unknown key (not in the trial schema)" for k in extra]
+    return problems + validate(_prune(config, extra), gpu_available)
+
+
+class Composer:
+    """Holds one Hydra context; `compose(overrides)` returns the resolved config as plain containers."""
+
+    def __init__(self, config_name: str = "config"):
+        from hydra import initialize_config_dir
+        from hydra.core.global_hydra import GlobalHydra
+
+        schema.register()
+        if GlobalHydra.instance().is_initialized():
+            GlobalHydra.instance().clear()
+        self._ctx = initialize_config_dir(config_dir=str(conf_dir()), version_base=None, job_name="infersweep")
+        self._ctx.__enter__()
+        self.config_name = config_name
+
+    def close(self) -> None:
+        self._ctx.__exit__(None, None, None)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def compose_raw(self, overrides: list[str]):
+        from hydra import compose
+
+        return compose(self.config_name, overrides=overrides, return_hydra_config=True)
+
+    def compose(self, overrides: list[str]) -> tuple[dict[str, Any], dict[str, str]]:
+        """(resolved trial config without `hydra`, the experiment's sweeper params)."""
+        cfg = self.compose_raw(overrides)
+        raw = cfg.hydra.sweeper.get("params")
+        params = OmegaConf.to_container(raw, resolve=False) if raw is not None else {}
+        with open_dict(cfg):
+            del cfg["hydra"]  # its own interpolations only resolve inside a Hydra job
+        data = OmegaConf.to_container(cfg, resolve=True)
+        return data, {str(k): str(v) for k, v in params.items()}
+
+
+def _parse(overrides: Iterable[str]):
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    return OverridesParser.create().parse_overrides(list(overrides))
+
+
+def _values(override) -> list[str]:
+    if override.is_sweep_override():
+        return list(override.sweep_string_iterator())
+    return [override.get_value_element_as_str()]
+
+
+def _key(override) -> str:
+    return override.get_key_element()
+
+
+def expand(overrides: list[str], gpu_available: bool | None = None) -> list[TrialSpec]:
+    """Expand CLI overrides (+ the chosen experiment's `hydra.sweeper.params`) into validated trials."""
+    problems: list[str] = []
+    try:
+        parsed = _parse(overrides)
+    except Exception as e:  # hydra's OverrideParseException
+        raise SweepError([f"override syntax: {_first_lines(e)}"]) from None
+    fixed = [o for o in parsed if not o.is_sweep_override()]
+    sweeps = [o for o in parsed if o.is_sweep_override()]
+    for o in sweeps:
+        if _key(o).split("@")[0] == "experiment":
+            problems.append("experiment: sweep one experiment at a time (got a list)")
+    fixed_strs = [o.input_line for o in fixed]
+
+    with Composer() as c:
+        # 1. each fixed override alone, so every bad key/option/type is reported, not just the first;
+        #    bad ones are dropped so the remaining checks still run.
+        params: dict[str, str] = {}
+        try:
+            _, params = c.compose(fixed_strs)
+        except Exception:
+            good = []
+            for o in fixed:
+                try:
+                    c.compose([o.input_line])
+                    good.append(o)
+                except Exception as e:
+                    problems.append(describe_error(_key(o), e))
+            fixed, fixed_strs = good, [o.input_line for o in good]
+            try:
+                _, params = c.compose(fixed_strs)
+            except Exception as e:  # only the combination fails
+                problems.append(describe_error("overrides", e))
+                raise SweepError(problems) from None
+
+        # 2. sweep axes: the experiment's params, then the command line's (which win per key)
+        fixed_keys = {_key(o) for o in fixed}
+        axes: dict[str, list[str]] = {}
+        for k, v in params.items():
+            if k in fixed_keys:
+                continue  # pinned on the command line
+            try:
+                (o,) = _parse([f"{k}={v}"])
+                axes[_key(o)] = _values(o)
+            except Exception as e:
+                problems.append(f"experiment sweeper param {k}: {_first_lines(e)}")
+        for o in sweeps:
+            axes[_key(o)] = _values(o)
+        for k in list(axes):
+            if not axes[k]:
+                problems.append(f"{k}: empty sweep list")
+            good_vals = []
+            for v in axes[k]:
+                try:
+                    c.compose(fixed_strs + [f"{k}={v}"])
+                    good_vals.append(v)
+                except Exception as e:
+                    problems.append(describe_error(f"{k}={v}", e))
+            axes[k] = good_vals or axes[k][:0]
+            if not axes[k]:
+                del axes[k]
+
+        # 3. the Cartesian product, each trial composed and checked
+        keys = list(axes)
+        specs: list[TrialSpec] = []
+        for i, combo in enumerate(itertools.product(*(axes[k] for k in keys))):
+            swept = dict(zip(keys, combo))
+            try:
+                config, _ = c.compose(fixed_strs + [f"{k}={v}" for k, v in swept.items()])
+            except Exception as e:
+                problems.append(f"trial {i} ({swept}): {describe_error('overrides', e)}")
+                continue
+            specs.append(TrialSpec(config=config, swept=swept, index=i))
+
+    by_msg: dict[str, list[str]] = {}
+    seen: dict[str, int] = {}
+    for spec in specs:
+        for msg in check_config(spec.config, gpu_available):
+            by_msg.setdefault(msg, []).append(spec.label)
+        h = spec.config_hash
+        if h in seen:
+            problems.append(f"trials {seen[h]} and {spec.index} are the same configuration (hash {h[:12]})")
+        seen[h] = spec.index
+    for msg, labels in by_msg.items():
+        if len(labels) == len(specs) or len(specs) == 1:
+            problems.append(msg)
+        else:
+            shown = "; ".join(labels[:3]) + (f"; and {len(labels) - 3} more" if len(labels) > 3 else "")
+            problems.append(f"{msg}  [in {len(labels)} of {len(specs)} trials: {shown}]")
+    if problems:
+        raise SweepError(_dedupe(problems))
+    return specs
+
+
+def _dedupe(items: list[str]) -> list[str]:
+    return list(dict.fromkeys(items))
+
+
+def validate(config: dict[str, Any], gpu_available: bool | None = None) -> list[str]:
+    """Value checks of one resolved trial config; messages name the config key and what is allowed."""
+    from engine.validation import check_trial
+
+    out: list[str] = []
+    cl = config["cluster"]
+    if cl["num_cpus_per_trial"] <= 0:
+        out.append(f"cluster.num_cpus_per_trial: must be > 0, got {cl['num_cpus_per_trial']}")
+    if cl["num_gpus_per_trial"] < 0:
+        out.append(f"cluster.num_gpus_per_trial: must be >= 0, got {cl['num_gpus_per_trial']}")
+    if cl["max_retries"] < 0:
+        out.append(f"cluster.max_retries: must be >= 0, got {cl['max_retries']}")
+    try:
+        trial = to_engine_trial(config)
+    except (TypeError, ValueError, EngineError) as e:
+        return out + [f"config: {e}"]
+    gpu = cl["num_gpus_per_trial"] > 0 if gpu_available is None else gpu_available
+    for field, msg in check_trial(trial, gpu_available=gpu):
+        out.append(f"{config_key(field)}: {msg}")
+    return out
+
+
+def load_trial(config: dict[str, Any]) -> TrialSpec:
+    """A TrialSpec from a stored resolved config (reproduce): re-validated through the schema."""
+    schema.register()
+    base = OmegaConf.structured(schema.TrialConf)
+    merged = OmegaConf.merge(base, OmegaConf.create(config))
+    data = OmegaConf.to_container(merged, resolve=True)
+    problems = check_config(data)
+    if problems:
+        raise SweepError(problems)
+    return TrialSpec(config=data)

@@ -1,0 +1,91 @@
+"""`reproduce HASH`: re-run a recorded trial from its stored config and compare with the original."""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+
+import yaml
+
+from engine.metrics import DETERMINISTIC
+
+from .compose import SweepError, load_trial
+from .tracking import CONFIG_ARTIFACT, TOKENS_ARTIFACT, Tracker
+from .trial import FINISHED, execute_trial
+
+TIMING = ("output_tok_s", "decode_tok_s", "prefill_tok_s", "ttft_ms_p50", "tpot_ms_p50", "peak_mem_bytes")
+
+
+@dataclass
+class Comparison:
+    original_run_id: str
+    new_run_id: str
+    config_hash: str
+    tokens_match: bool
+    rows: list[tuple[str, str, str, str]]  # (metric, original, reproduced, verdict)
+
+    @property
+    def deterministic_match(self) -> bool:
+        return self.tokens_match and all(v != "DIFFERS" for *_, v in self.rows)
+
+
+def find_original(tracker: Tracker, prefix: str):
+    runs = tracker.find_by_hash(prefix)
+    if not runs:
+        raise SweepError([f"no FINISHED run has a config_hash starting with {prefix!r} in {tracker.uri}"])
+    hashes = sorted({r.data.tags["config_hash"] for r in runs})
+    if len(hashes) > 1:
+        shown = ", ".join(h[:16] for h in hashes[:5])
+        raise SweepError([f"prefix {prefix!r} is ambiguous: {len(hashes)} hashes match ({shown}); give more characters"])
+    originals = [r for r in runs if "reproduces" not in r.data.tags] or runs
+    return originals[0]
+
+
+def reproduce(prefix: str, tracking: dict) -> Comparison:
+    tracker = Tracker(tracking)
+    orig = find_original(tracker, prefix)
+    config = yaml.safe_load(tracker.load_text(orig.info.run_id, CONFIG_ARTIFACT))
+    config["tracking"] = tracking  # record where this invocation tracks, not where the original did
+    spec = load_trial(config)
+    stored = orig.data.tags["config_hash"]
+    if spec.config_hash != stored:
+        raise SweepError([f"stored config hashes to {spec.config_hash[:12]}, not {stored[:12]} (hash_version changed?)"])
+    outcome = execute_trial(spec)
+    exp_name = config.get("sweep_name", "default")
+    new_id = tracker.log_trial(
+        exp_name, spec, outcome, extra_tags={"reproduces": orig.info.run_id, "reproduces_hash": stored}
+    )
+    if outcome.status != FINISHED:
+        raise SweepError([f"the re-run failed: {(outcome.error or '').splitlines()[0]}"])
+    orig_tokens = json.loads(tracker.load_text(orig.info.run_id, TOKENS_ARTIFACT))
+    tokens_match = orig_tokens == outcome.token_ids
+    rows = [("generated token ids", f"{sum(map(len, orig_tokens))} ids", f"{sum(map(len, outcome.token_ids))} ids",
+             "MATCH" if tokens_match else "DIFFERS")]
+    om = orig.data.metrics
+    for k in DETERMINISTIC:
+        if k in om or k in outcome.metrics:
+            a, b = om.get(k), outcome.metrics.get(k)
+            rows.append((k, _num(a), _num(b), "MATCH" if a == b else "DIFFERS"))
+    for k in TIMING:
+        if k in om and k in outcome.metrics and om[k]:
+            rows.append((k, _num(om[k]), _num(outcome.metrics[k]), f"x{outcome.metrics[k] / om[k]:.2f}"))
+    return Comparison(orig.info.run_id, new_id, stored, tokens_match, rows)
+
+
+def _num(v) -> str:
+    if v is None:
+        return "-"
+    return f"{v:.6g}" if isinstance(v, float) else str(v)
+
+
+def format_comparison(c: Comparison) -> str:
+    header = ("metric", "original", "reproduced", "verdict / ratio")
+    rows = [header] + c.rows
+    w = [max(len(r[i]) for r in rows) for i in range(4)]
+    lines = [f"config {c.config_hash[:12]}: original run {c.original_run_id}, new run {c.new_run_id}"]
+    for i, r in enumerate(rows):
+        lines.append("  ".join(x.ljust(w[j]) for j, x in enumerate(r)).rstrip())
+        if i == 0:
+            lines.append("  ".join("-" * x for x in w))
+    verdict = "deterministic results MATCH" if c.deterministic_match else "deterministic results DIFFER"
+    lines.append(verdict + " (timings are shown as reproduced/original ratios; the machine is noisy)")
+    return "\n".join(lines)

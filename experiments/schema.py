@@ -1,0 +1,127 @@
+"""Typed schema of a trial config, registered once with Hydra's ConfigStore.
+
+The YAML files in conf/ stay short and only set values; this schema gives them types, so an unknown key
+or a wrong type is a composition error. Value ranges are checked in `experiments.validate`.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+from hydra.core.config_store import ConfigStore
+from omegaconf import MISSING
+
+
+@dataclass
+class TinyConf:
+    num_layers: int = 2
+    hidden_size: int = 64
+    intermediate_size: int = 128
+    num_heads: int = 4
+    num_kv_heads: int = 2
+    vocab_size: int = 384
+    max_position_embeddings: int = 2048
+    tie_word_embeddings: bool = True
+    seed: int = 0
+
+
+@dataclass
+class ModelConf:
+    name: str = MISSING
+    path: str = MISSING  # local dir | hub id | prepared://NAME | tiny://NAME
+    dtype: str = "float32"
+    revision: Optional[str] = None
+    trust_remote_code: bool = False
+    tiny: TinyConf = field(default_factory=TinyConf)
+
+
+@dataclass
+class AttentionConf:
+    impl: str = "sdpa"  # eager | sdpa | flash
+
+
+@dataclass
+class KVCacheConf:
+    mode: str = "contiguous"  # off | contiguous | paged
+    block_size: int = 16  # tokens per block (paged)
+
+
+@dataclass
+class EngineConf:
+    backend: str = "hf"  # hf | native
+    compile: bool = False
+    threads: int = 0  # torch intra-op threads; 0 = the CPUs Ray gives the trial
+
+
+@dataclass
+class SamplingConf:
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+
+
+@dataclass
+class TextConf:
+    kind: str = "pydoc"  # pydoc | file | datasets
+    path: Optional[str] = None
+    name: Optional[str] = None
+    config: Optional[str] = None
+    split: str = "test"
+    column: str = "text"
+
+
+@dataclass
+class WorkloadConf:
+    name: str = "static"
+    context_len: int = 128
+    max_new_tokens: int = 32
+    batch_size: int = 1
+    warmup: int = 1
+    repeats: int = 3
+    sampling: SamplingConf = field(default_factory=SamplingConf)
+    text: TextConf = field(default_factory=TextConf)
+
+
+@dataclass
+class EvalConf:
+    name: str = "ppl"
+    enabled: bool = True
+    num_windows: int = 2
+    text: TextConf = field(default_factory=TextConf)
+
+
+@dataclass
+class ClusterConf:
+    name: str = "local"
+    address: Optional[str] = None  # None: start an embedded local Ray; "auto" or ray://host:port: connect
+    num_cpus_per_trial: float = 2
+    num_gpus_per_trial: float = 0
+    memory_per_trial_gb: float = 0
+    max_retries: int = 1  # retries after a worker/node crash (application errors are never retried)
+    local_num_cpus: Optional[int] = None  # embedded Ray only; None = all cores
+    local_num_gpus: Optional[int] = None  # embedded Ray only; None = detected
+
+
+@dataclass
+class TrackingConf:
+    uri: str = "sqlite:///mlflow/mlflow.db"
+    artifact_root: str = "mlflow/artifacts"
+    ui_port: int = 5000
+
+
+@dataclass
+class TrialConf:
+    sweep_name: str = "default"
+    seed: int = 0
+    model: ModelConf = field(default_factory=ModelConf)
+    attention: AttentionConf = field(default_factory=AttentionConf)
+    kv_cache: KVCacheConf = field(default_factory=KVCacheConf)
+    engine: EngineConf = field(default_factory=EngineConf)
+    workload: WorkloadConf = field(default_factory=WorkloadConf)
+    eval: EvalConf = field(default_factory=EvalConf)
+    cluster: ClusterConf = field(default_factory=ClusterConf)
+    tracking: TrackingConf = field(default_factory=TrackingConf)
+
+
+def register() -> None:
+    ConfigStore.instance().store(name="trial_schema", node=TrialConf)

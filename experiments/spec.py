@@ -1,0 +1,80 @@
+"""TrialSpec: one validated, resolved trial, and its translation into the engine's dataclasses."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from engine.config import (
+    EngineTrial,
+    EvalSpec,
+    ModelSpec,
+    OptimizationSpec,
+    SamplingSpec,
+    TextSource,
+    TinyModelSpec,
+    WorkloadSpec,
+)
+
+from .hashing import SHORT, config_hash
+
+
+@dataclass(frozen=True)
+class TrialSpec:
+    config: dict[str, Any]  # the resolved config, plain containers (cluster/tracking included)
+    swept: dict[str, str] = field(default_factory=dict)  # swept key -> value of this trial
+    index: int = 0
+
+    @property
+    def config_hash(self) -> str:
+        return config_hash(self.config)
+
+    @property
+    def short_hash(self) -> str:
+        return self.config_hash[:SHORT]
+
+    @property
+    def label(self) -> str:
+        if not self.swept:
+            return f"trial {self.index}"
+        return " ".join(f"{k}={v}" for k, v in self.swept.items())
+
+
+def _text(d: dict[str, Any]) -> TextSource:
+    return TextSource(**d)
+
+
+def to_engine_trial(config: dict[str, Any]) -> EngineTrial:
+    """Map config keys to engine fields (the only place that knows both vocabularies)."""
+    m = dict(config["model"])
+    tiny = TinyModelSpec(**m.pop("tiny"))
+    model = ModelSpec(tiny=tiny, **m)
+    opt = OptimizationSpec(
+        backend=config["engine"]["backend"],
+        attention=config["attention"]["impl"],
+        kv_cache=config["kv_cache"]["mode"],
+        kv_block_size=config["kv_cache"]["block_size"],
+        compile=config["engine"]["compile"],
+    )
+    w = dict(config["workload"])
+    w.pop("name", None)
+    sampling = SamplingSpec(seed=config["seed"], **w.pop("sampling"))
+    workload = WorkloadSpec(sampling=sampling, text=_text(w.pop("text")), **w)
+    e = dict(config["eval"])
+    e.pop("name", None)
+    ev = EvalSpec(text=_text(e.pop("text")), **e)
+    threads = config["engine"]["threads"] or int(config["cluster"]["num_cpus_per_trial"])
+    return EngineTrial(model=model, optimization=opt, workload=workload, eval=ev, seed=config["seed"], threads=threads)
+
+
+# engine field path -> config key, for error messages in the user's vocabulary
+ENGINE_TO_CONFIG = {
+    "optimization.backend": "engine.backend",
+    "optimization.attention": "attention (attention.impl)",
+    "optimization.kv_cache": "kv_cache (kv_cache.mode)",
+    "optimization.kv_block_size": "kv_cache.block_size",
+    "threads": "engine.threads",
+}
+
+
+def config_key(engine_field: str) -> str:
+    return ENGINE_TO_CONFIG.get(engine_field, engine_field)
