@@ -1,0 +1,51 @@
+"""Shared fixtures: one embedded Ray and one MLflow store per test session (both are slow to start)."""
+from __future__ import annotations
+
+import os
+
+import pytest
+
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+
+TINY = ["model=tiny-llama", "workload.context_len=24", "workload.max_new_tokens=6", "workload.repeats=1",
+        "workload.warmup=1", "eval.num_windows=1", "cluster.num_cpus_per_trial=1"]
+
+
+@pytest.fixture(scope="session")
+def ray_local():
+    import ray
+
+    if not ray.is_initialized():
+        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, logging_level="WARNING")
+    yield ray
+    ray.shutdown()
+
+
+@pytest.fixture(scope="session")
+def tracking_dir(tmp_path_factory):
+    return tmp_path_factory.mktemp("mlflow")
+
+
+@pytest.fixture(scope="session")
+def tracking_overrides(tracking_dir):
+    return [f"tracking.uri=sqlite:///{tracking_dir}/mlflow.db", f"tracking.artifact_root={tracking_dir}/artifacts"]
+
+
+@pytest.fixture(scope="session")
+def tracking(tracking_dir):
+    return {"uri": f"sqlite:///{tracking_dir}/mlflow.db", "artifact_root": f"{tracking_dir}/artifacts", "ui_port": 5000}
+
+
+@pytest.fixture(scope="session")
+def mlflow_client(tracking):
+    from mlflow.tracking import MlflowClient
+
+    from experiments.tracking import resolve_uri
+
+    return MlflowClient(tracking_uri=resolve_uri(tracking["uri"]))
+
+
+@pytest.fixture(scope="session")
+def tiny_overrides(tracking_overrides):
+    return TINY + tracking_overrides

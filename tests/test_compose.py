@@ -1,0 +1,81 @@
+"""Sweep expansion and validation: every problem is reported at once, before anything runs."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from experiments.compose import SweepError, conf_dir, expand
+
+
+def test_comma_lists_expand_to_the_cartesian_product():
+    specs = expand(["model=tiny-llama", "kv_cache=off,contiguous", "attention=eager,sdpa", "workload.context_len=16,32"])
+    assert len(specs) == 8
+    combos = {(s.config["kv_cache"]["mode"], s.config["attention"]["impl"], s.config["workload"]["context_len"]) for s in specs}
+    assert len(combos) == 8
+    assert all(set(s.swept) == {"kv_cache", "attention", "workload.context_len"} for s in specs)
+    assert len({s.config_hash for s in specs}) == 8
+
+
+def test_experiment_file_params_expand_and_command_line_wins():
+    specs = expand(["experiment=quickstart"])
+    assert len(specs) == 8 and {s.config["sweep_name"] for s in specs} == {"quickstart"}
+    assert {s.config["workload"]["context_len"] for s in specs} == {128, 512}
+    # a fixed override pins an axis of the experiment; a list replaces it
+    pinned = expand(["experiment=quickstart", "workload.context_len=64"])
+    assert len(pinned) == 4 and {s.config["workload"]["context_len"] for s in pinned} == {64}
+    replaced = expand(["experiment=quickstart", "attention=sdpa", "workload.context_len=64,96,128"])
+    assert len(replaced) == 6 and {s.config["workload"]["context_len"] for s in replaced} == {64, 96, 128}
+
+
+def test_all_problems_reported_together_with_keys():
+    bad = [
+        "kv_cache=bogus",  # unknown group option
+        "workload.foo=1",  # unknown key
+        "workload.context_len=abc",  # wrong type
+        "attention=flash",  # flash on a CPU-only trial
+        "workload.batch_size=0",  # impossible value
+        "model.path=/does/not/exist",  # missing model
+    ]
+    with pytest.raises(SweepError) as ei:
+        expand(bad)
+    problems = ei.value.problems
+    text = "\n".join(problems)
+    assert len(problems) == 6, text
+    assert "kv_cache: unknown option; available: contiguous, off, paged" in text
+    assert "workload.foo: unknown key" in text and "context_len" in text
+    assert "workload.context_len" in text and "Integer" in text
+    assert "flash needs a CUDA GPU" in text
+    assert "workload.batch_size: must be >= 1, got 0" in text
+    assert "model.path" in text and "does not exist" in text
+
+
+def test_context_beyond_model_maximum_is_rejected_per_trial():
+    with pytest.raises(SweepError) as ei:
+        expand(["workload.context_len=128,8190", "kv_cache=off,contiguous"])
+    (msg,) = ei.value.problems
+    assert "exceeds the model's maximum of 8192" in msg and "in 2 of 4 trials" in msg
+
+
+def test_appended_unknown_key_is_rejected():
+    with pytest.raises(SweepError) as ei:
+        expand(["model=tiny-llama", "+workload.typo_key=3"])
+    assert ei.value.problems == ["workload.typo_key: unknown key (not in the trial schema)"]
+
+
+def test_paged_cache_needs_native_backend():
+    with pytest.raises(SweepError) as ei:
+        expand(["model=tiny-llama", "kv_cache=paged", "engine=hf"])
+    assert "paged needs backend native" in ei.value.problems[0]
+
+
+def test_duplicate_trials_are_rejected():
+    with pytest.raises(SweepError) as ei:
+        expand(["model=tiny-llama", "attention=sdpa,sdpa"])
+    assert "same configuration" in ei.value.problems[0]
+
+
+@pytest.mark.parametrize("path", sorted((conf_dir() / "experiment").glob("*.yaml")), ids=lambda p: p.stem)
+def test_every_shipped_experiment_expands_and_validates(path: Path):
+    specs = expand([f"experiment={path.stem}"])
+    assert specs and all(s.config["sweep_name"] for s in specs)

@@ -1,0 +1,117 @@
+"""End to end through real Ray and a real MLflow store: sweep, failure isolation, reproduce, CLI."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from experiments.cli import main
+from experiments.reproduce import reproduce
+from experiments.sweep import run_sweep
+from experiments.tracking import TOKENS_ARTIFACT
+
+REQUIRED = ["ttft_ms_mean", "ttft_ms_p50", "ttft_ms_p99", "tpot_ms_p50", "output_tok_s", "prefill_tok_s",
+            "peak_mem_bytes", "weights_bytes", "kv_cache_bytes", "ppl"]
+
+
+def _children(client, parent_run_id):
+    exp_id = client.get_run(parent_run_id).info.experiment_id
+    return client.search_runs([exp_id], filter_string=f"tags.mlflow.parentRunId = '{parent_run_id}'")
+
+
+@pytest.fixture(scope="module")
+def four_trial_sweep(ray_local, tiny_overrides):
+    res = run_sweep(tiny_overrides + ["sweep_name=t-four", "kv_cache=off,contiguous", "attention=eager,sdpa"], echo=lambda *_: None)
+    return res
+
+
+def test_four_trial_sweep_writes_four_finished_child_runs(four_trial_sweep, mlflow_client):
+    res = four_trial_sweep
+    assert [r["status"] for r in res.rows] == ["FINISHED"] * 4
+    runs = _children(mlflow_client, res.parent_run_id)
+    assert len(runs) == 4
+    assert mlflow_client.get_run(res.parent_run_id).info.status == "FINISHED"
+    tokens = set()
+    for run in runs:
+        assert run.info.status == "FINISHED"
+        assert set(REQUIRED) <= set(run.data.metrics), sorted(run.data.metrics)
+        tags = run.data.tags
+        assert len(tags["config_hash"]) == 64 and tags["sweep_id"] == res.sweep_id
+        assert "version.torch" in tags and "env.cpu" in tags and "env.ram_bytes" in tags and "git_commit" in tags
+        assert run.data.params["workload.context_len"] == "24"
+        assert run.data.params["kv_cache.mode"] in ("off", "contiguous")
+        arts = {a.path for a in mlflow_client.list_artifacts(run.info.run_id)}
+        assert {"config.yaml", TOKENS_ARTIFACT} <= arts
+        with open(mlflow_client.download_artifacts(run.info.run_id, TOKENS_ARTIFACT)) as f:
+            ids = json.load(f)
+        assert len(ids) == 1 and len(ids[0]) == 6
+        tokens.add(json.dumps(ids))
+    assert len(tokens) == 1  # kv cache and attention do not change greedy tokens
+    assert len({r.data.tags["config_hash"] for r in runs}) == 4
+
+
+def test_failing_trial_is_recorded_failed_and_the_rest_finish(ray_local, tiny_overrides, tmp_path, mlflow_client):
+    broken = tmp_path / "broken-ckpt"
+    broken.mkdir()
+    (broken / "config.json").write_text("{not json")
+    res = run_sweep(tiny_overrides + ["sweep_name=t-fail", f"model.path=tiny://llama,{broken}"], echo=lambda *_: None)
+    statuses = sorted(r["status"] for r in res.rows)
+    assert statuses == ["FAILED", "FINISHED"]
+    runs = {r.data.params["model.path"]: r for r in _children(mlflow_client, res.parent_run_id)}
+    failed = runs[str(broken)]
+    assert failed.info.status == "FAILED"
+    assert failed.data.tags["error"]
+    assert "error.txt" in {a.path for a in mlflow_client.list_artifacts(failed.info.run_id)}
+    assert runs["tiny://llama"].info.status == "FINISHED"
+    assert mlflow_client.get_run(res.parent_run_id).info.status == "FAILED"
+
+
+def test_cli_exits_nonzero_and_lists_failures(ray_local, tiny_overrides, tmp_path, capsys):
+    broken = tmp_path / "broken2"
+    broken.mkdir()
+    (broken / "config.json").write_text("[]")
+    rc = main(["sweep", *tiny_overrides, "sweep_name=t-cli-fail", f"model.path=tiny://llama,{broken}"])
+    out = capsys.readouterr().out
+    assert rc == 1
+    assert "FAILED" in out and "1 of 2 trial(s) FAILED" in out
+
+
+def test_rejected_sweep_logs_nothing(tiny_overrides, mlflow_client, capsys):
+    before = len(mlflow_client.search_experiments())
+    rc = main(["sweep", *tiny_overrides, "sweep_name=t-rejected", "workload.batch_size=0", "kv_cache=bogus"])
+    err = capsys.readouterr().err
+    assert rc == 2 and "workload.batch_size" in err and "kv_cache: unknown option" in err
+    assert mlflow_client.get_experiment_by_name("t-rejected") is None
+    assert len(mlflow_client.search_experiments()) == before
+
+
+def test_reproduce_matches_token_ids_exactly(four_trial_sweep, tracking, mlflow_client):
+    row = four_trial_sweep.rows[3]
+    cmp = reproduce(row["hash"][:8], tracking)
+    assert cmp.tokens_match and cmp.deterministic_match
+    verdicts = {m: v for m, _, _, v in cmp.rows}
+    assert verdicts["generated token ids"] == "MATCH" and verdicts["ppl"] == "MATCH"
+    assert any(v.startswith("x") for v in verdicts.values())  # timings shown as ratios
+    new = mlflow_client.get_run(cmp.new_run_id)
+    assert new.data.tags["reproduces"] == row["run_id"]
+    assert new.data.tags["config_hash"] == cmp.config_hash
+
+
+def test_reproduce_unknown_hash_is_a_clear_error(tracking_overrides, capsys):
+    rc = main(["reproduce", "ffffffffffff", *tracking_overrides])
+    assert rc == 2 and "no FINISHED run" in capsys.readouterr().err
+
+
+def test_run_command_runs_one_trial_in_process(tiny_overrides, capsys):
+    assert main(["run", *tiny_overrides, "sweep_name=t-run"]) == 0
+    out = capsys.readouterr().out
+    assert "FINISHED" in out and "config_hash" in out
+    assert main(["run", *tiny_overrides, "attention=eager,sdpa"]) == 2
+
+
+def test_help_explains_commands():
+    out = subprocess.run([sys.executable, "-m", "experiments.cli", "--help"], capture_output=True, text=True).stdout
+    for word in ("sweep", "run", "reproduce", "ui", "prepare", "experiment=quickstart"):
+        assert word in out
