@@ -27,6 +27,7 @@ METRICS: dict[str, str] = {
     "ppl": "perplexity of the model on the evaluation text at context_len (teacher-forced)",
     "nll_mean": "mean negative log-likelihood per predicted token (nats)",
     "model_load_s": "seconds to load the model (not part of any timed region)",
+    "attn_peak_bytes": "largest transient attention memory (scores/probs or kernel scratch) of one call, last run",
 }
 
 # Metrics that must be bit-identical when a trial is re-run (reproduce compares them exactly).

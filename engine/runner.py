@@ -112,6 +112,8 @@ def run_engine_trial(
     metrics["peak_mem_bytes"] = float(mem.peak_bytes)
     metrics["weights_bytes"] = float(backend.weights_bytes())
     metrics["model_load_s"] = float(loaded.load_s)
+    if hasattr(backend, "extra_metrics"):  # backend-specific measurements of the timed runs (native)
+        metrics.update(backend.extra_metrics())
     if trial.eval.enabled and trial.eval.num_windows > 0:
         say("evaluating perplexity")
         ids = corpus_ids(loaded.tokenizer, trial.eval.text)

@@ -1,0 +1,155 @@
+"""Attention kernels, switchable by name (the same names as the hf backend's): eager | sdpa | flash.
+
+Every kernel computes causal attention of T new queries (at positions start..start+T-1) over the
+S = start + T keys of their sequence, with grouped-query attention (Hq query heads share Hkv KV heads).
+Shapes: q [B, Hq, T, D]; k, v [B, Hkv, S, D]; output [B, Hq, T, D].
+
+Each kernel also records `peak_bytes`: the largest transient memory one call materialized beyond its
+inputs and output. That is where the O(N^2) (eager: the full scores matrix) vs O(N) (fused kernels)
+difference of the seed article shows up.
+"""
+from __future__ import annotations
+
+import importlib.util
+import math
+
+import torch
+import torch.nn.functional as F
+
+from ..config import ATTENTION_IMPLS, EngineError
+
+
+def causal_mask(start: int, t: int, s: int, device: torch.device) -> torch.Tensor:
+    """[T, S] bool, True where query start+i may attend key j (j <= start + i)."""
+    q_pos = torch.arange(start, start + t, device=device)[:, None]
+    return torch.arange(s, device=device)[None, :] <= q_pos
+
+
+class AttentionKernel:
+    name = "base"
+
+    def __init__(self) -> None:
+        self.peak_bytes = 0
+
+    def reset_peak(self) -> None:
+        self.peak_bytes = 0
+
+    def _record(self, nbytes: int) -> None:
+        self.peak_bytes = max(self.peak_bytes, int(nbytes))
+
+    def __call__(self, q, k, v, cache, layer: int, start: int) -> torch.Tensor:
+        """q [B,Hq,T,D] and the new k, v [B,Hkv,T,D]; `cache` (or None when caching is off) stores the new
+        keys/values and returns all S of them. Returns [B, Hq, T, D]."""
+        if cache is not None:
+            k, v = cache.update(layer, k, v)
+        return self.attend(q, k, v, start)
+
+    def attend(self, q, k, v, start: int) -> torch.Tensor:
+        raise NotImplementedError
+
+
+class EagerAttention(AttentionKernel):
+    """Textbook attention: materialize scores = q k^T / sqrt(D) [.., T, S], mask, softmax, weighted sum."""
+
+    name = "eager"
+
+    def attend(self, q, k, v, start):
+        b, hq, t, d = q.shape
+        hkv, s = k.shape[1], k.shape[2]
+        g = hq // hkv
+        # GQA without copying K/V: the g query heads of one KV head become g*T query rows of it.
+        qg = q.reshape(b, hkv, g * t, d)
+        scores = torch.matmul(qg, k.transpose(-1, -2))  # [B, Hkv, g*T, S]
+        scores.mul_(1.0 / math.sqrt(d))
+        transient = scores.numel() * scores.element_size()
+        if t > 1:  # a single new query is the newest position: it may see every key
+            mask = causal_mask(start, t, s, q.device)  # [T, S]
+            scores.view(b, hkv, g, t, s).masked_fill_(~mask, float("-inf"))
+            transient += 2 * mask.numel()  # the mask and its negation (bool)
+        probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)  # [B, Hkv, g*T, S]
+        transient += probs.numel() * probs.element_size()  # scores and probs are alive together
+        self._record(transient)
+        out = torch.matmul(probs, v)  # [B, Hkv, g*T, D]
+        return out.view(b, hq, t, d)
+
+
+class SdpaAttention(AttentionKernel):
+    """torch.nn.functional.scaled_dot_product_attention (fused; on CPU the flash-style tiled kernel)."""
+
+    name = "sdpa"
+
+    def attend(self, q, k, v, start):
+        b, hq, t, d = q.shape
+        s = k.shape[2]
+        if t == s and start == 0:
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+            mask_bytes = 0
+        elif t == 1:
+            # One new query is the newest position of its sequence: it sees every key, no mask needed.
+            out = F.scaled_dot_product_attention(q, k, v, enable_gqa=True)
+            mask_bytes = 0
+        else:  # a chunk appended to a cached prefix (speculative verification, chunked prefill)
+            mask = causal_mask(start, t, s, q.device)
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+            mask_bytes = mask.numel()
+        self._record(sdpa_transient_bytes(b, hq, t, s, d, q.element_size(), q.device) + mask_bytes)
+        return out
+
+
+def sdpa_transient_bytes(b: int, h: int, t: int, s: int, d: int, elsize: int, device: torch.device) -> int:
+    """Analytical transient memory of PyTorch's fused attention (not measured: the CPU allocator keeps no
+    statistics). On CPU, ATen's FlashAttentionKernel.cpp tiles queries in blocks of qSplit (32/64/256
+    by T) and keys in blocks of kvSplit=512, with one float32 scratch buffer per thread of
+    qSplit*kvSplit (scores tile) + 2*qSplit (running max, sum) + qSplit*D (accumulator), plus a float32
+    logsumexp [B, H, T]. On CUDA the flash/mem-efficient kernels keep tiles in SRAM; only the logsumexp
+    is global memory. Either way it grows with T + S, not T * S."""
+    lse = b * h * t * 4
+    if device.type == "cuda":
+        return lse
+    q_split = 256 if t >= 768 else (64 if t >= 192 else 32)
+    q_split, kv_split = min(q_split, t), min(512, s)
+    per_thread = q_split * kv_split + 2 * q_split + q_split * d
+    return torch.get_num_threads() * per_thread * 4 + lse
+
+
+class FlashAttention(AttentionKernel):
+    """The flash-attn package (CUDA only). With a cache it uses `flash_attn_with_kvcache`, which appends
+    the new K/V into the cache itself (contiguous or paged via the block table) and attends in one kernel."""
+
+    name = "flash"
+
+    def __init__(self, device: torch.device):
+        super().__init__()
+        check_flash(device)
+        from flash_attn import flash_attn_func, flash_attn_with_kvcache  # guarded: CUDA + package present
+
+        self._func = flash_attn_func
+        self._with_kvcache = flash_attn_with_kvcache
+
+    def __call__(self, q, k, v, cache, layer, start):
+        b, hq, t, d = q.shape
+        # flash-attn's layout is [B, T, H, D]; a transpose of ours is a view with unit last-dim stride.
+        qt, kt, vt = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+        if cache is None:
+            out = self._func(qt, kt, vt, causal=True)
+        else:
+            out = self._with_kvcache(qt, k=kt, v=vt, causal=True, **cache.flash_kwargs(layer))
+        self._record(b * hq * t * 4)  # logsumexp; tiles live in SRAM
+        return out.transpose(1, 2)
+
+
+def check_flash(device: torch.device) -> None:
+    if torch.device(device).type != "cuda":
+        raise EngineError("attention=flash needs a CUDA GPU (FlashAttention has no CPU kernels); use sdpa")
+    if importlib.util.find_spec("flash_attn") is None:
+        raise EngineError("attention=flash needs the flash-attn package (pip install flash-attn); or use sdpa")
+
+
+def make_attention(name: str, device: torch.device) -> AttentionKernel:
+    if name == "eager":
+        return EagerAttention()
+    if name == "sdpa":
+        return SdpaAttention()
+    if name == "flash":
+        return FlashAttention(device)
+    raise EngineError(f"attention {name!r} unknown; choose one of {ATTENTION_IMPLS}")

@@ -1,0 +1,119 @@
+"""Backend `native`: the engine's Backend protocol on the native Llama-family runtime.
+
+Switchable parts (engine.config.OptimizationSpec):
+  attention  eager | sdpa | flash          (attention.py)
+  kv_cache   off | contiguous | paged       (kv_cache.py; `kv_block_size` tokens per paged block)
+  compile    torch.compile of the decode step (one new token per sequence); prefill stays eager
+"""
+from __future__ import annotations
+
+import torch
+
+from ..config import KV_CACHE_MODES, EngineError, OptimizationSpec
+from ..models import LoadedModel, weights_bytes
+from .attention import make_attention
+from .kv_cache import ContiguousKVCache, PagedKVCache
+from .model import Transformer
+
+
+class NativeSession:
+    """One static batch of B sequences; the KV cache (if any) is the single owner of their length."""
+
+    def __init__(self, backend: "NativeBackend", batch_size: int, max_len: int):
+        self._backend = backend
+        self._batch_size = batch_size
+        self._max_len = max_len
+        self._tokens: torch.Tensor | None = None  # [B, L] kept only when caching is off (full recompute)
+        args, mode = backend.model.args, backend.opt.kv_cache
+        dims = (args.num_layers, batch_size, max_len, args.num_kv_heads, args.head_dim)
+        dtype, device = backend.dtype, backend.device
+        if mode == "contiguous":
+            self.cache = ContiguousKVCache(*dims, dtype=dtype, device=device)
+        elif mode == "paged":
+            self.cache = PagedKVCache(*dims, block_size=backend.opt.kv_block_size, dtype=dtype, device=device)
+        else:
+            self.cache = None
+
+    @property
+    def length(self) -> int:
+        if self.cache is not None:
+            return self.cache.length
+        return 0 if self._tokens is None else int(self._tokens.shape[1])
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        """tokens [B, T] -> logits [B, T, V] float32; the tokens are appended to the sequences."""
+        assert tokens.dim() == 2 and tokens.shape[0] == self._batch_size, tokens.shape
+        n = tokens.shape[1]
+        if self.length + n > self._max_len:
+            raise EngineError(f"sequence would exceed the session's max_len {self._max_len}")
+        be = self._backend
+        with torch.inference_mode():
+            if self.cache is None:
+                self._tokens = tokens if self._tokens is None else torch.cat([self._tokens, tokens], dim=1)
+                return be.model(self._tokens, 0, be.kernel, None, num_logits=n)
+            start = self.cache.append(n)
+            step = be.decode_step if n == 1 else be.model
+            return step(tokens, start, be.kernel, self.cache)
+
+    def rollback(self, num_tokens: int) -> None:
+        if num_tokens <= 0:
+            return
+        if num_tokens > self.length:
+            raise EngineError(f"cannot roll back {num_tokens} tokens of a {self.length}-token sequence")
+        if self.cache is not None:
+            self.cache.rollback(num_tokens)
+        else:
+            self._tokens = self._tokens[:, : self.length - num_tokens]
+
+    def kv_cache_bytes(self) -> tuple[int, int]:
+        return (0, 0) if self.cache is None else self.cache.bytes()
+
+
+class NativeBackend:
+    name = "native"
+
+    def __init__(self, loaded: LoadedModel, opt: OptimizationSpec):
+        if opt.kv_cache not in KV_CACHE_MODES:
+            raise EngineError(f"kv_cache {opt.kv_cache!r} unknown; choose one of {KV_CACHE_MODES}")
+        self.loaded, self.opt = loaded, opt
+        self.device = loaded.device
+        self.model = Transformer.from_hf(loaded.model).eval()
+        self.dtype = self.model.embed_tokens.weight.dtype
+        self.kernel = make_attention(opt.attention, self.device)
+        self.decode_step = self.model
+        if opt.compile:
+            self.decode_step = compile_decode_step(self.model, self.device)
+        self._sessions = 0
+
+    def _check_len(self, n: int) -> None:
+        window = self.model.args.sliding_window
+        if window is not None and n > window:
+            raise EngineError(
+                f"{n} tokens exceed the model's sliding window of {window}; backend native does not implement "
+                "sliding-window attention (use backend hf)"
+            )
+
+    def new_session(self, batch_size: int, max_len: int) -> NativeSession:
+        self._check_len(max_len)
+        self.kernel.reset_peak()  # attn_peak_bytes describes the latest session
+        return NativeSession(self, batch_size, max_len)
+
+    def score(self, input_ids: torch.Tensor) -> torch.Tensor:
+        self._check_len(int(input_ids.shape[1]))
+        with torch.inference_mode():
+            return self.model(input_ids, 0, self.kernel, None)
+
+    def weights_bytes(self) -> int:
+        return weights_bytes(self.model)
+
+    def extra_metrics(self) -> dict[str, float]:
+        return {"attn_peak_bytes": float(self.kernel.peak_bytes)}
+
+
+def compile_decode_step(model: Transformer, device: torch.device):
+    """torch.compile of the model's forward for one-token steps. `dynamic=True` keeps one graph as the
+    sequence (and so the key length S) grows, instead of recompiling at every step."""
+    try:
+        return torch.compile(model, dynamic=True)
+    except Exception as e:  # pragma: no cover - depends on the toolchain
+        raise EngineError(f"compile: true failed to set up torch.compile on {device}: {e}") from e

@@ -1,0 +1,170 @@
+"""One decoder for the Llama family: Llama 2/3, Mistral, Qwen2 (QKV bias), SmolLM.
+
+    x = embed(tokens)
+    for each block:  x = x + attn(rms_norm(x));  x = x + swiglu_mlp(rms_norm(x))
+    logits = lm_head(rms_norm(x))          # lm_head may share the embedding matrix (tied)
+
+The weights are the loaded transformers model's own tensors (shared, not copied), wrapped in plain
+`nn.Linear` modules so a quantization pass can swap them later without this file knowing.
+The model takes positions and a KV cache explicitly and knows nothing of batching or sessions.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from ..config import EngineError
+from .attention import AttentionKernel
+from .rope import apply_rope, inv_frequencies, rope_cos_sin
+
+LLAMA_FAMILY = ("llama", "mistral", "qwen2")
+
+
+@dataclass(frozen=True)
+class ModelArgs:
+    num_layers: int
+    hidden_size: int
+    intermediate_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    vocab_size: int
+    rms_norm_eps: float
+    tie_word_embeddings: bool
+    sliding_window: int | None
+
+    @classmethod
+    def from_hf(cls, config) -> "ModelArgs":
+        kind = getattr(config, "model_type", None)
+        if kind not in LLAMA_FAMILY:
+            raise EngineError(
+                f"backend native supports the Llama family {LLAMA_FAMILY}, not model_type {kind!r}; "
+                "use backend hf for this model"
+            )
+        act = getattr(config, "hidden_act", "silu")
+        if act != "silu":
+            raise EngineError(f"backend native implements SwiGLU (silu), not hidden_act {act!r}; use backend hf")
+        heads = config.num_attention_heads
+        return cls(
+            num_layers=config.num_hidden_layers,
+            hidden_size=config.hidden_size,
+            intermediate_size=config.intermediate_size,
+            num_heads=heads,
+            num_kv_heads=getattr(config, "num_key_value_heads", None) or heads,
+            head_dim=getattr(config, "head_dim", None) or config.hidden_size // heads,
+            vocab_size=config.vocab_size,
+            rms_norm_eps=float(config.rms_norm_eps),
+            tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
+            sliding_window=getattr(config, "sliding_window", None),
+        )
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, weight: nn.Parameter, eps: float):
+        super().__init__()
+        self.weight = weight
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Statistics in float32 even for half-precision activations, as the reference does.
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(x.dtype)
+
+
+def _linear(weight: nn.Parameter, bias: nn.Parameter | None) -> nn.Linear:
+    # Built on the meta device so no memory is allocated, then pointed at the checkpoint's tensors.
+    lin = nn.Linear(weight.shape[1], weight.shape[0], bias=bias is not None, device="meta")
+    lin.weight = weight
+    if bias is not None:
+        lin.bias = bias
+    return lin
+
+
+class Attention(nn.Module):
+    def __init__(self, args: ModelArgs, p: dict, prefix: str):
+        super().__init__()
+        self.q_proj = _linear(p[prefix + "q_proj.weight"], p.get(prefix + "q_proj.bias"))
+        self.k_proj = _linear(p[prefix + "k_proj.weight"], p.get(prefix + "k_proj.bias"))
+        self.v_proj = _linear(p[prefix + "v_proj.weight"], p.get(prefix + "v_proj.bias"))
+        self.o_proj = _linear(p[prefix + "o_proj.weight"], p.get(prefix + "o_proj.bias"))
+        self.num_heads, self.num_kv_heads, self.head_dim = args.num_heads, args.num_kv_heads, args.head_dim
+
+    def forward(self, x, cos, sin, kernel: AttentionKernel, cache, layer: int, start: int) -> torch.Tensor:
+        b, t, _ = x.shape  # x [B, T, hidden]
+        q = self.q_proj(x).view(b, t, self.num_heads, self.head_dim).transpose(1, 2)  # [B, Hq, T, D]
+        k = self.k_proj(x).view(b, t, self.num_kv_heads, self.head_dim).transpose(1, 2)  # [B, Hkv, T, D]
+        v = self.v_proj(x).view(b, t, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        y = kernel(q, k, v, cache, layer, start)  # [B, Hq, T, D]
+        return self.o_proj(y.transpose(1, 2).reshape(b, t, self.num_heads * self.head_dim))
+
+
+class MLP(nn.Module):
+    """SwiGLU: down(silu(gate(x)) * up(x))."""
+
+    def __init__(self, p: dict, prefix: str):
+        super().__init__()
+        self.gate_proj = _linear(p[prefix + "gate_proj.weight"], p.get(prefix + "gate_proj.bias"))
+        self.up_proj = _linear(p[prefix + "up_proj.weight"], p.get(prefix + "up_proj.bias"))
+        self.down_proj = _linear(p[prefix + "down_proj.weight"], p.get(prefix + "down_proj.bias"))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Block(nn.Module):
+    def __init__(self, args: ModelArgs, p: dict, i: int):
+        super().__init__()
+        pre = f"model.layers.{i}."
+        self.input_layernorm = RMSNorm(p[pre + "input_layernorm.weight"], args.rms_norm_eps)
+        self.self_attn = Attention(args, p, pre + "self_attn.")
+        self.post_attention_layernorm = RMSNorm(p[pre + "post_attention_layernorm.weight"], args.rms_norm_eps)
+        self.mlp = MLP(p, pre + "mlp.")
+
+    def forward(self, x, cos, sin, kernel, cache, layer, start):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, kernel, cache, layer, start)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Transformer(nn.Module):
+    def __init__(self, args: ModelArgs, params: dict[str, nn.Parameter], inv_freq: torch.Tensor):
+        super().__init__()
+        self.args = args
+        self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size, device="meta")
+        self.embed_tokens.weight = params["model.embed_tokens.weight"]
+        self.layers = nn.ModuleList(Block(args, params, i) for i in range(args.num_layers))
+        self.norm = RMSNorm(params["model.norm.weight"], args.rms_norm_eps)
+        head = params["model.embed_tokens.weight"] if args.tie_word_embeddings else params["lm_head.weight"]
+        self.lm_head = _linear(head, None)
+        self.register_buffer("inv_freq", inv_freq, persistent=False)  # [D/2] float32
+
+    @classmethod
+    def from_hf(cls, hf_model) -> "Transformer":
+        """Wrap a loaded transformers Llama-family model; every weight is the HF model's own tensor."""
+        config = hf_model.config
+        args = ModelArgs.from_hf(config)
+        params = {name: p for name, p in hf_model.named_parameters(remove_duplicate=False)}
+        missing = [n for n in ("model.embed_tokens.weight", "model.norm.weight") if n not in params]
+        if missing:
+            raise EngineError(f"checkpoint layout not recognised by backend native (missing {missing}); use backend hf")
+        inv_freq = inv_frequencies(config, args.head_dim).to(params["model.norm.weight"].device)
+        return cls(args, params, inv_freq)
+
+    def forward(self, tokens: torch.Tensor, start: int, kernel: AttentionKernel, cache=None,
+                num_logits: int | None = None) -> torch.Tensor:
+        """tokens [B, T] at positions start..start+T-1 (a static batch shares positions) -> logits
+        [B, T', V] float32 of the last T' = num_logits (default all) positions. `cache` is None when
+        caching is off; then `tokens` must be the whole sequence (start == 0)."""
+        assert cache is not None or start == 0, "without a cache the whole sequence is recomputed"
+        x = self.embed_tokens(tokens)  # [B, T, hidden]
+        positions = torch.arange(start, start + tokens.shape[1], device=tokens.device)  # [T]
+        cos, sin = rope_cos_sin(self.inv_freq, positions, x.dtype)  # [T, D]
+        for i, block in enumerate(self.layers):
+            x = block(x, cos, sin, kernel, cache, i, start)
+        if num_logits is not None:
+            x = x[:, -num_logits:]
+        return self.lm_head(self.norm(x)).float()

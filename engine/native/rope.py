@@ -1,0 +1,82 @@
+"""Rotary position embedding (RoPE), as the Llama family applies it.
+
+The inverse frequencies follow the checkpoint's rope parameters (transformers 5 stores them in
+`config.rope_parameters`; older configs in `rope_theta` + `rope_scaling`). Supported types: `default`,
+`linear` (position interpolation) and `llama3` (Llama 3.1's frequency-dependent smoothing). Others
+(yarn, dynamic, longrope, ...) change more than the frequencies, so they raise instead of silently
+producing different logits.
+
+cos/sin are computed per call from the positions (a [T, D/2] outer product) rather than from a table
+sized by max_position_embeddings: a 128k-position Llama 3 table would cost more memory than the cache
+of a short run, and the product is elementwise-identical to transformers' (one multiply per entry).
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ..config import EngineError
+
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+
+
+def rope_parameters(config) -> dict:
+    """The config's rope parameters as one flat dict with at least `rope_type` and `rope_theta`."""
+    params = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
+    params = dict(params)
+    if any(isinstance(v, dict) for v in params.values()):
+        raise EngineError("per-layer-type rope parameters are not supported by backend native; use backend hf")
+    params.setdefault("rope_type", params.get("type", "default"))
+    if "rope_theta" not in params:
+        params["rope_theta"] = float(getattr(config, "rope_theta", 10000.0))
+    return params
+
+
+def inv_frequencies(config, head_dim: int) -> torch.Tensor:
+    """[head_dim / 2] float32 inverse frequencies, scaled as the config asks."""
+    p = rope_parameters(config)
+    kind = p["rope_type"]
+    if kind not in SUPPORTED_ROPE_TYPES:
+        raise EngineError(
+            f"rope type {kind!r} is not supported by backend native (supported: {SUPPORTED_ROPE_TYPES}); "
+            "use backend hf"
+        )
+    if float(p.get("partial_rotary_factor", 1.0)) != 1.0:
+        raise EngineError("partial rotary embeddings are not supported by backend native; use backend hf")
+    base = float(p["rope_theta"])
+    inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    if kind == "linear":
+        inv_freq = inv_freq / float(p["factor"])
+    elif kind == "llama3":
+        inv_freq = _llama3_scaling(inv_freq, p, config)
+    return inv_freq
+
+
+def _llama3_scaling(inv_freq: torch.Tensor, p: dict, config) -> torch.Tensor:
+    # Llama 3.1: long wavelengths (low frequencies) are divided by `factor`, short ones kept, and the band
+    # in between interpolated smoothly, so the model keeps local resolution while reaching longer contexts.
+    factor = float(p["factor"])
+    low, high = float(p["low_freq_factor"]), float(p["high_freq_factor"])
+    old_ctx = float(p.get("original_max_position_embeddings") or config.max_position_embeddings)
+    low_wavelen, high_wavelen = old_ctx / low, old_ctx / high
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
+    smooth = (old_ctx / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
+    return torch.where(medium, smoothed, scaled)
+
+
+def rope_cos_sin(inv_freq: torch.Tensor, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """positions [T] -> cos, sin [T, D] (float32 math, then cast, as transformers does)."""
+    freqs = positions.float()[:, None] * inv_freq[None, :]  # [T, D/2]
+    emb = torch.cat((freqs, freqs), dim=-1)  # [T, D]: the rotate-half layout (not interleaved pairs)
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [B, H, T, D], cos/sin [T, D] -> x rotated by its position."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
