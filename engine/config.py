@@ -13,6 +13,7 @@ ATTENTION_IMPLS = ("eager", "sdpa", "flash")
 KV_CACHE_MODES = ("off", "contiguous", "paged")
 BACKENDS = ("hf", "native")
 DTYPES = ("float32", "bfloat16", "float16")
+QUANT_LEVELS = ("none", "int8-weight", "int8-dynamic", "bnb-int8", "bnb-nf4", "bnb-fp4")
 
 
 class EngineError(RuntimeError):
@@ -62,6 +63,19 @@ class OptimizationSpec:
 
 
 @dataclass(frozen=True)
+class QuantSpec:
+    """Quantization level (see engine/quant.py for what each does) and mixed-precision exceptions."""
+
+    level: str = "none"
+    compute_dtype: str = "float32"  # bnb 4-bit compute dtype (bfloat16/float16 on GPUs)
+    skip_modules: tuple[str, ...] = ("lm_head",)  # fnmatch patterns of module names kept in full precision
+    keep_last_layers: int = 0  # mixed precision: the last N decoder layers stay unquantized
+
+    def __post_init__(self):
+        object.__setattr__(self, "skip_modules", tuple(self.skip_modules))
+
+
+@dataclass(frozen=True)
 class SamplingSpec:
     """Greedy when `temperature == 0`; otherwise seeded multinomial sampling with optional top-k/top-p."""
 
@@ -102,10 +116,14 @@ class WorkloadSpec:
 
 @dataclass(frozen=True)
 class EvalSpec:
-    """Accuracy measurement: perplexity over `num_windows` windows of `context_len` tokens."""
+    """Accuracy measurement over `num_windows` windows of `workload.context_len` tokens: perplexity, and
+    with `fidelity` also KL divergence / top-1 agreement against the unoptimized reference (the same model
+    in float32 on the hf backend, no quantization), whose top-`topk` log-probs are cached on disk."""
 
     enabled: bool = True
     num_windows: int = 2
+    fidelity: bool = False
+    topk: int = 256
     text: TextSource = field(default_factory=TextSource)
 
 
@@ -115,6 +133,7 @@ class EngineTrial:
 
     model: ModelSpec
     optimization: OptimizationSpec = field(default_factory=OptimizationSpec)
+    quant: QuantSpec = field(default_factory=QuantSpec)
     workload: WorkloadSpec = field(default_factory=WorkloadSpec)
     eval: EvalSpec = field(default_factory=EvalSpec)
     seed: int = 0

@@ -1,11 +1,22 @@
-"""Accuracy of a (possibly optimized) model: teacher-forced perplexity over the evaluation text."""
+"""Accuracy of a (possibly optimized) model: teacher-forced perplexity over the evaluation text, and
+fidelity against the unoptimized reference of the same model (KL divergence, top-1 agreement)."""
 from __future__ import annotations
 
+import hashlib
+import io
+import json
+import logging
 import math
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
 
 import torch
 
 from .backends.base import Backend
+
+log = logging.getLogger(__name__)
 
 
 def window_nll(backend: Backend, window: torch.Tensor) -> tuple[float, int]:
@@ -25,3 +36,132 @@ def perplexity(backend: Backend, windows: torch.Tensor) -> dict[str, float]:
         count += n
     nll = total / count
     return {"ppl": math.exp(nll), "nll_mean": nll}
+
+
+# --- fidelity against the unoptimized reference (llama.cpp's KL-divergence style) ----------------------
+#
+# The reference's full distributions are too big to keep (T x 49152 floats per window), so it keeps the
+# top-K log-probs per position and the rest of the mass as one "tail" bucket. KL over those K+1 buckets
+# is a lower bound of the full KL (merging outcomes never increases KL) and is exact (0) when both
+# distributions are identical; with K=256 the tail holds a negligible share of the mass.
+
+FIDELITY_VERSION = 1
+
+
+@dataclass
+class ReferenceStats:
+    topk_logp: torch.Tensor  # [W, T-1, K] float32, reference log-probs of its top-K tokens, descending
+    topk_idx: torch.Tensor  # [W, T-1, K] int32, those tokens
+    target_nll: torch.Tensor  # [W, T-1] float32, reference NLL of the actual next tokens
+
+    @property
+    def ppl(self) -> float:
+        return math.exp(float(self.target_nll.double().mean()))
+
+
+def compute_reference(backend: Backend, windows: torch.Tensor, topk: int) -> ReferenceStats:
+    """windows [W, T] -> the reference's top-K next-token log-probs at every position."""
+    logps, idxs, nlls = [], [], []
+    for w in windows:
+        logp = torch.log_softmax(backend.score(w[None])[0, :-1].float(), dim=-1)  # [T-1, V]
+        top = torch.topk(logp, min(topk, logp.shape[-1]), dim=-1)
+        logps.append(top.values)
+        idxs.append(top.indices.to(torch.int32))
+        nlls.append(-logp.gather(-1, w[1:, None]).squeeze(-1))
+    return ReferenceStats(torch.stack(logps), torch.stack(idxs), torch.stack(nlls))
+
+
+def _tail(logp_topk: torch.Tensor) -> torch.Tensor:
+    """log of the probability mass outside the top-K buckets, [..., 1] (clamped away from log 0)."""
+    mass = (1.0 - logp_topk.double().exp().sum(-1, keepdim=True)).clamp(min=1e-12)
+    return mass.log()
+
+
+def fidelity(backend: Backend, windows: torch.Tensor, ref: ReferenceStats) -> dict[str, float]:
+    """KL(reference || candidate) per position, top-1 agreement and perplexity of the candidate."""
+    kls, agree, nll_sum, count = [], 0, 0.0, 0
+    for i, w in enumerate(windows):
+        logq = torch.log_softmax(backend.score(w[None])[0, :-1].float(), dim=-1)  # [T-1, V]
+        logp_k = ref.topk_logp[i].double()  # [T-1, K]
+        logq_k = logq.gather(-1, ref.topk_idx[i].long()).double()
+        kl = (logp_k.exp() * (logp_k - logq_k)).sum(-1)
+        p_tail, q_tail = _tail(ref.topk_logp[i]), _tail(logq_k.float())
+        kl = kl + (p_tail.exp() * (p_tail - q_tail)).squeeze(-1)
+        kls.append(kl.clamp(min=0.0))
+        agree += int((logq.argmax(-1) == ref.topk_idx[i, :, 0].long()).sum())
+        nll = -logq.gather(-1, w[1:, None]).squeeze(-1)
+        nll_sum += float(nll.double().sum())
+        count += nll.numel()
+    allkl = torch.cat(kls)
+    cand_nll = nll_sum / count
+    return {
+        "kl_div_mean": float(allkl.mean()),
+        "kl_div_p99": float(torch.quantile(allkl, 0.99)),
+        "top1_agreement": agree / count,
+        "ppl": math.exp(cand_nll),
+        "nll_mean": cand_nll,
+        "ppl_ratio": math.exp(cand_nll) / ref.ppl,
+    }
+
+
+class ReferenceCache:
+    """Reference stats on the worker's disk, keyed by content hash; corrupt entries are recomputed.
+
+    Location: `<INFERSWEEP_CACHE or ~/.cache/infersweep>/fidelity/<key>.pt` with `<key>.sha256` beside it.
+    `computations` and `hits` count what this process did (tests count instead of timing).
+    """
+
+    computations = 0
+    hits = 0
+
+    def __init__(self, root: Path):
+        self.root = root
+
+    @staticmethod
+    def key(model_identity: dict, windows: torch.Tensor, topk: int) -> str:
+        h = hashlib.sha256()
+        h.update(json.dumps({"v": FIDELITY_VERSION, "model": model_identity, "topk": topk,
+                             "shape": list(windows.shape)}, sort_keys=True).encode())
+        h.update(windows.to(torch.int64).contiguous().numpy().tobytes())
+        return h.hexdigest()
+
+    def _paths(self, key: str) -> tuple[Path, Path]:
+        return self.root / f"{key}.pt", self.root / f"{key}.sha256"
+
+    def get(self, key: str) -> Optional[ReferenceStats]:
+        data_path, sum_path = self._paths(key)
+        try:
+            blob = data_path.read_bytes()
+            if hashlib.sha256(blob).hexdigest() != sum_path.read_text().strip():
+                log.warning("fidelity cache entry %s is corrupt; recomputing", data_path)
+                return None
+            d = torch.load(io.BytesIO(blob), weights_only=True)
+            stats = ReferenceStats(d["topk_logp"], d["topk_idx"], d["target_nll"])
+        except FileNotFoundError:
+            return None
+        except Exception as e:  # unreadable despite a matching sum: treat as corrupt
+            log.warning("fidelity cache entry %s unreadable (%s); recomputing", data_path, e)
+            return None
+        type(self).hits += 1
+        return stats
+
+    def put(self, key: str, stats: ReferenceStats) -> None:
+        self.root.mkdir(parents=True, exist_ok=True)
+        buf = io.BytesIO()
+        torch.save({"topk_logp": stats.topk_logp, "topk_idx": stats.topk_idx, "target_nll": stats.target_nll}, buf)
+        blob = buf.getvalue()
+        data_path, sum_path = self._paths(key)
+        tmp = data_path.with_suffix(f".tmp{os.getpid()}")
+        tmp.write_bytes(blob)
+        tmp.replace(data_path)
+        sum_path.write_text(hashlib.sha256(blob).hexdigest())
+
+    def get_or_compute(self, key: str, compute) -> tuple[ReferenceStats, bool]:
+        """(stats, was_cached)."""
+        stats = self.get(key)
+        if stats is not None:
+            return stats, True
+        stats = compute()
+        type(self).computations += 1
+        self.put(key, stats)
+        return stats, False

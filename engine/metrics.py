@@ -26,12 +26,18 @@ METRICS: dict[str, str] = {
     "kv_cache_used_bytes": "KV cache bytes holding live tokens at the end of generation",
     "ppl": "perplexity of the model on the evaluation text at context_len (teacher-forced)",
     "nll_mean": "mean negative log-likelihood per predicted token (nats)",
+    "kl_div_mean": "mean over positions of KL(reference || candidate) next-token distributions (nats; top-K + tail buckets)",
+    "kl_div_p99": "99th percentile of the per-position KL divergence",
+    "top1_agreement": "share of positions where candidate and reference rank the same token first",
+    "ppl_ratio": "candidate perplexity / reference perplexity on the same windows",
+    "fidelity_ref_cached": "1 when the reference statistics came from the on-disk cache, 0 when computed",
     "model_load_s": "seconds to load the model (not part of any timed region)",
     "attn_peak_bytes": "largest transient attention memory (scores/probs or kernel scratch) of one call, last run",
 }
 
 # Metrics that must be bit-identical when a trial is re-run (reproduce compares them exactly).
-DETERMINISTIC = ("ppl", "nll_mean", "kv_cache_bytes", "kv_cache_used_bytes", "weights_bytes")
+DETERMINISTIC = ("ppl", "nll_mean", "kl_div_mean", "kl_div_p99", "top1_agreement", "ppl_ratio",
+                 "kv_cache_bytes", "kv_cache_used_bytes", "weights_bytes")
 
 PERCENTILES = (50, 90, 99)
 

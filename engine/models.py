@@ -7,6 +7,7 @@ into a `LoadedModel`.
 """
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import importlib.util
 import json
@@ -14,13 +15,15 @@ import logging
 import os
 import shutil
 import time
-from dataclasses import dataclass
+import warnings
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Optional
 
 import torch
 
-from .config import EngineError, ModelSpec, TinyModelSpec
+from .config import QUANT_LEVELS, EngineError, ModelSpec, QuantSpec, TinyModelSpec
+from .quant import BNB_LEVELS, OWN_LEVELS, bnb_config, quantize_model
 from .tokenizer import ByteTokenizer, HFTokenizer, Tokenizer
 
 log = logging.getLogger(__name__)
@@ -134,6 +137,7 @@ class LoadedModel:
     tokenizer: Tokenizer
     spec: ModelSpec
     load_s: float
+    quant: QuantSpec = field(default_factory=QuantSpec)
 
     @property
     def config(self):
@@ -149,14 +153,18 @@ class LoadedModel:
 
 
 def weights_bytes(module: torch.nn.Module) -> int:
-    """Bytes of all parameters and buffers as stored (quantized tensors count at their real size)."""
-    seen: set[int] = set()
+    """Bytes of what a checkpoint of `module` holds (its state dict) at the stored dtypes, so quantized
+    weights and their scales count at their real size; tied/shared tensors count once."""
+    seen: set[tuple[int, int]] = set()
     total = 0
-    for t in list(module.parameters()) + list(module.buffers()):
-        if id(t) in seen:
+    for t in module.state_dict(keep_vars=True).values():
+        if not isinstance(t, torch.Tensor):
             continue
-        seen.add(id(t))
-        total += t.numel() * t.element_size()
+        key = (t.data_ptr(), t.numel() * t.element_size())
+        if key in seen:
+            continue
+        seen.add(key)
+        total += key[1]
     return total
 
 
@@ -218,35 +226,72 @@ def tiny_llama_config(t: TinyModelSpec, attn_implementation: str):
     )
 
 
-def load_model(spec: ModelSpec, attention: str = "sdpa", device: str | None = None) -> LoadedModel:
-    """Load `spec` with the HF attention implementation named by `attention` (eager | sdpa | flash)."""
+def tiny_checkpoint(t: TinyModelSpec) -> Path:
+    """Materialize a tiny random model as a real HF checkpoint once, so it loads (and quantizes) through
+    exactly the same `from_pretrained` path as any other model."""
+    from transformers import LlamaForCausalLM
+
+    key = hashlib.sha256(json.dumps(dataclasses.asdict(t), sort_keys=True).encode()).hexdigest()[:16]
+    out = cache_root() / "tiny" / key
+    if (out / "config.json").exists() and (out / "model.safetensors").exists():
+        return out
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(t.seed)
+        model = LlamaForCausalLM(tiny_llama_config(t, "sdpa"))
+    tmp = out.with_name(f"{out.name}.tmp{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    model.save_pretrained(str(tmp), safe_serialization=True)
+    try:
+        tmp.rename(out)
+    except OSError:  # another process materialized it first
+        shutil.rmtree(tmp, ignore_errors=True)
+    return out
+
+
+def load_model(
+    spec: ModelSpec, attention: str = "sdpa", device: str | None = None, quant: Optional[QuantSpec] = None
+) -> LoadedModel:
+    """Load `spec` with the HF attention implementation named by `attention` (eager | sdpa | flash),
+    quantized to `quant.level` (bitsandbytes levels at load time, ours by module swap after it)."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
     if attention not in HF_ATTENTION:
         raise EngineError(f"attention {attention!r} unknown; choose one of {sorted(HF_ATTENTION)}")
+    quant = quant or QuantSpec()
+    if quant.level not in QUANT_LEVELS:
+        raise EngineError(f"quant level {quant.level!r} unknown; choose one of {', '.join(QUANT_LEVELS)}")
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     if attention == "flash":
         check_flash_available(device)
     dtype = TORCH_DTYPES[spec.dtype]
     impl = HF_ATTENTION[attention]
     t0 = time.perf_counter()
+    kwargs: dict[str, Any] = dict(revision=spec.revision, trust_remote_code=spec.trust_remote_code)
     if spec.path.startswith(TINY_SCHEME):
-        from transformers import LlamaForCausalLM
-
-        cfg = tiny_llama_config(spec.tiny, impl)
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(spec.tiny.seed)
-            model = LlamaForCausalLM(cfg)
-        model = model.to(dtype=dtype, device=device)
+        path = str(tiny_checkpoint(spec.tiny))
+        kwargs = {}
         tokenizer: Tokenizer = ByteTokenizer()
     else:
-        from transformers import AutoModelForCausalLM, AutoTokenizer
-
         path = resolve_path(spec)
-        kwargs = dict(revision=spec.revision, trust_remote_code=spec.trust_remote_code)
+        tokenizer = HFTokenizer(AutoTokenizer.from_pretrained(path, **kwargs))
+    cfg = AutoConfig.from_pretrained(path, **kwargs)
+    num_layers = int(getattr(cfg, "num_hidden_layers", 0) or 0)
+    if quant.level in BNB_LEVELS:
+        # bnb's LLM.int8 warns on every matmul that CPU inputs are cast to fp16: known, and pure noise here
+        warnings.filterwarnings("ignore", message="MatMul8bitLt: inputs will be cast")
+        with torch.device("meta"):
+            names = [n for n, _ in AutoModelForCausalLM.from_config(cfg, **kwargs).named_modules()]
+        model = AutoModelForCausalLM.from_pretrained(
+            path, dtype=dtype, attn_implementation=impl, device_map=device,
+            quantization_config=bnb_config(quant, num_layers, names), **kwargs,
+        )
+    else:
         model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation=impl, **kwargs)
         model = model.to(device)
-        tokenizer = HFTokenizer(AutoTokenizer.from_pretrained(path, **kwargs))
+        if quant.level in OWN_LEVELS:
+            quantize_model(model, quant, num_layers)
     model.eval()
-    return LoadedModel(model=model, tokenizer=tokenizer, spec=spec, load_s=time.perf_counter() - t0)
+    return LoadedModel(model=model, tokenizer=tokenizer, spec=spec, load_s=time.perf_counter() - t0, quant=quant)
 
 
 def check_flash_available(device: str) -> None:

@@ -1,6 +1,7 @@
 """Run one measured trial: load -> apply optimizations -> warm up -> timed repeats -> accuracy."""
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import platform
@@ -11,12 +12,12 @@ from typing import Callable, Optional
 import torch
 
 from .backends import make_backend
-from .config import EngineError, EngineTrial
-from .fidelity import perplexity
+from .config import EngineError, EngineTrial, OptimizationSpec
+from .fidelity import ReferenceCache, compute_reference, fidelity, perplexity
 from .generate import device_synchronizer, generate
 from .memory import PeakMemory
 from .metrics import median_metrics, static_batch_metrics, tokens_equal
-from .models import LoadedModel, load_model
+from .models import LoadedModel, cache_root, load_model
 from .workload import corpus_ids, static_batch_prompts, windows
 
 log = logging.getLogger(__name__)
@@ -28,6 +29,7 @@ class EngineResult:
     token_ids: list[list[int]]  # generated ids per sequence
     sample_text: str  # decoded first sequence, for humans
     info: dict[str, str] = field(default_factory=dict)
+    labels: dict[str, str] = field(default_factory=dict)  # what the trial *is* (regime.*), not where it ran
 
 
 def seed_everything(seed: int) -> None:
@@ -69,6 +71,44 @@ def check_context(trial: EngineTrial, loaded: LoadedModel) -> None:
         )
 
 
+def reference_backend(trial: EngineTrial, loaded: LoadedModel):
+    """The unoptimized reference of the same model: float32, hf backend, sdpa, no quantization.
+    Reuses the trial's own model when the trial *is* the reference configuration."""
+    from .backends.hf import HFBackend
+
+    ref_opt = OptimizationSpec(backend="hf", attention="sdpa")
+    if trial.model.dtype == "float32" and loaded.quant.level == "none" and trial.optimization.attention == "sdpa":
+        return HFBackend(loaded, ref_opt)
+    ref_model = load_model(dataclasses.replace(trial.model, dtype="float32"), attention="sdpa", device=str(loaded.device))
+    return HFBackend(ref_model, ref_opt)
+
+
+def evaluate_fidelity(trial: EngineTrial, backend, loaded: LoadedModel, evw: torch.Tensor) -> dict[str, float]:
+    identity = {k: v for k, v in dataclasses.asdict(trial.model).items() if k != "dtype"}
+    cache = ReferenceCache(cache_root() / "fidelity")
+    key = cache.key(identity, evw.cpu(), trial.eval.topk)
+    ref, cached = cache.get_or_compute(
+        key, lambda: compute_reference(reference_backend(trial, loaded), evw, trial.eval.topk)
+    )
+    out = fidelity(backend, evw, ref)
+    out["fidelity_ref_cached"] = float(cached)
+    return out
+
+
+def roofline(trial: EngineTrial, loaded: LoadedModel, metrics: dict[str, float]) -> dict[str, str]:
+    """Add the cost model's roofline metrics to `metrics`; return its regime labels. A model the cost model
+    cannot read (an unusual architecture) costs the trial nothing but these numbers."""
+    from .costmodel import assess_trial
+
+    try:
+        a = assess_trial(trial, loaded.config, loaded.device, metrics)
+    except EngineError as e:
+        log.warning("cost model skipped: %s", e)
+        return {"costmodel": f"unavailable: {e}"}
+    metrics.update(a.metrics)
+    return a.labels
+
+
 def run_engine_trial(
     trial: EngineTrial,
     loaded: Optional[LoadedModel] = None,
@@ -81,7 +121,7 @@ def run_engine_trial(
     seed_everything(trial.seed)
     if loaded is None:
         say(f"loading {trial.model.name}")
-        loaded = load_model(trial.model, attention=trial.optimization.attention)
+        loaded = load_model(trial.model, attention=trial.optimization.attention, quant=trial.quant)
     check_context(trial, loaded)
     backend = make_backend(loaded, trial.optimization)
     device = loaded.device
@@ -114,14 +154,21 @@ def run_engine_trial(
     metrics["model_load_s"] = float(loaded.load_s)
     if hasattr(backend, "extra_metrics"):  # backend-specific measurements of the timed runs (native)
         metrics.update(backend.extra_metrics())
+    labels = roofline(trial, loaded, metrics)
     if trial.eval.enabled and trial.eval.num_windows > 0:
-        say("evaluating perplexity")
         ids = corpus_ids(loaded.tokenizer, trial.eval.text)
-        metrics.update(perplexity(backend, windows(ids, wl.context_len, trial.eval.num_windows).to(device)))
+        evw = windows(ids, wl.context_len, trial.eval.num_windows).to(device)
+        if trial.eval.fidelity:
+            say("evaluating fidelity against the reference")
+            metrics.update(evaluate_fidelity(trial, backend, loaded, evw))
+        else:
+            say("evaluating perplexity")
+            metrics.update(perplexity(backend, evw))
     token_ids = traces[0].tokens.tolist()
     return EngineResult(
         metrics=metrics,
         token_ids=token_ids,
         sample_text=loaded.tokenizer.decode(token_ids[0]),
         info=device_info(device),
+        labels=labels,
     )

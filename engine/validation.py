@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import os
 
-from .config import ATTENTION_IMPLS, BACKENDS, DTYPES, KV_CACHE_MODES, EngineTrial, TextSource
+from .config import ATTENTION_IMPLS, BACKENDS, DTYPES, KV_CACHE_MODES, QUANT_LEVELS, EngineTrial, TextSource
 from .models import PREPARED_MODELS, PREPARED_SCHEME, TINY_SCHEME, max_positions
 
 HF_KV_MODES = ("off", "contiguous")
@@ -41,6 +41,13 @@ def check_trial(trial: EngineTrial, gpu_available: bool) -> list[tuple[str, str]
     p += _choice("optimization.kv_cache", o.kv_cache, KV_CACHE_MODES)
     if o.backend == "hf" and o.kv_cache not in HF_KV_MODES:
         p.append(("optimization.kv_cache", f"backend hf supports {', '.join(HF_KV_MODES)}; paged needs backend native"))
+    q = trial.quant
+    p += _choice("quant.level", q.level, QUANT_LEVELS)
+    p += _choice("quant.compute_dtype", q.compute_dtype, DTYPES)
+    if q.keep_last_layers < 0:
+        p.append(("quant.keep_last_layers", f"must be >= 0, got {q.keep_last_layers}"))
+    if q.level.startswith("bnb-") and m.dtype != "float32" and not gpu_available:
+        p.append(("quant.level", f"{q.level} on CPU needs model.dtype=float32 (no fast half precision here)"))
     if o.kv_block_size < 1:
         p.append(("optimization.kv_block_size", f"must be >= 1, got {o.kv_block_size}"))
     if o.attention == "flash" and not gpu_available:
@@ -66,6 +73,7 @@ def check_trial(trial: EngineTrial, gpu_available: bool) -> list[tuple[str, str]
         ("workload.repeats", w.repeats, 1),
         ("workload.warmup", w.warmup, 0),
         ("eval.num_windows", trial.eval.num_windows, 0),
+        ("eval.topk", trial.eval.topk, 1),
         ("threads", trial.threads, 0),
     ):
         if value < lo:

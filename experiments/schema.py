@@ -6,7 +6,7 @@ or a wrong type is a composition error. Value ranges are checked in `experiments
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Dict, List, Optional
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING
@@ -44,6 +44,14 @@ class AttentionConf:
 class KVCacheConf:
     mode: str = "contiguous"  # off | contiguous | paged
     block_size: int = 16  # tokens per block (paged)
+
+
+@dataclass
+class QuantConf:
+    level: str = "none"  # none | int8-weight | int8-dynamic | bnb-int8 | bnb-nf4 | bnb-fp4
+    compute_dtype: str = "float32"  # bnb 4-bit compute dtype
+    skip_modules: List[str] = field(default_factory=lambda: ["lm_head"])  # kept in full precision (fnmatch)
+    keep_last_layers: int = 0  # mixed precision: last N decoder layers unquantized
 
 
 @dataclass
@@ -87,6 +95,8 @@ class EvalConf:
     name: str = "ppl"
     enabled: bool = True
     num_windows: int = 2
+    fidelity: bool = False  # KL / top-1 agreement vs the unoptimized reference (cached on disk)
+    topk: int = 256  # reference log-probs kept per position
     text: TextConf = field(default_factory=TextConf)
 
 
@@ -98,15 +108,27 @@ class ClusterConf:
     num_gpus_per_trial: float = 0
     memory_per_trial_gb: float = 0
     max_retries: int = 1  # retries after a worker/node crash (application errors are never retried)
+    resources: Dict[str, float] = field(default_factory=dict)  # custom Ray resources per trial
+    isolation: str = "shared"  # shared | exclusive-node (never two trials on one node: clean timings)
+    warm_workers: bool = True  # trials with the same model/attention/backend reuse a loaded model
+    placement_timeout_s: float = 600  # fail queued trials when no worker can be placed for this long
     local_num_cpus: Optional[int] = None  # embedded Ray only; None = all cores
     local_num_gpus: Optional[int] = None  # embedded Ray only; None = detected
 
 
 @dataclass
 class TrackingConf:
+    # where runs go: sqlite:///... | postgresql://... (with serve) | http://host:port (a running server)
     uri: str = "sqlite:///mlflow/mlflow.db"
     artifact_root: str = "mlflow/artifacts"
     ui_port: int = 5000
+    serve: bool = False  # start `mlflow server` on `uri` for the sweep's lifetime and log through it
+    host: str = "127.0.0.1"  # bind address of that server; keep loopback unless you mean it
+    port: int = 0  # 0 = any free port
+    workers: int = 1  # server worker processes (1 for SQLite; more with PostgreSQL)
+    spool_dir: str = "mlflow/spool"  # results wait here when the store is unreachable (`infersweep sync`)
+    request_timeout_s: float = 10  # per HTTP request to a tracking server
+    request_retries: int = 2  # HTTP retries before the result is spooled instead
 
 
 @dataclass
@@ -117,6 +139,7 @@ class TrialConf:
     attention: AttentionConf = field(default_factory=AttentionConf)
     kv_cache: KVCacheConf = field(default_factory=KVCacheConf)
     engine: EngineConf = field(default_factory=EngineConf)
+    quant: QuantConf = field(default_factory=QuantConf)
     workload: WorkloadConf = field(default_factory=WorkloadConf)
     eval: EvalConf = field(default_factory=EvalConf)
     cluster: ClusterConf = field(default_factory=ClusterConf)

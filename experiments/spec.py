@@ -1,6 +1,7 @@
 """TrialSpec: one validated, resolved trial, and its translation into the engine's dataclasses."""
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -9,13 +10,14 @@ from engine.config import (
     EvalSpec,
     ModelSpec,
     OptimizationSpec,
+    QuantSpec,
     SamplingSpec,
     TextSource,
     TinyModelSpec,
     WorkloadSpec,
 )
 
-from .hashing import SHORT, config_hash
+from .hashing import SHORT, canonical_json, config_hash
 
 
 @dataclass(frozen=True)
@@ -39,6 +41,23 @@ class TrialSpec:
         return " ".join(f"{k}={v}" for k, v in self.swept.items())
 
 
+# config sections that change the loaded model object itself (a quantization group, when present, too)
+MODEL_SECTIONS = ("model", "quant", "quantization")
+
+
+def model_key(config: dict[str, Any]) -> str | None:
+    """What a loaded model depends on: trials with equal keys may share one loaded model (warm workers).
+    Attention is baked in at load time (attn_implementation); the backend is included so a backend that
+    adapts the model in place never hands its changes to another. None (never share) with engine.compile,
+    which patches the model's forward."""
+    if config["engine"].get("compile"):
+        return None
+    view = {k: config[k] for k in MODEL_SECTIONS if k in config}
+    view["attention"] = config["attention"]["impl"]
+    view["backend"] = config["engine"]["backend"]
+    return hashlib.sha256(canonical_json(view).encode()).hexdigest()[:16]
+
+
 def _text(d: dict[str, Any]) -> TextSource:
     return TextSource(**d)
 
@@ -55,6 +74,8 @@ def to_engine_trial(config: dict[str, Any]) -> EngineTrial:
         kv_block_size=config["kv_cache"]["block_size"],
         compile=config["engine"]["compile"],
     )
+    q = dict(config.get("quant") or {})
+    quant = QuantSpec(**q) if q else QuantSpec()
     w = dict(config["workload"])
     w.pop("name", None)
     sampling = SamplingSpec(seed=config["seed"], **w.pop("sampling"))
@@ -63,7 +84,7 @@ def to_engine_trial(config: dict[str, Any]) -> EngineTrial:
     e.pop("name", None)
     ev = EvalSpec(text=_text(e.pop("text")), **e)
     threads = config["engine"]["threads"] or int(config["cluster"]["num_cpus_per_trial"])
-    return EngineTrial(model=model, optimization=opt, workload=workload, eval=ev, seed=config["seed"], threads=threads)
+    return EngineTrial(model=model, optimization=opt, quant=quant, workload=workload, eval=ev, seed=config["seed"], threads=threads)
 
 
 # engine field path -> config key, for error messages in the user's vocabulary
