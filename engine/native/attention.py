@@ -35,7 +35,10 @@ class AttentionKernel:
         self.peak_bytes = 0
 
     def _record(self, nbytes: int) -> None:
-        self.peak_bytes = max(self.peak_bytes, int(nbytes))
+        # Skipped inside a torch.compile'd decode step (bookkeeping would break the graph); the peak is
+        # set by the prefill, which always runs eagerly and materializes far more than one-token steps.
+        if not torch.compiler.is_compiling():
+            self.peak_bytes = max(self.peak_bytes, int(nbytes))
 
     def __call__(self, q, k, v, cache, layer: int, start: int) -> torch.Tensor:
         """q [B,Hq,T,D] and the new k, v [B,Hkv,T,D]; `cache` (or None when caching is off) stores the new
@@ -92,7 +95,8 @@ class SdpaAttention(AttentionKernel):
             mask = causal_mask(start, t, s, q.device)
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
             mask_bytes = mask.numel()
-        self._record(sdpa_transient_bytes(b, hq, t, s, d, q.element_size(), q.device) + mask_bytes)
+        if not torch.compiler.is_compiling():
+            self._record(sdpa_transient_bytes(b, hq, t, s, d, q.element_size(), q.device) + mask_bytes)
         return out
 
 

@@ -69,7 +69,9 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # Statistics in float32 even for half-precision activations, as the reference does.
+        if x.dtype == torch.float32:  # one fused kernel instead of six (same arithmetic)
+            return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
+        # Statistics in float32 for half-precision activations, then cast back, as the reference does.
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * xf.to(x.dtype)
@@ -93,14 +95,14 @@ class Attention(nn.Module):
         self.o_proj = _linear(p[prefix + "o_proj.weight"], p.get(prefix + "o_proj.bias"))
         self.num_heads, self.num_kv_heads, self.head_dim = args.num_heads, args.num_kv_heads, args.head_dim
 
-    def forward(self, x, cos, sin, kernel: AttentionKernel, cache, layer: int, start: int) -> torch.Tensor:
-        b, t, _ = x.shape  # x [B, T, hidden]
+    def forward(self, x, b: int, cos, sin, kernel: AttentionKernel, cache, layer: int, start: int) -> torch.Tensor:
+        t = x.shape[0] // b  # x [B*T, hidden]
         q = self.q_proj(x).view(b, t, self.num_heads, self.head_dim).transpose(1, 2)  # [B, Hq, T, D]
         k = self.k_proj(x).view(b, t, self.num_kv_heads, self.head_dim).transpose(1, 2)  # [B, Hkv, T, D]
         v = self.v_proj(x).view(b, t, self.num_kv_heads, self.head_dim).transpose(1, 2)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         y = kernel(q, k, v, cache, layer, start)  # [B, Hq, T, D]
-        return self.o_proj(y.transpose(1, 2).reshape(b, t, self.num_heads * self.head_dim))
+        return self.o_proj(y.transpose(1, 2).reshape(b * t, self.num_heads * self.head_dim))  # [B*T, hidden]
 
 
 class MLP(nn.Module):
@@ -125,8 +127,8 @@ class Block(nn.Module):
         self.post_attention_layernorm = RMSNorm(p[pre + "post_attention_layernorm.weight"], args.rms_norm_eps)
         self.mlp = MLP(p, pre + "mlp.")
 
-    def forward(self, x, cos, sin, kernel, cache, layer, start):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, kernel, cache, layer, start)
+    def forward(self, x, b, cos, sin, kernel, cache, layer, start):
+        x = x + self.self_attn(self.input_layernorm(x), b, cos, sin, kernel, cache, layer, start)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -160,11 +162,15 @@ class Transformer(nn.Module):
         [B, T', V] float32 of the last T' = num_logits (default all) positions. `cache` is None when
         caching is off; then `tokens` must be the whole sequence (start == 0)."""
         assert cache is not None or start == 0, "without a cache the whole sequence is recomputed"
-        x = self.embed_tokens(tokens)  # [B, T, hidden]
-        positions = torch.arange(start, start + tokens.shape[1], device=tokens.device)  # [T]
+        b, t = tokens.shape
+        # The residual stream is kept 2-D [B*T, hidden]: nn.Linear then maps straight onto one GEMM
+        # (a 3-D input costs reshape/view wrappers around every one of the 7 * layers projections).
+        x = self.embed_tokens(tokens.reshape(-1))  # [B*T, hidden]
+        positions = torch.arange(start, start + t, device=tokens.device)  # [T]
         cos, sin = rope_cos_sin(self.inv_freq, positions, x.dtype)  # [T, D]
         for i, block in enumerate(self.layers):
-            x = block(x, cos, sin, kernel, cache, i, start)
-        if num_logits is not None:
-            x = x[:, -num_logits:]
-        return self.lm_head(self.norm(x)).float()
+            x = block(x, b, cos, sin, kernel, cache, i, start)
+        n = t if num_logits is None else num_logits
+        if n != t:
+            x = x.view(b, t, -1)[:, -n:].reshape(b * n, -1)
+        return self.lm_head(self.norm(x)).float().view(b, n, -1)  # [B, n, V]

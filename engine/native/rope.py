@@ -69,14 +69,18 @@ def _llama3_scaling(inv_freq: torch.Tensor, p: dict, config) -> torch.Tensor:
 
 
 def rope_cos_sin(inv_freq: torch.Tensor, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """positions [T] -> cos, sin [T, D] (float32 math, then cast, as transformers does)."""
+    """positions [T] -> cos [T, D], signed sin [T, D] (float32 math, then cast, as transformers does).
+
+    Llama's rotate-half layout pairs dimension i with i + D/2: out = x*cos + rotate_half(x)*sin with
+    rotate_half(x) = [-x2, x1]. We fold the minus sign into the sin table ([-sin, sin]) so that
+    rotate_half becomes a plain roll by D/2 and the whole rotation is mul + roll + addcmul (3 kernels
+    instead of 6: decode at batch 1 is dominated by per-op overhead, not FLOPs)."""
     freqs = positions.float()[:, None] * inv_freq[None, :]  # [T, D/2]
-    emb = torch.cat((freqs, freqs), dim=-1)  # [T, D]: the rotate-half layout (not interleaved pairs)
-    return emb.cos().to(dtype), emb.sin().to(dtype)
+    emb = torch.cat((freqs, freqs), dim=-1)  # [T, D]
+    sin = freqs.sin()
+    return emb.cos().to(dtype), torch.cat((-sin, sin), dim=-1).to(dtype)
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [B, H, T, D], cos/sin [T, D] -> x rotated by its position."""
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + rotated * sin
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """x [B, H, T, D], cos/signed_sin [T, D] -> x rotated by its position."""
+    return torch.addcmul(x * cos, x.roll(x.shape[-1] // 2, dims=-1), signed_sin)
