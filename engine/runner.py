@@ -130,13 +130,15 @@ def run_engine_trial(
     prompts = static_batch_prompts(loaded.tokenizer, wl.text, wl.context_len, wl.batch_size).to(device)
     max_len = wl.context_len + wl.max_new_tokens
 
-    def one_run():
+    def one_run(new_tokens: int = wl.max_new_tokens):
         session = backend.new_session(wl.batch_size, max_len)
-        return generate(session, prompts, wl.max_new_tokens, wl.sampling, trial.seed, sync)
+        return generate(session, prompts, new_tokens, wl.sampling, trial.seed, sync)
 
     for i in range(wl.warmup):
+        # the full prefill plus a couple of decode steps warms every kernel and allocation size;
+        # decoding all max_new_tokens again would only cost time
         say(f"warm-up {i + 1}/{wl.warmup}")
-        one_run()
+        one_run(min(wl.max_new_tokens, 2))
     runs, traces = [], []
     with PeakMemory(device) as mem:
         for i in range(max(1, wl.repeats)):
