@@ -20,6 +20,9 @@ examples:
   infersweep sweep experiment=quickstart
   infersweep sweep kv_cache=off,contiguous attention=eager,sdpa workload.context_len=128,512
   infersweep run model=tiny-llama workload.max_new_tokens=8
+  infersweep sweep experiment=smoke --force                 # re-run hashes that already FINISHED
+  infersweep sweep experiment=smoke tracking=server cluster=existing
+  infersweep sync                                           # upload results spooled during an outage
   infersweep reproduce 3fa9c1
   infersweep ui
 """
@@ -36,13 +39,32 @@ def _tracking(overrides: list[str]) -> dict:
 def cmd_sweep(args) -> int:
     from .sweep import run_sweep
 
-    res = run_sweep(args.overrides, in_process=args.in_process)
+    res = run_sweep(args.overrides, in_process=args.in_process, force=args.force)
     print(f"\nMLflow: experiment '{res.sweep_name}', sweep {res.sweep_id} in {res.tracking_uri}")
     print("open the dashboard with:  infersweep ui   (then http://127.0.0.1:5000)")
     if res.failed:
         print(f"{len(res.failed)} of {len(res.rows)} trial(s) FAILED (see the error above and error.txt in MLflow)")
         return 1
     return 0
+
+
+def cmd_sync(args) -> int:
+    from .spool import pending_summary, spool_root, sync
+    from .tracking_server import serving
+
+    tracking = _tracking(args.overrides)
+    pending = list(pending_summary(tracking))
+    if not pending:
+        print(f"nothing to sync in {spool_root(tracking)}")
+        return 0
+    print(f"spool {spool_root(tracking)}:\n  " + "\n  ".join(pending))
+    with serving(tracking) as live:
+        rep = sync(live)
+    print(f"uploaded {rep.uploaded} result(s), {rep.skipped} already present, {rep.failed} failed; "
+          f"{rep.sweeps} sweep(s) complete")
+    for e in rep.errors:
+        print(f"  error: {e}", file=sys.stderr)
+    return 1 if rep.failed else 0
 
 
 def cmd_run(args) -> int:
@@ -116,7 +138,12 @@ def build_parser() -> argparse.ArgumentParser:
                        epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
     s.add_argument("overrides", nargs="*", help="Hydra overrides (comma lists sweep)")
     s.add_argument("--in-process", action="store_true", help="run trials in this process instead of on Ray (debugging)")
+    s.add_argument("--force", action="store_true",
+                   help="re-run every trial (default: skip config hashes already FINISHED in the experiment)")
     s.set_defaults(fn=cmd_sweep)
+    sy = sub.add_parser("sync", help="upload results spooled while the tracking store was unreachable")
+    sy.add_argument("overrides", nargs="*", help="tracking.* overrides (as given to the sweep)")
+    sy.set_defaults(fn=cmd_sync)
     r = sub.add_parser("run", help="run one trial in this process (same results path as sweep)")
     r.add_argument("overrides", nargs="*")
     r.set_defaults(fn=cmd_run)

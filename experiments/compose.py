@@ -79,7 +79,8 @@ def describe_error(key: str, e: Exception) -> str:
 
 
 def _unknown(config: dict) -> list[str]:
-    extra = _schema_keys(config) - _schema_keys(_schema_tree())
+    extra = {k for k in _schema_keys(config) - _schema_keys(_schema_tree())
+             if not any(k.startswith(m + ".") for m in schema.OPEN_MAPPINGS)}
     return sorted(k for k in extra if not any(k.startswith(p + ".") for p in extra))
 
 
@@ -267,6 +268,7 @@ def validate(config: dict[str, Any], gpu_available: bool | None = None) -> list[
         out.append(f"cluster.num_gpus_per_trial: must be >= 0, got {cl['num_gpus_per_trial']}")
     if cl["max_retries"] < 0:
         out.append(f"cluster.max_retries: must be >= 0, got {cl['max_retries']}")
+    out += _placement_problems(config)
     try:
         trial = to_engine_trial(config)
     except (TypeError, ValueError, EngineError) as e:
@@ -274,6 +276,24 @@ def validate(config: dict[str, Any], gpu_available: bool | None = None) -> list[
     gpu = cl["num_gpus_per_trial"] > 0 if gpu_available is None else gpu_available
     for field, msg in check_trial(trial, gpu_available=gpu):
         out.append(f"{config_key(field)}: {msg}")
+    return out
+
+
+def _placement_problems(config: dict[str, Any]) -> list[str]:
+    from cluster import ISOLATIONS
+
+    cl, tr, out = config["cluster"], config["tracking"], []
+    if cl.get("isolation", "shared") not in ISOLATIONS:
+        out.append(f"cluster.isolation: unknown {cl['isolation']!r}; choose one of {', '.join(ISOLATIONS)}")
+    for k, v in (cl.get("resources") or {}).items():
+        if v <= 0:
+            out.append(f"cluster.resources.{k}: must be > 0, got {v}")
+    if cl.get("memory_per_trial_gb", 0) < 0:
+        out.append(f"cluster.memory_per_trial_gb: must be >= 0, got {cl['memory_per_trial_gb']}")
+    if tr.get("serve") and str(tr.get("uri", "")).startswith(("http://", "https://")):
+        out.append("tracking.serve: true needs a database uri (sqlite:/// or postgresql://) to serve, not a server")
+    if tr.get("workers", 1) < 1:
+        out.append(f"tracking.workers: must be >= 1, got {tr['workers']}")
     return out
 
 

@@ -131,6 +131,10 @@ class TrackingConf:
     request_retries: int = 2  # HTTP retries before the result is spooled instead
 
 
+# mappings whose keys are the user's (`+cluster.resources.accel=1`), not the schema's
+OPEN_MAPPINGS = ("cluster.resources",)
+
+
 @dataclass
 class TrialConf:
     sweep_name: str = "default"

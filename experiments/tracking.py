@@ -1,14 +1,19 @@
 """MLflow records: one experiment per sweep name, a parent run per sweep, a child run per trial.
 
 The sweep driver is the only writer (workers return plain outcomes), so a local SQLite store works for any
-number of workers and no node needs a shared filesystem.
+number of workers and no node needs a shared filesystem. Every write path ends in a terminal status:
+a half-written run is marked FAILED/KILLED, and results that cannot be written wait in the spool
+(`experiments/spool.py`).
 """
 from __future__ import annotations
 
 import functools
 import json
+import os
 import platform
+import socket
 import subprocess
+import time
 from importlib import metadata
 from pathlib import Path
 from typing import Any, Iterable, Optional
@@ -78,33 +83,126 @@ def environment_tags() -> dict[str, str]:
     return tags
 
 
+def is_http(uri: str) -> bool:
+    return uri.startswith(("http://", "https://"))
+
+
+def sweep_record(sweep_name: str, sweep_id: str, specs: list[TrialSpec], command: str) -> dict[str, Any]:
+    """What a parent sweep run holds, as plain data (so it can wait in the spool)."""
+    axes = sorted({k for s in specs for k in s.swept})
+    return {
+        "exp_name": sweep_name,
+        "sweep_id": sweep_id,
+        "tags": {"sweep_id": sweep_id, "kind": "sweep", "command": command, "driver": driver_id(), **environment_tags()},
+        "params": {"trials": str(len(specs)), "axes": ",".join(axes) or "-"},
+        "trials_txt": "\n".join(f"{s.short_hash} {s.label}" for s in specs),
+        "start_ms": int(time.time() * 1000),
+    }
+
+
+def driver_id() -> str:
+    return f"{socket.gethostname()}:{os.getpid()}"
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
 class Tracker:
     def __init__(self, tracking: dict[str, Any]):
         from mlflow.tracking import MlflowClient
 
         self.uri = resolve_uri(tracking["uri"])
         self.artifact_root = resolve_artifact_root(tracking["artifact_root"])
+        if is_http(self.uri):
+            # fail fast to the spool instead of MLflow's default of minutes of retries per request
+            os.environ["MLFLOW_HTTP_REQUEST_MAX_RETRIES"] = str(int(tracking.get("request_retries", 2)))
+            os.environ["MLFLOW_HTTP_REQUEST_TIMEOUT"] = str(int(max(1, tracking.get("request_timeout_s", 10))))
+            os.environ.setdefault("MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR", "1")
         self.client = MlflowClient(tracking_uri=self.uri)
+        self._exp_ids: dict[str, str] = {}
 
     # --- writing -------------------------------------------------------------------------------------
     def experiment_id(self, name: str) -> str:
+        if name in self._exp_ids:
+            return self._exp_ids[name]
         exp = self.client.get_experiment_by_name(name)
         if exp is not None:
-            return exp.experiment_id
-        return self.client.create_experiment(name, artifact_location=f"{self.artifact_root}/{name}")
+            eid = exp.experiment_id
+        else:
+            # through a server, artifacts go where the server proxies them (no shared filesystem)
+            location = None if is_http(self.uri) else f"{self.artifact_root}/{name}"
+            eid = self.client.create_experiment(name, artifact_location=location)
+        self._exp_ids[name] = eid
+        return eid
 
     def start_sweep(self, sweep_name: str, sweep_id: str, specs: list[TrialSpec], command: str) -> str:
-        exp_id = self.experiment_id(sweep_name)
-        axes = sorted({k for s in specs for k in s.swept})
+        return self.log_sweep(sweep_record(sweep_name, sweep_id, specs, command))
+
+    def log_sweep(self, rec: dict[str, Any]) -> str:
+        exp_id = self.experiment_id(rec["exp_name"])
         run = self.client.create_run(
-            exp_id,
-            run_name=f"sweep-{sweep_id}",
-            tags={"sweep_id": sweep_id, "kind": "sweep", "command": command, **environment_tags()},
+            exp_id, run_name=f"sweep-{rec['sweep_id']}", start_time=rec.get("start_ms"), tags=rec["tags"]
         )
         rid = run.info.run_id
-        self.client.log_batch(rid, params=_params({"trials": str(len(specs)), "axes": ",".join(axes) or "-"}))
-        self.client.log_text(rid, "\n".join(f"{s.short_hash} {s.label}" for s in specs), "trials.txt")
+        self.client.log_batch(rid, params=_params(rec["params"]))
+        self.client.log_text(rid, rec["trials_txt"], "trials.txt")
         return rid
+
+    def find_sweep_run(self, exp_name: str, sweep_id: str) -> Optional[str]:
+        exp = self.client.get_experiment_by_name(exp_name)
+        if exp is None:
+            return None
+        runs = self.client.search_runs(
+            [exp.experiment_id], filter_string=f"tags.kind = 'sweep' and tags.sweep_id = '{_q(sweep_id)}'", max_results=1
+        )
+        return runs[0].info.run_id if runs else None
+
+    def reap_stale_sweeps(self, exp_name: str) -> int:
+        """Mark KILLED the RUNNING sweep runs of this experiment whose driver process (on this host) is
+        gone, e.g. killed with SIGKILL: nothing stays RUNNING forever."""
+        exp = self.client.get_experiment_by_name(exp_name)
+        if exp is None:
+            return 0
+        runs = self.client.search_runs(
+            [exp.experiment_id], filter_string="tags.kind = 'sweep' and attributes.status = 'RUNNING'", max_results=500
+        )
+        n = 0
+        for r in runs:
+            host, _, pid = r.data.tags.get("driver", "").rpartition(":")
+            if host == socket.gethostname() and pid.isdigit() and not _pid_alive(int(pid)):
+                self.client.set_tag(r.info.run_id, "reaped", "driver process gone")
+                self.client.set_terminated(r.info.run_id, status="KILLED")
+                n += 1
+        return n
+
+    def finished_hashes(self, exp_name: str) -> set[str]:
+        """config_hash of every FINISHED trial run of the experiment (what a resumed sweep skips)."""
+        exp = self.client.get_experiment_by_name(exp_name)
+        if exp is None:
+            return set()
+        out: set[str] = set()
+        token = None
+        while True:
+            page = self.client.search_runs(
+                [exp.experiment_id], filter_string="attributes.status = 'FINISHED'", max_results=5000, page_token=token
+            )
+            out |= {r.data.tags["config_hash"] for r in page if r.data.tags.get("kind") == "trial" and "config_hash" in r.data.tags}
+            token = page.token
+            if not token:
+                return out
+
+    def find_record(self, exp_name: str, record_id: str) -> list:
+        exp = self.client.get_experiment_by_name(exp_name)
+        if exp is None:
+            return []
+        return list(self.client.search_runs([exp.experiment_id], filter_string=f"tags.record_id = '{_q(record_id)}'"))
 
     def end_run(self, run_id: str, status: str) -> None:
         self.client.set_terminated(run_id, status=status)
@@ -117,7 +215,11 @@ class Tracker:
         parent_run_id: Optional[str] = None,
         sweep_id: Optional[str] = None,
         extra_tags: Optional[dict[str, str]] = None,
+        record_id: Optional[str] = None,
     ) -> str:
+        """One trial run, terminal when this returns. `record_id` (unique per result) makes a re-upload
+        from the spool idempotent. If the write breaks off, the half-written run is marked FAILED (or
+        KILLED on Ctrl-C) where the store still answers, and the caller spools the result."""
         from mlflow.entities import Metric
 
         exp_id = self.experiment_id(exp_name)
@@ -125,10 +227,13 @@ class Tracker:
             "config_hash": spec.config_hash,
             "trial_index": str(spec.index),
             "kind": "trial",
+            "attempts": str(outcome.attempts),
             **environment_tags(),
             **{f"env.{k}": v for k, v in outcome.info.items()},
             **(extra_tags or {}),
         }
+        if record_id:
+            tags["record_id"] = record_id
         if parent_run_id:
             tags[PARENT_TAG] = parent_run_id
         if sweep_id:
@@ -137,16 +242,26 @@ class Tracker:
             tags["error"] = outcome.error.splitlines()[0][:4000]
         run = self.client.create_run(exp_id, start_time=outcome.start_ms or None, tags=tags, run_name=spec.label[:250])
         rid = run.info.run_id
-        params = flatten({k: v for k, v in spec.config.items() if k != "tracking"})
-        metrics = [Metric(k, float(v), outcome.end_ms, 0) for k, v in sorted(outcome.metrics.items())]
-        self.client.log_batch(rid, metrics=metrics, params=_params(params))
-        self.client.log_text(rid, yaml.safe_dump(spec.config, sort_keys=True), CONFIG_ARTIFACT)
-        if outcome.token_ids:
-            self.client.log_text(rid, json.dumps(outcome.token_ids), TOKENS_ARTIFACT)
-            self.client.log_text(rid, outcome.sample_text, "sample.txt")
-        if outcome.error:
-            self.client.log_text(rid, outcome.error, "error.txt")
-        self.client.set_terminated(rid, status=outcome.status, end_time=outcome.end_ms or None)
+        try:
+            params = flatten({k: v for k, v in spec.config.items() if k != "tracking"})
+            metrics = [Metric(k, float(v), outcome.end_ms, 0) for k, v in sorted(outcome.metrics.items())]
+            self.client.log_batch(rid, metrics=metrics, params=_params(params))
+            self.client.log_text(rid, yaml.safe_dump(spec.config, sort_keys=True), CONFIG_ARTIFACT)
+            if outcome.token_ids:
+                self.client.log_text(rid, json.dumps(outcome.token_ids), TOKENS_ARTIFACT)
+                self.client.log_text(rid, outcome.sample_text, "sample.txt")
+            if outcome.error:
+                self.client.log_text(rid, outcome.error, "error.txt")
+            if outcome.attempt_errors:
+                self.client.log_text(rid, "\n\n".join(outcome.attempt_errors), "attempt_errors.txt")
+            self.client.set_terminated(rid, status=outcome.status, end_time=outcome.end_ms or None)
+        except BaseException as e:
+            try:
+                self.client.set_tag(rid, "incomplete", f"{type(e).__name__}: {str(e)[:200]}")
+                self.client.set_terminated(rid, status="KILLED" if isinstance(e, KeyboardInterrupt) else "FAILED")
+            except Exception:
+                pass  # the store is gone: `sync` deletes the half-written run by its record_id
+            raise
         return rid
 
     # --- reading -------------------------------------------------------------------------------------
@@ -172,6 +287,10 @@ class Tracker:
                 run_id=run_id, artifact_path=path, dst_path=tmp, tracking_uri=self.uri
             )
             return Path(local).read_text()
+
+
+def _q(s: str) -> str:
+    return str(s).replace("'", "")
 
 
 def _params(d: dict[str, str]):

@@ -49,3 +49,14 @@ def mlflow_client(tracking):
 @pytest.fixture(scope="session")
 def tiny_overrides(tracking_overrides):
     return TINY + tracking_overrides
+
+
+@pytest.fixture(scope="session")
+def mlflow_server(tmp_path_factory):
+    """One `mlflow server` (127.0.0.1, --workers 1, own SQLite store) for the session; yields its URL."""
+    from experiments.tracking_server import MlflowServer
+
+    d = tmp_path_factory.mktemp("mlflow-server")
+    tracking = {"uri": f"sqlite:///{d}/mlflow.db", "artifact_root": f"{d}/artifacts", "host": "127.0.0.1", "workers": 1}
+    with MlflowServer(tracking, log_path=d / "server.log") as server:
+        yield server.url

@@ -1,0 +1,285 @@
+"""Ray at scale, for real, on one machine: a two-node cluster (ray.cluster_utils.Cluster, each node its own
+raylet with its own resources), fake GPUs, warm workers, a killed worker process, a killed node, Ctrl-C +
+resume, all recorded through a real `mlflow server`."""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+
+from cluster import Placement, TaskFailure, capacity, placement, run_on_ray
+from cluster.ray_runner import classify
+from experiments.compose import PROJECT_ROOT
+from experiments.sweep import run_sweep, run_specs
+from experiments.compose import expand
+
+from conftest import TINY
+
+# ~1 s per trial on the tiny model, so a kill lands mid-trial
+SLOW = ["workload.max_new_tokens=300", "workload.repeats=2", "eval.enabled=false"]
+
+
+# --- placement arithmetic (no Ray needed) -------------------------------------------------------------
+def _node(cpu, gpu=0, **res):
+    return {"NodeID": f"n{cpu}{gpu}{sorted(res)}", "Alive": True, "Resources": {"CPU": cpu, "GPU": gpu, "memory": 64e9, **res}}
+
+
+def test_placement_from_config_and_capacity():
+    p = placement({"num_cpus_per_trial": 1, "num_gpus_per_trial": 1, "memory_per_trial_gb": 2,
+                   "resources": {"accel": 1}, "isolation": "shared", "max_retries": 3})
+    assert p.actor_options() == {"num_cpus": 1.0, "num_gpus": 1.0, "max_restarts": 0, "memory": 2 * 1024**3,
+                                 "resources": {"accel": 1.0}}
+    nodes = [_node(8, 4, accel=4), _node(8, 2, accel=1), _node(16)]
+    assert capacity(p, nodes) == 4 + 1 + 0  # GPUs, then the custom resource, bound per node
+    assert capacity(Placement(num_cpus=2), nodes) == 4 + 4 + 8
+    assert capacity(Placement(num_cpus=2, isolation="exclusive-node"), nodes) == 3
+    assert capacity(Placement(num_cpus=1, num_gpus=1, isolation="exclusive-node"), nodes) == 2
+
+
+def test_deterministic_errors_are_not_retried():
+    import ray.exceptions as rex
+
+    assert classify(rex.OutOfMemoryError("Task was killed due to the node running low on memory."))[1] is False
+    assert classify(rex.TaskCancelledError())[1] is False
+    assert classify(rex.ActorDiedError())[1] is True
+    assert classify(rex.WorkerCrashedError())[1] is True
+
+
+def test_invalid_placement_config_is_rejected(tiny_overrides):
+    from experiments.compose import SweepError
+
+    with pytest.raises(SweepError) as e:
+        expand(tiny_overrides + ["cluster.isolation=whole-rack", "+cluster.resources.accel=0"])
+    msg = str(e.value)
+    assert "cluster.isolation" in msg and "cluster.resources.accel" in msg
+    with pytest.raises(SweepError) as e:  # config is data: no key can name code to import
+        expand(tiny_overrides + ["+model._target_=os.system"])
+    assert "model._target_: unknown key" in str(e.value)
+
+
+# --- a real two-node cluster --------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def two_node():
+    """head: 2 CPUs; node B: 2 CPUs + 2 fake GPUs. Custom resource `pool` (1 per node) pins one worker per
+    node when asked for; `killpool` lives on the head and on node C, which the node-kill test adds."""
+    import ray
+    from ray.cluster_utils import Cluster
+
+    if ray.is_initialized():
+        ray.shutdown()
+    c = Cluster(initialize_head=True, head_node_args=dict(
+        num_cpus=2, include_dashboard=False, resources={"pool": 1, "killpool": 1}))
+    gpu_node = c.add_node(num_cpus=2, num_gpus=2, resources={"pool": 1})
+    ray.init(address=c.address, include_dashboard=False, log_to_driver=False, logging_level="WARNING")
+    c.wait_for_nodes()
+    yield c, gpu_node
+    ray.shutdown()
+    c.shutdown()
+
+
+def _runs(client, sweep_name):
+    exp = client.get_experiment_by_name(sweep_name)
+    return [] if exp is None else client.search_runs([exp.experiment_id], max_results=1000)
+
+
+def _trial_runs(client, sweep_name, sweep_id=None):
+    runs = [r for r in _runs(client, sweep_name) if r.data.tags.get("kind") == "trial"]
+    return [r for r in runs if sweep_id is None or r.data.tags.get("sweep_id") == sweep_id]
+
+
+def _overlaps(intervals):
+    """Largest number of [start, end) intervals open at once."""
+    events = sorted([(s, 1) for s, _ in intervals] + [(e, -1) for _, e in intervals])
+    cur = best = 0
+    for _, d in events:
+        cur += d
+        best = max(best, cur)
+    return best
+
+
+@pytest.fixture(scope="module")
+def server_client(mlflow_server):
+    from mlflow.tracking import MlflowClient
+
+    return MlflowClient(tracking_uri=mlflow_server)
+
+
+@pytest.fixture(scope="module")
+def server_overrides(mlflow_server, tmp_path_factory):
+    spool = tmp_path_factory.mktemp("spool-cluster")
+    return TINY + [f"tracking.uri={mlflow_server}", f"tracking.spool_dir={spool}"]
+
+
+def test_two_node_sweep_exclusive_nodes_warm_workers_through_server(two_node, server_overrides, server_client):
+    c, gpu_node = two_node
+    res = run_sweep(server_overrides + ["sweep_name=t-two-node", "cluster.isolation=exclusive-node",
+                                        "kv_cache=off,contiguous", "workload.context_len=16,24,32"], echo=lambda *_: None)
+    assert [r["status"] for r in res.rows] == ["FINISHED"] * 6
+    assert res.spooled == 0
+    runs = _trial_runs(server_client, "t-two-node", res.sweep_id)
+    assert len(runs) == 6 and all(r.info.status == "FINISHED" for r in runs)
+    nodes = {r.data.tags["env.node_id"] for r in runs}
+    assert nodes == {n["NodeID"] for n in __import__("ray").nodes() if n["Alive"]}  # both nodes ran trials
+    for node in nodes:  # exclusive-node: never two trials at once on one node
+        spans = [(r.info.start_time, r.info.end_time) for r in runs if r.data.tags["env.node_id"] == node]
+        assert _overlaps(spans) == 1
+    # warm workers: one load per worker (same model + attention), the other trials reuse it
+    loads = [r.data.metrics["model_load_s"] for r in runs]
+    assert sum(1 for x in loads if x > 0) == len(nodes)
+    assert sorted(r.data.tags["env.model_cache"] for r in runs).count("hit") == 6 - len(nodes)
+    # artifacts went through the server's proxy: nothing but the server touched the store's disk
+    arts = {a.path for a in server_client.list_artifacts(runs[0].info.run_id)}
+    assert {"config.yaml", "token_ids.json"} <= arts
+    assert server_client.get_run(res.parent_run_id).info.status == "FINISHED"
+
+
+def test_fake_gpus_distinct_devices_never_more_trials_than_gpus(two_node, server_overrides, server_client):
+    c, gpu_node = two_node
+    res = run_sweep(server_overrides + ["sweep_name=t-gpu", "cluster.num_gpus_per_trial=1", "cluster.num_cpus_per_trial=0.5",
+                                        "workload.max_new_tokens=60", "seed=0,1,2,3,4,5"], echo=lambda *_: None)
+    assert [r["status"] for r in res.rows] == ["FINISHED"] * 6
+    runs = _trial_runs(server_client, "t-gpu", res.sweep_id)
+    assert {r.data.tags["env.node_id"] for r in runs} == {gpu_node.node_id}  # only node B has GPUs
+    devices = [r.data.tags["env.cuda_visible_devices"] for r in runs]
+    assert set(devices) == {"0", "1"}
+    spans = [(r.info.start_time, r.info.end_time) for r in runs]
+    assert _overlaps(spans) <= 2  # never more trials than GPUs
+    for i, a in enumerate(runs):  # trials running at the same time hold different GPUs
+        for b in runs[i + 1:]:
+            if a.info.start_time < b.info.end_time and b.info.start_time < a.info.end_time:
+                assert a.data.tags["env.cuda_visible_devices"] != b.data.tags["env.cuda_visible_devices"]
+
+
+def _kill_later(delay, fn):
+    t = threading.Timer(delay, fn)
+    t.daemon = True
+    t.start()
+    return t
+
+
+def test_killed_worker_process_is_retried_once_and_recorded_once(two_node, server_overrides, server_client):
+    specs = expand(server_overrides + SLOW + ["sweep_name=t-kill-worker", "+cluster.resources.pool=1",
+                                              "cluster.max_retries=2", "seed=0,1,2,3"])
+    killed = {}
+
+    def on_start(spec, meta):
+        if spec.index == 1 and meta["attempts"] == 1:
+            killed["pid"] = meta["worker_pid"]
+            _kill_later(1.0, lambda: os.kill(meta["worker_pid"], signal.SIGKILL))
+
+    res = run_specs(specs, "test", echo=lambda *_: None, on_start=on_start)
+    assert killed
+    assert [r["status"] for r in res.rows] == ["FINISHED"] * 4
+    runs = _trial_runs(server_client, "t-kill-worker", res.sweep_id)
+    by_hash = {}
+    for r in runs:
+        by_hash.setdefault(r.data.tags["config_hash"], []).append(r)
+    assert len(by_hash) == 4 and all(len(v) == 1 and v[0].info.status == "FINISHED" for v in by_hash.values())
+    retried = by_hash[specs[1].config_hash][0]
+    assert retried.data.tags["attempts"] == "2"
+    assert retried.data.tags["env.worker_pid"] != str(killed["pid"])
+    assert "attempt_errors.txt" in {a.path for a in server_client.list_artifacts(retried.info.run_id)}
+    assert all(r.data.tags["attempts"] == "1" for h, v in by_hash.items() for r in v if h != specs[1].config_hash)
+
+
+def test_retries_are_bounded_and_deterministic_errors_not_retried(two_node, server_overrides, server_client, tmp_path):
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    (broken / "config.json").write_text("{not json")
+    specs = expand(server_overrides + SLOW + ["sweep_name=t-no-retry", "+cluster.resources.pool=1",
+                                              "cluster.max_retries=0", f"model.path=tiny://llama,{broken}"])
+
+    def on_start(spec, meta):
+        if spec.config["model"]["path"] == "tiny://llama":
+            _kill_later(1.0, lambda: os.kill(meta["worker_pid"], signal.SIGKILL))
+
+    res = run_specs(specs, "test", echo=lambda *_: None, on_start=on_start)
+    runs = {r.data.params["model.path"]: r for r in _trial_runs(server_client, "t-no-retry", res.sweep_id)}
+    assert len(runs) == 2
+    crashed, bad = runs["tiny://llama"], runs[str(broken)]
+    assert crashed.info.status == "FAILED" and crashed.data.tags["attempts"] == "1"
+    assert "ActorDiedError" in crashed.data.tags["error"]
+    assert bad.info.status == "FAILED" and bad.data.tags["attempts"] == "1"  # bad checkpoint: not retried
+
+
+def test_killed_node_trials_move_to_another_node(two_node, server_overrides, server_client):
+    c, _ = two_node
+    victim = c.add_node(num_cpus=2, resources={"killpool": 1})
+    c.wait_for_nodes()
+    specs = expand(server_overrides + SLOW + ["sweep_name=t-kill-node", "+cluster.resources.killpool=1",
+                                              "cluster.max_retries=2", "seed=0,1,2,3"])
+    hit = {}
+
+    def on_start(spec, meta):
+        if meta["node_id"] == victim.node_id and not hit:
+            hit["index"] = spec.index
+            _kill_later(1.0, lambda: c.remove_node(victim, allow_graceful=False))
+
+    res = run_specs(specs, "test", echo=lambda *_: None, on_start=on_start)
+    assert hit, "no trial was placed on the node to kill"
+    assert [r["status"] for r in res.rows] == ["FINISHED"] * 4
+    runs = _trial_runs(server_client, "t-kill-node", res.sweep_id)
+    assert len(runs) == 4 and len({r.data.tags["config_hash"] for r in runs}) == 4
+    assert all(r.info.status == "FINISHED" for r in runs)
+    moved = next(r for r in runs if r.data.tags["config_hash"] == specs[hit["index"]].config_hash)
+    assert moved.data.tags["attempts"] == "2" and moved.data.tags["env.node_id"] != victim.node_id
+
+
+def test_ctrl_c_then_resume_skips_finished_and_force_reruns(two_node, mlflow_server, server_client, tmp_path):
+    c, _ = two_node
+    args = [sys.executable, "-m", "experiments.cli", "sweep", *TINY, *SLOW, f"tracking.uri={mlflow_server}",
+            f"tracking.spool_dir={tmp_path}", f"cluster.address={c.address}", "+cluster.resources.pool=1",
+            "sweep_name=t-resume", "seed=range(0,8)"]
+    env = dict(os.environ, PYTHONPATH=str(PROJECT_ROOT))
+    proc = subprocess.Popen(args, cwd=PROJECT_ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        if sum(r.info.status == "FINISHED" for r in _trial_runs(server_client, "t-resume")) >= 2:
+            break
+        assert proc.poll() is None, proc.stdout.read()
+        time.sleep(0.3)
+    proc.send_signal(signal.SIGINT)
+    out, _ = proc.communicate(timeout=60)
+    assert proc.returncode == 130, out
+    runs = _runs(server_client, "t-resume")
+    assert runs and not [r for r in runs if r.info.status == "RUNNING"], "a run was left RUNNING"
+    finished = {r.data.tags["config_hash"] for r in _trial_runs(server_client, "t-resume") if r.info.status == "FINISHED"}
+    assert 2 <= len(finished) < 8
+    parent = [r for r in runs if r.data.tags.get("kind") == "sweep"]
+    assert [p.info.status for p in parent] == ["KILLED"]
+
+    again = subprocess.run(args, cwd=PROJECT_ROOT, env=env, capture_output=True, text=True, timeout=180)
+    assert again.returncode == 0, again.stdout + again.stderr
+    assert f"skipping {len(finished)} trial(s) already FINISHED" in again.stdout
+    trials = _trial_runs(server_client, "t-resume")
+    fin = [r.data.tags["config_hash"] for r in trials if r.info.status == "FINISHED"]
+    assert len(fin) == 8 and len(set(fin)) == 8  # exactly one FINISHED run per hash
+    assert all(r.info.status in ("FINISHED", "KILLED") for r in trials)
+
+    forced = subprocess.run(args + ["--force"], cwd=PROJECT_ROOT, env=env, capture_output=True, text=True, timeout=180)
+    assert forced.returncode == 0, forced.stdout + forced.stderr
+    assert "skipping" not in forced.stdout
+    fin = [r.data.tags["config_hash"] for r in _trial_runs(server_client, "t-resume") if r.info.status == "FINISHED"]
+    assert len(fin) == 16 and len(set(fin)) == 8
+
+
+def test_run_on_ray_generic_function_and_unplaceable(two_node):
+    """The placement layer alone (no engine): results in, and a demand no node has fails fast."""
+    results = {}
+
+    def on_result(item, res, meta):
+        results[item] = (res, meta)
+        return not isinstance(res, TaskFailure)
+
+    run_on_ray(abs, [-1, -2, -3], lambda i: Placement(num_cpus=0.5), on_result, desc="abs")
+    assert {k: v[0] for k, v in results.items()} == {-1: 1, -2: 2, -3: 3}
+    results.clear()
+    run_on_ray(abs, [-4], lambda i: Placement(num_cpus=0.5, resources=(("nowhere", 1.0),)), on_result,
+               placement_timeout_s=2)
+    res, _ = results[-4]
+    assert isinstance(res, TaskFailure) and res.kind == "unplaceable"
