@@ -15,7 +15,6 @@ import logging
 import os
 import shutil
 import time
-import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Optional
@@ -248,6 +247,22 @@ def tiny_checkpoint(t: TinyModelSpec) -> Path:
     return out
 
 
+class _DropMessage(logging.Filter):
+    def __init__(self, prefix: str):
+        super().__init__()
+        self.prefix = prefix
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith(self.prefix)
+
+
+def _silence_bnb_cast_warning() -> None:
+    """bnb's LLM.int8 logs on *every* matmul that CPU inputs are cast to fp16: known, and pure noise."""
+    logger = logging.getLogger("bitsandbytes.autograd._functions")
+    if not any(isinstance(f, _DropMessage) for f in logger.filters):
+        logger.addFilter(_DropMessage("MatMul8bitLt: inputs will be cast"))
+
+
 def load_model(
     spec: ModelSpec, attention: str = "sdpa", device: str | None = None, quant: Optional[QuantSpec] = None
 ) -> LoadedModel:
@@ -277,8 +292,7 @@ def load_model(
     cfg = AutoConfig.from_pretrained(path, **kwargs)
     num_layers = int(getattr(cfg, "num_hidden_layers", 0) or 0)
     if quant.level in BNB_LEVELS:
-        # bnb's LLM.int8 warns on every matmul that CPU inputs are cast to fp16: known, and pure noise here
-        warnings.filterwarnings("ignore", message="MatMul8bitLt: inputs will be cast")
+        _silence_bnb_cast_warning()
         with torch.device("meta"):
             names = [n for n, _ in AutoModelForCausalLM.from_config(cfg, **kwargs).named_modules()]
         model = AutoModelForCausalLM.from_pretrained(

@@ -142,3 +142,18 @@ def test_quant_levels_are_config_options():
         expand(["model=tiny-llama", "quant=int3", "quant.keep_last_layers=-1"])
     text = "\n".join(ei.value.problems)
     assert "quant: unknown option" in text and "bnb-nf4" in text and "keep_last_layers" in text
+
+
+@pytest.mark.parametrize("level", ["int8-weight", "int8-dynamic", "bnb-int8", "bnb-nf4"])
+def test_native_backend_inherits_every_quantization_level(level):
+    from engine import OptimizationSpec
+
+    def run(backend):
+        return run_engine_trial(EngineTrial(
+            model=TINY, optimization=OptimizationSpec(backend=backend), quant=QuantSpec(level=level),
+            workload=WorkloadSpec(context_len=32, max_new_tokens=8, warmup=0, repeats=1)))
+
+    hf, native = run("hf"), run("native")
+    assert native.token_ids == hf.token_ids
+    assert native.metrics["weights_bytes"] == hf.metrics["weights_bytes"]
+    assert native.metrics["ppl"] == pytest.approx(hf.metrics["ppl"], rel=1e-4)

@@ -77,6 +77,17 @@ class RMSNorm(nn.Module):
         return self.weight * xf.to(x.dtype)
 
 
+def _projection(p: dict, name: str) -> nn.Module:
+    """The loaded model's own projection module when there is one: a plain nn.Linear, or whatever a
+    quantization pass put there (bitsandbytes Linear8bitLt/Linear4bit, our INT8 modules), so the native
+    backend inherits every quantization level without knowing about any. `p` also maps module names to
+    modules under the key "<name>#module"."""
+    mod = p.get(name + "#module")
+    if mod is not None:
+        return mod
+    return _linear(p[name + ".weight"], p.get(name + ".bias"))
+
+
 def _linear(weight: nn.Parameter, bias: nn.Parameter | None) -> nn.Linear:
     # Built on the meta device so no memory is allocated, then pointed at the checkpoint's tensors.
     lin = nn.Linear(weight.shape[1], weight.shape[0], bias=bias is not None, device="meta")
@@ -89,10 +100,10 @@ def _linear(weight: nn.Parameter, bias: nn.Parameter | None) -> nn.Linear:
 class Attention(nn.Module):
     def __init__(self, args: ModelArgs, p: dict, prefix: str):
         super().__init__()
-        self.q_proj = _linear(p[prefix + "q_proj.weight"], p.get(prefix + "q_proj.bias"))
-        self.k_proj = _linear(p[prefix + "k_proj.weight"], p.get(prefix + "k_proj.bias"))
-        self.v_proj = _linear(p[prefix + "v_proj.weight"], p.get(prefix + "v_proj.bias"))
-        self.o_proj = _linear(p[prefix + "o_proj.weight"], p.get(prefix + "o_proj.bias"))
+        self.q_proj = _projection(p, prefix + "q_proj")
+        self.k_proj = _projection(p, prefix + "k_proj")
+        self.v_proj = _projection(p, prefix + "v_proj")
+        self.o_proj = _projection(p, prefix + "o_proj")
         self.num_heads, self.num_kv_heads, self.head_dim = args.num_heads, args.num_kv_heads, args.head_dim
 
     def forward(self, x, b: int, cos, sin, kernel: AttentionKernel, cache, layer: int, start: int) -> torch.Tensor:
@@ -110,9 +121,9 @@ class MLP(nn.Module):
 
     def __init__(self, p: dict, prefix: str):
         super().__init__()
-        self.gate_proj = _linear(p[prefix + "gate_proj.weight"], p.get(prefix + "gate_proj.bias"))
-        self.up_proj = _linear(p[prefix + "up_proj.weight"], p.get(prefix + "up_proj.bias"))
-        self.down_proj = _linear(p[prefix + "down_proj.weight"], p.get(prefix + "down_proj.bias"))
+        self.gate_proj = _projection(p, prefix + "gate_proj")
+        self.up_proj = _projection(p, prefix + "up_proj")
+        self.down_proj = _projection(p, prefix + "down_proj")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
@@ -140,8 +151,11 @@ class Transformer(nn.Module):
         self.embed_tokens.weight = params["model.embed_tokens.weight"]
         self.layers = nn.ModuleList(Block(args, params, i) for i in range(args.num_layers))
         self.norm = RMSNorm(params["model.norm.weight"], args.rms_norm_eps)
-        head = params["model.embed_tokens.weight"] if args.tie_word_embeddings else params["lm_head.weight"]
-        self.lm_head = _linear(head, None)
+        if "lm_head#module" in params:
+            self.lm_head = params["lm_head#module"]
+        else:
+            head = params["model.embed_tokens.weight"] if args.tie_word_embeddings else params["lm_head.weight"]
+            self.lm_head = _linear(head, None)
         self.register_buffer("inv_freq", inv_freq, persistent=False)  # [D/2] float32
 
     @classmethod
@@ -149,7 +163,9 @@ class Transformer(nn.Module):
         """Wrap a loaded transformers Llama-family model; every weight is the HF model's own tensor."""
         config = hf_model.config
         args = ModelArgs.from_hf(config)
-        params = {name: p for name, p in hf_model.named_parameters(remove_duplicate=False)}
+        params: dict = {name: p for name, p in hf_model.named_parameters(remove_duplicate=False)}
+        projections = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "lm_head")
+        params.update({f"{name}#module": m for name, m in hf_model.named_modules() if name.split(".")[-1] in projections})
         missing = [n for n in ("model.embed_tokens.weight", "model.norm.weight") if n not in params]
         if missing:
             raise EngineError(f"checkpoint layout not recognised by backend native (missing {missing}); use backend hf")
