@@ -33,6 +33,40 @@ METRICS: dict[str, str] = {
     "fidelity_ref_cached": "1 when the reference statistics came from the on-disk cache, 0 when computed",
     "model_load_s": "seconds to load the model (not part of any timed region)",
     "attn_peak_bytes": "largest transient attention memory (scores/probs or kernel scratch) of one call, last run",
+    # roofline cost model (engine/costmodel.py): predicted work, hardware peaks, bounds, and how near them a run got
+    "roofline_tok_s": "upper bound on output_tok_s: B*N / (prefill bound + decode bound), bound = max(FLOPs/peak, bytes/bandwidth)",
+    "roofline_prefill_tok_s": "upper bound on prefill_tok_s from the cost model",
+    "roofline_decode_tok_s": "upper bound on decode_tok_s from the cost model (summed step by step)",
+    "roofline_efficiency": "output_tok_s / roofline_tok_s (1 = at the roofline)",
+    "roofline_prefill_efficiency": "prefill bound time / measured prefill time",
+    "roofline_decode_efficiency": "decode bound time / measured decode time",
+    "cost_weight_bytes_per_step": "matmul weight bytes one forward pass reads (every decode step reads them all once)",
+    "cost_kv_bytes_per_step": "KV cache bytes read + written by the mean decode step (all sequences)",
+    "cost_decode_flops_per_step": "FLOPs of the mean decode step (all sequences; whole recompute with kv_cache=off)",
+    "cost_decode_bytes_per_step": "bytes moved by the mean decode step: weights + KV + materialized attention scores",
+    "cost_decode_intensity": "arithmetic intensity of decode, FLOP/byte",
+    "cost_prefill_flops": "FLOPs of the prefill pass (matmuls + causal attention + last-position logits)",
+    "cost_prefill_bytes": "bytes moved by the prefill pass",
+    "cost_prefill_intensity": "arithmetic intensity of prefill, FLOP/byte",
+    "cost_attn_score_bytes": "prefill bytes of materialized attention scores/probs (eager; 0 for fused kernels)",
+    "hw_mem_bw": "peak memory bandwidth used for the roofline, bytes/s (GPU table or cached per-node probe)",
+    "hw_flops": "peak matmul FLOP/s at the trial's dtype used for the roofline",
+    "hw_balance": "machine balance hw_flops / hw_mem_bw, FLOP/byte: below it memory-bound, above compute-bound",
+    "prefill_bw_util": "attained prefill bandwidth (predicted bytes / measured time) / hw_mem_bw",
+    "prefill_compute_util": "attained prefill FLOP/s (predicted FLOPs / measured time) / hw_flops",
+    "decode_bw_util": "attained decode bandwidth / hw_mem_bw",
+    "decode_compute_util": "attained decode FLOP/s / hw_flops",
+}
+
+# Labels (MLflow tags) a trial carries about itself; values are "memory" or "compute".
+LABELS: dict[str, str] = {
+    "regime.prefill": "prefill regime predicted by the roofline (intensity vs machine balance)",
+    "regime.decode": "decode regime predicted by the roofline",
+    "regime.prefill.measured": "the roof the measured prefill is nearer to (larger of bandwidth and compute utilization)",
+    "regime.decode.measured": "the roof the measured decode is nearer to",
+    "regime.phase": "the phase (prefill or decode) that took the most measured time",
+    "regime": "measured regime of that phase: what the next optimization should attack",
+    "hw.source": "where the hardware peaks came from: table (known GPU), probe (measured now) or cache",
 }
 
 # Metrics that must be bit-identical when a trial is re-run (reproduce compares them exactly).

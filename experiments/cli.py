@@ -24,6 +24,7 @@ examples:
   infersweep sweep experiment=smoke tracking=server cluster=existing
   infersweep sync                                           # upload results spooled during an outage
   infersweep reproduce 3fa9c1
+  infersweep report quickstart                              # table, plots, advice -> reports/quickstart/
   infersweep ui
 """
 
@@ -93,6 +94,28 @@ def cmd_reproduce(args) -> int:
     return 0 if cmp.deterministic_match else 1
 
 
+def cmd_report(args) -> int:
+    from .report import build, text_table
+    from .results import NotFound
+
+    try:
+        rep = build(args.sweep, _tracking(args.overrides), baseline=args.baseline, out_dir=args.out,
+                    log_artifacts=not args.no_log, claims=True if args.claims else None)
+    except (NotFound, ValueError) as e:
+        raise SweepError([str(e)]) from None
+    print(text_table(rep.lines))
+    for a in rep.advice:
+        n = a.next
+        if n is not None:
+            print(f"\n[{a.workload}] best: {a.best.hash[:8]} {a.best.num('output_tok_s'):.2f} tok/s; next: {n.step} -- {n.verdict}")
+    if rep.claims is not None:
+        from .claims import to_markdown
+
+        print("\n" + to_markdown(rep.claims))
+    print(f"\nreport: {rep.markdown_path}" + (f"  (logged to run {rep.logged_to}, artifacts/report/)" if rep.logged_to else ""))
+    return 0
+
+
 def server_command(tracking: dict, port: int, host: str = "127.0.0.1") -> list[str]:
     from .tracking import resolve_artifact_root, resolve_uri
 
@@ -151,6 +174,16 @@ def build_parser() -> argparse.ArgumentParser:
     rp.add_argument("hash", help="config_hash or a unique prefix of it")
     rp.add_argument("overrides", nargs="*", help="tracking.* overrides, to read another store")
     rp.set_defaults(fn=cmd_reproduce)
+    rep = sub.add_parser("report", help="table, plots, next-optimization advice (and seed claims) of a recorded sweep")
+    rep.add_argument("sweep", help="experiment (sweep) name, sweep id (or a prefix) or parent run id")
+    rep.add_argument("overrides", nargs="*", help="tracking.* overrides, to read another store")
+    rep.add_argument("--baseline", default=None,
+                     help="KEY=VALUE,... (e.g. kv_cache=off,attention=eager) or a config hash; default: the "
+                          "least-optimized trial of each workload")
+    rep.add_argument("--out", default=None, help="output folder (default: reports/<SWEEP>/)")
+    rep.add_argument("--claims", action="store_true", help="add the seed-claims table (automatic for seed-claims)")
+    rep.add_argument("--no-log", action="store_true", help="do not log the report to the sweep's parent run")
+    rep.set_defaults(fn=cmd_report)
     u = sub.add_parser("ui", help="start the MLflow UI on the project's store (127.0.0.1)")
     u.add_argument("overrides", nargs="*", help="tracking.* overrides")
     u.add_argument("--port", type=int, default=0, help="default: tracking.ui_port (5000)")

@@ -230,6 +230,7 @@ class Tracker:
             "attempts": str(outcome.attempts),
             **environment_tags(),
             **{f"env.{k}": v for k, v in outcome.info.items()},
+            **outcome.labels,
             **(extra_tags or {}),
         }
         if record_id:

@@ -28,6 +28,7 @@ class TrialOutcome:
     token_ids: list[list[int]] = field(default_factory=list)
     sample_text: str = ""
     info: dict[str, str] = field(default_factory=dict)
+    labels: dict[str, str] = field(default_factory=dict)  # the engine's labels of the trial (regime.*)
     error: Optional[str] = None
     start_ms: int = 0
     end_ms: int = 0
@@ -110,6 +111,7 @@ def execute_trial(spec: TrialSpec) -> TrialOutcome:
         token_ids=result.token_ids,
         sample_text=result.sample_text,
         info=info,
+        labels=dict(result.labels),
         end_ms=int(time.time() * 1000),
         **base,
     )

@@ -1,0 +1,378 @@
+"""Which regime am I in? A roofline cost model of one trial, from the model config and the workload.
+
+For every forward pass it counts the *essential* work -- FLOPs of the matmuls and of causal attention, and
+the bytes that must cross the memory bus: every matmul weight once per pass, the KV cache read (and the
+new K/V written) and, for attention kernels that materialize the score matrix (eager), the scores written
+and read back. Activations are ignored (small next to weights at decode, next to FLOPs at prefill).
+
+    time bound  = max(FLOPs / peak FLOP/s, bytes / peak bandwidth)
+    intensity   = FLOPs / bytes;  memory-bound when intensity < machine balance (peak FLOP/s / bandwidth)
+
+Prefill is one pass over the prompt (only the last position's logits are essential); decode is one pass
+per generated token after the first -- one new token against the cache, or, with `kv_cache=off`, the
+whole sequence recomputed. Decode bounds are summed step by step (the cache grows every step).
+
+The engine imports nothing of Hydra, Ray or MLflow here either: plain numbers in, plain numbers out.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+from .config import EngineError
+from .hardware import HardwarePeaks
+
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+# Architectures whose MLP is up -> act -> down (2 matrices) instead of Llama's gated SwiGLU (3).
+NON_GATED_MLP = {"gpt2", "gpt_neox", "gptj", "opt", "bloom", "falcon", "phi", "starcoder2", "gpt_bigcode"}
+
+MEMORY, COMPUTE = "memory", "compute"
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """The dimensions that decide the cost of a decoder-only transformer."""
+
+    num_layers: int
+    hidden: int
+    intermediate: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    vocab: int
+    tied_embeddings: bool = True
+    gated_mlp: bool = True
+
+    @classmethod
+    def from_hf_config(cls, cfg: Any) -> "ModelShape":
+        """From a transformers `PretrainedConfig` (Llama-style names, GPT-2-style fallbacks)."""
+
+        def get(*names, default=None):
+            for n in names:
+                v = getattr(cfg, n, None)
+                if v is not None:
+                    return v
+            if default is None:
+                raise EngineError(f"cost model: model config has none of {names}")
+            return default
+
+        hidden = int(get("hidden_size", "n_embd", "d_model"))
+        heads = int(get("num_attention_heads", "n_head"))
+        return cls(
+            num_layers=int(get("num_hidden_layers", "n_layer")),
+            hidden=hidden,
+            intermediate=int(get("intermediate_size", "n_inner", "ffn_dim", default=4 * hidden)),
+            num_heads=heads,
+            num_kv_heads=int(get("num_key_value_heads", default=heads)),
+            head_dim=int(get("head_dim", default=hidden // heads)),
+            vocab=int(get("vocab_size")),
+            tied_embeddings=bool(getattr(cfg, "tie_word_embeddings", True)),
+            gated_mlp=getattr(cfg, "model_type", "llama") not in NON_GATED_MLP,
+        )
+
+    @property
+    def layer_params(self) -> int:
+        """Matmul weights of one layer: q, k, v, o projections and the MLP (norms are negligible)."""
+        q_o = 2 * self.hidden * self.num_heads * self.head_dim
+        k_v = 2 * self.hidden * self.num_kv_heads * self.head_dim
+        mlp = (3 if self.gated_mlp else 2) * self.hidden * self.intermediate
+        return q_o + k_v + mlp
+
+    @property
+    def lm_head_params(self) -> int:
+        return self.vocab * self.hidden
+
+    @property
+    def matmul_params(self) -> int:
+        """Weights every forward pass multiplies with (the embedding lookup reads only B rows)."""
+        return self.num_layers * self.layer_params + self.lm_head_params
+
+    def kv_bytes_per_token(self, elt_bytes: float) -> float:
+        """K and V of one token in every layer."""
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * elt_bytes
+
+
+def weight_bytes_per_param(dtype: str, quant: str = "none") -> float:
+    """Bytes one weight occupies in memory: the dtype's width, or the quantized width plus its scales.
+
+    int8 (LLM.int8 / weight-only int8): 1 byte + a per-row scale (negligible). 4-bit (nf4 / fp4 / int4):
+    half a byte + one fp32 absmax per 64-weight block (bitsandbytes' default block size).
+    """
+    if dtype not in DTYPE_BYTES:
+        raise EngineError(f"cost model: unknown dtype {dtype!r}; known: {sorted(DTYPE_BYTES)}")
+    q = (quant or "none").lower()
+    if q in ("none", "off", "null", ""):
+        return float(DTYPE_BYTES[dtype])
+    if "int8" in q or "8bit" in q:
+        return 1.0
+    if any(s in q for s in ("nf4", "fp4", "int4", "4bit")):
+        return 0.5 + 4 / 64
+    raise EngineError(f"cost model: unknown quantization {quant!r} (expected none, *int8*, *nf4*, *fp4*, *int4*)")
+
+
+@dataclass(frozen=True)
+class PhaseCost:
+    """Work of one or more forward passes: FLOPs and the bytes they move, by kind."""
+
+    flops: float = 0.0
+    weight_bytes: float = 0.0
+    kv_bytes: float = 0.0
+    attn_score_bytes: float = 0.0  # materialized attention scores/probs (eager); 0 for fused kernels
+
+    @property
+    def bytes(self) -> float:
+        return self.weight_bytes + self.kv_bytes + self.attn_score_bytes
+
+    @property
+    def intensity(self) -> float:
+        """Arithmetic intensity, FLOP per byte."""
+        return self.flops / self.bytes if self.bytes else float("inf")
+
+    def __add__(self, other: "PhaseCost") -> "PhaseCost":
+        return PhaseCost(
+            self.flops + other.flops,
+            self.weight_bytes + other.weight_bytes,
+            self.kv_bytes + other.kv_bytes,
+            self.attn_score_bytes + other.attn_score_bytes,
+        )
+
+    def scaled(self, k: float) -> "PhaseCost":
+        return PhaseCost(self.flops * k, self.weight_bytes * k, self.kv_bytes * k, self.attn_score_bytes * k)
+
+    def compute_s(self, peaks: HardwarePeaks) -> float:
+        return self.flops / peaks.flops
+
+    def memory_s(self, peaks: HardwarePeaks) -> float:
+        return self.bytes / peaks.mem_bw
+
+    def bound_s(self, peaks: HardwarePeaks) -> float:
+        return max(self.compute_s(peaks), self.memory_s(peaks))
+
+    def regime(self, peaks: HardwarePeaks) -> str:
+        return MEMORY if self.memory_s(peaks) >= self.compute_s(peaks) else COMPUTE
+
+
+@dataclass(frozen=True)
+class Precision:
+    """How wide weights and activations are. With quantization, `quant_bytes` applies to the quantized
+    matmuls; the lm_head (often skipped) and the last `full_last_layers` layers stay at the dtype's width."""
+
+    dtype_bytes: float  # per element of unquantized weights, activations, KV cache and attention scores
+    quant_bytes: Optional[float] = None  # per quantized weight; None = no quantization
+    quantize_lm_head: bool = False
+    full_last_layers: int = 0
+
+    @classmethod
+    def of(cls, dtype: str, quant: str = "none", skip_lm_head: bool = True, full_last_layers: int = 0) -> "Precision":
+        full = weight_bytes_per_param(dtype)
+        q = weight_bytes_per_param(dtype, quant)
+        if q == full:
+            return cls(full)
+        return cls(full, q, not skip_lm_head, full_last_layers)
+
+    @property
+    def act_bytes(self) -> float:
+        return self.dtype_bytes
+
+    def weight_bytes(self, shape: "ModelShape") -> float:
+        """Bytes of the matmul weights one forward pass reads."""
+        if self.quant_bytes is None:
+            return shape.matmul_params * self.dtype_bytes
+        n_full = min(self.full_last_layers, shape.num_layers)
+        layers = shape.layer_params * ((shape.num_layers - n_full) * self.quant_bytes + n_full * self.dtype_bytes)
+        head = shape.lm_head_params * (self.quant_bytes if self.quantize_lm_head else self.dtype_bytes)
+        return layers + head
+
+
+def forward_cost(
+    shape: ModelShape,
+    prec: Precision,
+    batch: int,
+    new_tokens: int,
+    past_tokens: int,
+    cached: bool,
+    materialize_scores: bool,
+    logits_tokens: int = 1,
+) -> PhaseCost:
+    """One forward pass of `new_tokens` per sequence after `past_tokens` already in the KV cache.
+
+    Attention is causal: query i (0-based among the new tokens) sees past + i + 1 keys.
+    """
+    b, t, p = batch, new_tokens, past_tokens
+    s = shape
+    pairs = t * p + t * (t + 1) / 2  # (query, key) pairs per sequence per head, causal
+    flops = 2 * b * t * s.num_layers * s.layer_params + 2 * b * logits_tokens * s.lm_head_params
+    flops += 4 * b * s.num_layers * s.num_heads * s.head_dim * pairs  # QK^T and PV, 2 FLOPs per MAC each
+    weight = prec.weight_bytes(s)
+    kv = b * (p + t) * s.kv_bytes_per_token(prec.act_bytes) if cached else 0.0  # read past, write new
+    scores = 0.0
+    if materialize_scores:
+        # the full T x (P+T) matrix per head (masked entries too): scores written, read by softmax,
+        # probabilities written, read by PV
+        scores = 4 * b * s.num_layers * s.num_heads * t * (p + t) * prec.act_bytes
+    return PhaseCost(flops=flops, weight_bytes=weight, kv_bytes=kv, attn_score_bytes=scores)
+
+
+@dataclass(frozen=True)
+class Workload:
+    batch: int
+    context: int  # prompt tokens per sequence
+    new_tokens: int  # generated tokens per sequence (the first comes from prefill)
+    kv_cache: bool = True
+    materialize_scores: bool = False  # eager attention
+
+    @property
+    def decode_steps(self) -> int:
+        return max(0, self.new_tokens - 1)
+
+
+@dataclass(frozen=True)
+class Prediction:
+    """The roofline of one trial on one device."""
+
+    workload: Workload
+    peaks: HardwarePeaks
+    prefill: PhaseCost
+    decode: PhaseCost  # summed over all decode steps
+    prefill_s: float  # bound
+    decode_s: float  # bound, summed step by step
+    decode_regime: Optional[str]  # None when there is no decode step
+
+    @property
+    def prefill_regime(self) -> str:
+        return self.prefill.regime(self.peaks)
+
+    @property
+    def decode_step(self) -> PhaseCost:
+        """The mean decode step."""
+        return self.decode.scaled(1 / self.workload.decode_steps) if self.workload.decode_steps else PhaseCost()
+
+    @property
+    def prefill_tok_s(self) -> float:
+        w = self.workload
+        return w.batch * w.context / self.prefill_s
+
+    @property
+    def decode_tok_s(self) -> float:
+        w = self.workload
+        return w.batch * w.decode_steps / self.decode_s if self.decode_s > 0 else 0.0
+
+    @property
+    def output_tok_s(self) -> float:
+        """Same definition as the measured `output_tok_s`: generated tokens / (prefill + decode)."""
+        w = self.workload
+        return w.batch * w.new_tokens / (self.prefill_s + self.decode_s)
+
+
+def predict(shape: ModelShape, prec: Precision, wl: Workload, peaks: HardwarePeaks) -> Prediction:
+    prefill = forward_cost(shape, prec, wl.batch, wl.context, 0, wl.kv_cache, wl.materialize_scores)
+    decode = PhaseCost()
+    decode_s = 0.0
+    mem_s = comp_s = 0.0
+    for step in range(1, wl.decode_steps + 1):
+        seq = wl.context + step  # tokens per sequence once this step's token is in
+        if wl.kv_cache:
+            c = forward_cost(shape, prec, wl.batch, 1, seq - 1, True, wl.materialize_scores)
+        else:  # recompute the whole sequence; logits of the last position only
+            c = forward_cost(shape, prec, wl.batch, seq, 0, False, wl.materialize_scores)
+        decode = decode + c
+        decode_s += c.bound_s(peaks)
+        mem_s += c.memory_s(peaks)
+        comp_s += c.compute_s(peaks)
+    regime = None if not wl.decode_steps else (MEMORY if mem_s >= comp_s else COMPUTE)
+    return Prediction(wl, peaks, prefill, decode, prefill.bound_s(peaks), decode_s, regime)
+
+
+@dataclass
+class Assessment:
+    """A prediction set against measured throughput: metrics and regime labels to record."""
+
+    metrics: dict[str, float] = field(default_factory=dict)
+    labels: dict[str, str] = field(default_factory=dict)
+
+
+def _measured_regime(cost: PhaseCost, seconds: float, peaks: HardwarePeaks) -> tuple[float, float, str]:
+    """(bandwidth utilization, compute utilization, the roof the run is nearer to)."""
+    bw = cost.bytes / seconds / peaks.mem_bw
+    comp = cost.flops / seconds / peaks.flops
+    return bw, comp, MEMORY if bw >= comp else COMPUTE
+
+
+def assess(pred: Prediction, measured: dict[str, float]) -> Assessment:
+    """Compare a prediction with measured `output_tok_s`, `prefill_tok_s`, `decode_tok_s`.
+
+    The measured regime of a phase is the roof it runs nearer to: the larger of its attained bandwidth and
+    attained FLOP/s, each as a fraction of the peak (work counted by the cost model, time measured).
+    """
+    w, pk = pred.workload, pred.peaks
+    m: dict[str, float] = {
+        "roofline_tok_s": pred.output_tok_s,
+        "roofline_prefill_tok_s": pred.prefill_tok_s,
+        "cost_weight_bytes_per_step": pred.prefill.weight_bytes,
+        "cost_prefill_flops": pred.prefill.flops,
+        "cost_prefill_bytes": pred.prefill.bytes,
+        "cost_prefill_intensity": pred.prefill.intensity,
+        "cost_attn_score_bytes": pred.prefill.attn_score_bytes,
+        "hw_mem_bw": pk.mem_bw,
+        "hw_flops": pk.flops,
+        "hw_balance": pk.balance,
+    }
+    labels = {"regime.prefill": pred.prefill_regime, "hw.source": pk.source}
+    times: dict[str, float] = {}
+    if measured.get("output_tok_s"):
+        m["roofline_efficiency"] = measured["output_tok_s"] / pred.output_tok_s
+    if measured.get("prefill_tok_s"):
+        t = w.batch * w.context / measured["prefill_tok_s"]
+        times["prefill"] = t
+        m["roofline_prefill_efficiency"] = pred.prefill_s / t
+        bw, comp, reg = _measured_regime(pred.prefill, t, pk)
+        m["prefill_bw_util"], m["prefill_compute_util"] = bw, comp
+        labels["regime.prefill.measured"] = reg
+    if w.decode_steps:
+        step = pred.decode_step
+        m.update({
+            "roofline_decode_tok_s": pred.decode_tok_s,
+            "cost_kv_bytes_per_step": step.kv_bytes,
+            "cost_decode_flops_per_step": step.flops,
+            "cost_decode_bytes_per_step": step.bytes,
+            "cost_decode_intensity": pred.decode.intensity,
+        })
+        labels["regime.decode"] = pred.decode_regime or ""
+        if measured.get("decode_tok_s"):
+            t = w.batch * w.decode_steps / measured["decode_tok_s"]
+            times["decode"] = t
+            m["roofline_decode_efficiency"] = pred.decode_s / t
+            bw, comp, reg = _measured_regime(pred.decode, t, pk)
+            m["decode_bw_util"], m["decode_compute_util"] = bw, comp
+            labels["regime.decode.measured"] = reg
+    if times:  # the phase that took the most measured time decides the trial's regime
+        phase = max(times, key=times.get)
+        labels["regime.phase"] = phase
+        labels["regime"] = labels[f"regime.{phase}.measured"]
+    return Assessment(m, labels)
+
+
+def assess_trial(trial, hf_config: Any, device, measured: dict[str, float]) -> Assessment:
+    """The cost model of an `EngineTrial` run on `device` (peaks from the table, the cache or a probe)."""
+    import torch
+
+    from .hardware import node_peaks
+
+    opt, wl = trial.optimization, trial.workload
+    q = getattr(trial, "quant", None)  # QuantSpec: level, skip_modules, keep_last_layers
+    if q is not None and q.level != "none":
+        prec = Precision.of(trial.model.dtype, q.level, "lm_head" in q.skip_modules, q.keep_last_layers)
+    else:
+        prec = Precision.of(trial.model.dtype)
+    shape = ModelShape.from_hf_config(hf_config)
+    workload = Workload(
+        batch=wl.batch_size,
+        context=wl.context_len,
+        new_tokens=wl.max_new_tokens,
+        kv_cache=opt.kv_cache != "off",
+        materialize_scores=opt.attention == "eager",
+    )
+    threads = torch.get_num_threads() if device.type == "cpu" else None
+    peaks = node_peaks(device, trial.model.dtype, threads)
+    return assess(predict(shape, prec, workload, peaks), measured)

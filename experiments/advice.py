@@ -1,0 +1,229 @@
+"""Next optimization: for the best configuration so far, the first step of the seed's chain it does not yet
+apply, and whether the measured regime says that step should pay off.
+
+The seed's order: KV cache -> continuous batching (with concurrent requests) -> flash/fused attention ->
+quantization -> speculative decoding -> right-size the model. A step is read from the trial's params
+(`kv_cache.mode`, `batching.*`, `attention.impl`, `quant.level`, `speculative.*`); a step whose config group
+no trial has is "not measured (feature missing)", so the advice works before every feature exists.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+from .results import TrialRow, counterpart, describe
+
+APPLIED, NEXT, LATER, NO_GAIN, NOT_APPLICABLE, MISSING = (
+    "applied", "next", "later", "measured: no gain", "not applicable", "not measured (feature missing)")
+
+
+@dataclass(frozen=True)
+class ChainStep:
+    group: str  # config group
+    title: str
+    fields: tuple[str, ...]  # leaf keys that name the setting; the first present wins
+    off: tuple[str, ...]  # values that mean "not applied"
+
+
+CHAIN: tuple[ChainStep, ...] = (
+    ChainStep("kv_cache", "KV cache", ("mode",), ("off",)),
+    ChainStep("batching", "continuous batching", ("mode", "name", "scheduler", "policy"), ("static", "off", "none")),
+    ChainStep("attention", "fused (flash) attention", ("impl",), ("eager",)),
+    ChainStep("quant", "quantization", ("level", "name", "method"), ("none", "off")),
+    ChainStep("speculative", "speculative decoding", ("mode", "method", "name", "kind"), ("off", "none")),
+)
+RIGHT_SIZE = "right-size the model"
+
+
+def step_value(row: TrialRow, step: ChainStep) -> Optional[str]:
+    for f in step.fields:
+        key = f"{step.group}.{f}"
+        if key in row.params:
+            return row.params[key]
+    return None
+
+
+def applied(row: TrialRow, step: ChainStep) -> Optional[bool]:
+    """True/False, or None when the trial has no such config group (the feature did not exist)."""
+    v = step_value(row, step)
+    return None if v is None else v not in step.off
+
+
+def n_applied(row: TrialRow) -> int:
+    return sum(bool(applied(row, s)) for s in CHAIN)
+
+
+def chain_order(row: TrialRow) -> tuple:
+    """Sort key along the chain: fewer steps first; at equal count, earlier steps of the seed's order first."""
+    return (n_applied(row), tuple(not applied(row, s) for s in CHAIN))
+
+
+def chain_label(row: TrialRow) -> str:
+    on = [s.title for s in CHAIN if applied(row, s)]
+    return " + ".join(on) if on else "baseline (nothing applied)"
+
+
+def regime(row: TrialRow, phase: str) -> tuple[Optional[str], str]:
+    """(regime, 'measured' | 'predicted') of a phase; measured where the trial recorded it."""
+    if row.tags.get(f"regime.{phase}.measured"):
+        return row.tags[f"regime.{phase}.measured"], "measured"
+    if row.tags.get(f"regime.{phase}"):
+        return row.tags[f"regime.{phase}"], "predicted"
+    return None, ""
+
+
+def _pct(x: Optional[float]) -> str:
+    if x is None:
+        return "?"
+    p = 100 * x
+    return f"{p:.0f}%" if p >= 10 else (f"{p:.1f}%" if p >= 1 else f"{p:.2f}%")
+
+
+def _decode_evidence(row: TrialRow) -> str:
+    reg, how = regime(row, "decode")
+    if reg is None:
+        return "decode regime unknown (no cost model metrics)"
+    util = ""
+    if row.num("decode_bw_util") is not None:
+        util = f": {_pct(row.num('decode_bw_util'))} of peak bandwidth, {_pct(row.num('decode_compute_util'))} of peak FLOP/s"
+    return f"decode is {reg}-bound ({how}{util})"
+
+
+@dataclass
+class StepAdvice:
+    step: str
+    value: Optional[str]  # the best trial's setting (None: feature missing)
+    status: str
+    verdict: str
+    pays_off: Optional[bool] = None
+
+
+def judge(step: ChainStep, best: TrialRow) -> tuple[bool, Optional[bool], str]:
+    """(applicable, pays off?, why) of applying `step` on top of `best`, from its measured regime."""
+    dreg, _ = regime(best, "decode")
+    phase, overall = best.tags.get("regime.phase"), best.tags.get("regime")
+    cpu = best.device.startswith("cpu")
+    if step.group == "kv_cache":
+        return True, True, (f"{_decode_evidence(best)}; without a cache every step recomputes the whole sequence "
+                            "(O(n^2)); with it a step is one token against the cache")
+    if step.group == "batching":
+        if best.batch_size <= 1 and best.params.get("workload.name", "static") == "static":
+            return False, None, "one request at a time (batch 1): continuous batching needs concurrent requests"
+        return True, True, (f"concurrent load (batch {best.batch_size}): continuous batching first -- static batches "
+                            "hold every slot until the slowest request finishes")
+    if step.group == "attention":
+        ctx = best.context_len or 0
+        score, pre = best.num("cost_attn_score_bytes"), best.num("cost_prefill_bytes")
+        share = score / pre if score is not None and pre else None
+        traffic = f"eager moves {score / 1e6:.0f} MB of attention scores per prefill ({_pct(share)} of its traffic)" if share is not None else "eager materializes the T x T scores"
+        if ctx >= 1024 or (share or 0) >= 0.2:
+            return True, True, f"{traffic} at context {ctx}: a fused kernel never writes them"
+        return True, False, f"short context ({ctx}): {traffic}; attention is already cheap -- expect little"
+    if step.group == "quant":
+        note = " On CPU the gain depends on int8 kernels (dequantize-per-matmul kernels such as bitsandbytes' are slower than fp32)." if cpu else ""
+        if phase == "prefill" and overall == "compute":
+            return True, False, f"time is dominated by a compute-bound prefill: quantization cuts bytes, not FLOPs.{note}"
+        if dreg == "memory":
+            return True, True, (f"{_decode_evidence(best)}: fewer weight bytes per step is fewer seconds per step; "
+                                f"weight-only int8 first.{note}")
+        if dreg == "compute":
+            return True, False, f"{_decode_evidence(best)}: quantization cuts bytes, not FLOPs -- little to gain.{note}"
+        return True, None, "regime unknown"
+    if step.group == "speculative":
+        if dreg == "compute":
+            return True, False, f"{_decode_evidence(best)}: verifying k drafted tokens costs ~k times the FLOPs -- speculation won't help"
+        if best.batch_size > 8:
+            return True, False, f"batch {best.batch_size} already shares each weight read between many sequences: little left for speculation"
+        if dreg == "memory":
+            return True, True, (f"{_decode_evidence(best)}: verifying k drafted tokens costs about one weight pass, "
+                                "so accepted tokens are nearly free (needs a well-aligned draft)")
+        return True, None, "regime unknown"
+    return True, None, ""
+
+
+@dataclass
+class Advice:
+    workload: str
+    best: TrialRow
+    steps: list[StepAdvice] = field(default_factory=list)
+
+    @property
+    def next(self) -> Optional[StepAdvice]:
+        return next((s for s in self.steps if s.status == NEXT), None)
+
+    @property
+    def skipped_missing(self) -> list[StepAdvice]:
+        """Applicable steps before `next` in the seed's order that cannot be measured yet."""
+        out = []
+        for s in self.steps:
+            if s.status == NEXT:
+                break
+            if s.status == MISSING and s.pays_off is not False:
+                out.append(s)
+        return out
+
+
+def advise(rows: list[TrialRow], ax: list[str], workload: str = "") -> Optional[Advice]:
+    """Advice for the best (highest output_tok_s) finished trial among `rows` (one workload)."""
+    done = [r for r in rows if r.finished and r.num("output_tok_s")]
+    if not done:
+        return None
+    best = max(done, key=lambda r: r.num("output_tok_s"))
+    adv = Advice(workload, best)
+    have_next = False
+    for step in CHAIN:
+        value = step_value(best, step)
+        ok, pays, why = judge(step, best)
+        if value is not None and value not in step.off:
+            adv.steps.append(StepAdvice(step.title, value, APPLIED, "applied", True))
+            continue
+        if value is None:
+            adv.steps.append(StepAdvice(step.title, None, MISSING if ok else NOT_APPLICABLE, why, pays))
+            continue
+        # measured in this sweep on top of the same settings, and slower (or it would be the best)
+        key = next(f"{step.group}.{f}" for f in step.fields if f"{step.group}.{f}" in best.params)
+        tried = counterpart(rows, best, {key: lambda v, off=step.off: v is not None and v not in off}, ax)
+        if tried is not None:
+            r = tried.num("output_tok_s") / best.num("output_tok_s")
+            adv.steps.append(StepAdvice(step.title, value, NO_GAIN,
+                                        f"measured here: {step_value(tried, step)} runs at x{r:.2f} of this trial's "
+                                        "throughput -- on this workload and hardware it does not pay off", False))
+            continue
+        if not ok:
+            adv.steps.append(StepAdvice(step.title, value, NOT_APPLICABLE, why, pays))
+            continue
+        adv.steps.append(StepAdvice(step.title, value, LATER if have_next else NEXT, why, pays))
+        have_next = True
+    adv.steps.append(StepAdvice(RIGHT_SIZE, best.params.get("model.name"), LATER if have_next else NEXT,
+                                "often worth more than all of the above: sweep a smaller model (model=...) and "
+                                "compare accuracy", None))
+    return adv
+
+
+def to_markdown(advices: list[Advice], ax: list[str]) -> str:
+    from .results import opt_label
+
+    out = []
+    for a in advices:
+        b = a.best
+        dreg, dhow = regime(b, "decode")
+        preg, phow = regime(b, "prefill")
+        out.append(f"### {a.workload}\n")
+        out.append(f"Best so far: **{opt_label(b, ax)}** ({b.hash}) -- {b.num('output_tok_s'):.2f} output tok/s; "
+                   f"prefill {preg or '?'}-bound ({phow or 'unknown'}), decode {dreg or '?'}-bound ({dhow or 'unknown'}).\n")
+        n = a.next
+        if n is not None:
+            pay = {True: "should pay off", False: "unlikely to pay off", None: "unknown"}[n.pays_off]
+            out.append(f"**Next: {n.step}** ({pay}): {n.verdict}\n")
+        for s in a.skipped_missing:
+            out.append(f"_Before that in the seed's order: {s.step} -- not measured (feature missing); {s.verdict}._\n")
+        out.append("| step (seed's order) | this trial | status | why |")
+        out.append("|---|---|---|---|")
+        for s in a.steps:
+            out.append(f"| {s.step} | {s.value if s.value is not None else '-'} | {s.status} | {s.verdict} |")
+        out.append("")
+    return "\n".join(out)
+
+
+__all__ = ["Advice", "CHAIN", "StepAdvice", "advise", "applied", "chain_label", "chain_order", "describe",
+           "n_applied", "regime", "step_value", "to_markdown"]

@@ -1,0 +1,446 @@
+"""`infersweep report SWEEP`: a sweep's trials read back from MLflow as a table (speedup vs the baseline,
+accuracy deltas, regimes), plots, next-optimization advice and -- for `experiment=seed-claims` -- the seed's
+claims. Written as Markdown + CSV + PNG under `reports/<SWEEP>/` and logged to the sweep's parent run
+(artifact folder `report/`).
+
+Baseline: by default, in each workload (trials equal on every non-optimization axis: context length,
+batch, model, ...), the trial with the fewest optimizations of the seed's chain applied (ties: the hf
+backend, then the first trial). `--baseline kv_cache=off,attention=eager` (groups or dotted keys) or
+`--baseline HASH` (its optimization settings) chooses another; speedups are always within a workload.
+"""
+from __future__ import annotations
+
+import csv
+import io
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+from . import advice as adv
+from . import claims as cl
+from .results import (
+    CONTEXT,
+    Selection,
+    TrialRow,
+    axes,
+    describe,
+    is_opt_axis,
+    load,
+    opt_label,
+    workload_key,
+)
+
+REPORTS_DIR = "reports"
+ARTIFACT_DIR = "report"
+SEED_CLAIMS = "seed-claims"
+LEAVES = ("mode", "impl", "level", "backend", "name", "method")
+
+
+# --- baseline -------------------------------------------------------------------------------------------
+def parse_baseline(spec: Optional[str]) -> Optional[dict[str, str]]:
+    """'kv_cache=off,attention=eager' -> {'kv_cache': 'off', 'attention': 'eager'}; a bare hex string is a hash."""
+    if not spec:
+        return None
+    if re.fullmatch(r"[0-9a-f]{6,64}", spec):
+        return {"#hash": spec}
+    out = {}
+    for part in re.split(r"[,\s]+", spec.strip()):
+        if not part:
+            continue
+        if "=" not in part:
+            raise ValueError(f"--baseline: expected KEY=VALUE or a config hash, got {part!r}")
+        k, v = part.split("=", 1)
+        out[k.strip()] = v.strip()
+    return out
+
+
+def _matches(row: TrialRow, spec: dict[str, str]) -> bool:
+    for k, v in spec.items():
+        if k in row.params:
+            if row.params[k] != v:
+                return False
+            continue
+        leaf = next((f"{k}.{leaf}" for leaf in LEAVES if f"{k}.{leaf}" in row.params), None)
+        if leaf is None or row.params[leaf] != v:
+            return False
+    return True
+
+
+def choose_baselines(rows: list[TrialRow], ax: list[str], spec: Optional[dict[str, str]]) -> dict[tuple, Optional[TrialRow]]:
+    """Workload key -> its baseline trial (None when the spec matches nothing in that workload)."""
+    done = [r for r in rows if r.finished]
+    if spec and "#hash" in spec:
+        ref = next((r for r in done if r.tags.get("config_hash", "").startswith(spec["#hash"])), None)
+        if ref is None:
+            raise ValueError(f"--baseline: no finished trial has config hash {spec['#hash']}...")
+        spec = {k: ref.params[k] for k in ax if is_opt_axis(k)}
+    groups: dict[tuple, list[TrialRow]] = {}
+    for r in done:
+        groups.setdefault(workload_key(r, ax), []).append(r)
+    out: dict[tuple, Optional[TrialRow]] = {}
+    for key, members in groups.items():
+        if spec:
+            out[key] = next((r for r in members if _matches(r, spec)), None)
+        else:
+            out[key] = min(members, key=lambda r: (adv.n_applied(r), r.params.get("engine.backend", "hf") != "hf"))
+    return out
+
+
+# --- table ----------------------------------------------------------------------------------------------
+def _ratio(a: Optional[float], b: Optional[float]) -> Optional[float]:
+    return a / b if a is not None and b else None
+
+
+@dataclass
+class Line:
+    """One trial with its comparisons to the baseline of its workload."""
+
+    row: TrialRow
+    workload: str
+    optimizations: str
+    baseline: Optional[TrialRow]
+    values: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def is_baseline(self) -> bool:
+        return self.baseline is not None and self.baseline.run_id == self.row.run_id
+
+
+def lines(rows: list[TrialRow], ax: list[str], baselines: dict[tuple, Optional[TrialRow]]) -> list[Line]:
+    out = []
+    for r in rows:
+        key = workload_key(r, ax)
+        base = baselines.get(key)
+        ln = Line(r, describe(key), opt_label(r, ax), base)
+        m, b = r.metrics, (base.metrics if base else {})
+        v = ln.values
+        for k in ("output_tok_s", "decode_tok_s", "prefill_tok_s", "ttft_ms_p50", "tpot_ms_p50", "roofline_tok_s",
+                  "roofline_efficiency", "ppl", "kl_div_mean", "top1_agreement", "peak_mem_bytes", "attn_peak_bytes",
+                  "weights_bytes", "decode_bw_util", "decode_compute_util", "prefill_bw_util", "prefill_compute_util"):
+            v[k] = m.get(k)
+        v["speedup"] = _ratio(m.get("output_tok_s"), b.get("output_tok_s"))
+        v["decode_speedup"] = _ratio(m.get("decode_tok_s"), b.get("decode_tok_s"))
+        v["prefill_speedup"] = _ratio(m.get("prefill_tok_s"), b.get("prefill_tok_s"))
+        if m.get("ppl") is not None and b.get("ppl"):
+            v["ppl_delta"] = m["ppl"] - b["ppl"]
+            v["ppl_delta_pct"] = 100 * (m["ppl"] / b["ppl"] - 1)
+        for t in ("regime", "regime.phase", "regime.prefill", "regime.decode", "regime.prefill.measured", "regime.decode.measured"):
+            v[t] = r.tags.get(t)
+        out.append(ln)
+    return out
+
+
+def _f(x: Optional[float], fmt: str) -> str:
+    return "-" if x is None else fmt.format(x)
+
+
+def _regime_cell(ln: Line) -> str:
+    p = ln.values.get("regime.prefill.measured") or ln.values.get("regime.prefill")
+    d = ln.values.get("regime.decode.measured") or ln.values.get("regime.decode")
+    if not p and not d:
+        return "-"
+    return f"{(p or '?')[:3]}/{(d or '?')[:3]}"
+
+
+TABLE_HEADER = ["workload", "optimizations", "hash", "regime p/d", "out tok/s", "speedup", "decode tok/s", "decode x",
+                "prefill tok/s", "ttft ms", "roofline tok/s", "roofline %", "ppl", "Δppl", "peak MB", "status"]
+
+
+def table_cells(ln: Line) -> list[str]:
+    v = ln.values
+    mark = " (baseline)" if ln.is_baseline else ""
+    dppl = "-" if v.get("ppl_delta_pct") is None else f"{v['ppl_delta']:+.3f} ({v['ppl_delta_pct']:+.1f}%)"
+    return [
+        ln.workload, ln.optimizations + mark, ln.row.hash[:8], _regime_cell(ln),
+        _f(v["output_tok_s"], "{:.2f}"), _f(v["speedup"], "x{:.2f}"), _f(v["decode_tok_s"], "{:.2f}"),
+        _f(v["decode_speedup"], "x{:.2f}"), _f(v["prefill_tok_s"], "{:.0f}"), _f(v["ttft_ms_p50"], "{:.1f}"),
+        _f(v["roofline_tok_s"], "{:.1f}"), _f(None if v["roofline_efficiency"] is None else 100 * v["roofline_efficiency"], "{:.3g}"),
+        _f(v["ppl"], "{:.3f}"), dppl, _f(None if v["peak_mem_bytes"] is None else v["peak_mem_bytes"] / 1e6, "{:.0f}"),
+        ln.row.status,
+    ]
+
+
+def markdown_table(ls: list[Line]) -> str:
+    out = ["| " + " | ".join(TABLE_HEADER) + " |", "|" + "---|" * len(TABLE_HEADER)]
+    out += ["| " + " | ".join(c.replace("|", "/") for c in table_cells(ln)) + " |" for ln in ls]
+    return "\n".join(out)
+
+
+def text_table(ls: list[Line]) -> str:
+    body = [table_cells(ln) for ln in ls]
+    widths = [max(len(x) for x in col) for col in zip(TABLE_HEADER, *body)]
+    fmt = lambda cells: "  ".join(c.ljust(w) for c, w in zip(cells, widths)).rstrip()  # noqa: E731
+    return "\n".join([fmt(TABLE_HEADER), fmt(["-" * w for w in widths])] + [fmt(b) for b in body])
+
+
+CSV_FIELDS = ["run_id", "hash", "name", "status", "workload", "optimizations", "baseline_hash", "chain", "output_tok_s",
+              "speedup", "decode_tok_s", "decode_speedup", "prefill_tok_s", "prefill_speedup", "ttft_ms_p50",
+              "tpot_ms_p50", "roofline_tok_s", "roofline_efficiency", "ppl", "ppl_delta", "ppl_delta_pct",
+              "kl_div_mean", "top1_agreement", "peak_mem_bytes", "attn_peak_bytes", "weights_bytes",
+              "decode_bw_util", "decode_compute_util", "prefill_bw_util", "prefill_compute_util", "regime",
+              "regime.phase", "regime.prefill.measured", "regime.decode.measured", "regime.prefill", "regime.decode"]
+
+
+def csv_text(ls: list[Line]) -> str:
+    buf = io.StringIO()
+    w = csv.DictWriter(buf, fieldnames=CSV_FIELDS, extrasaction="ignore", lineterminator="\n")
+    w.writeheader()
+    for ln in ls:
+        w.writerow({**{k: ("" if v is None else v) for k, v in ln.values.items()}, "run_id": ln.row.run_id,
+                    "hash": ln.row.hash, "name": ln.row.name, "status": ln.row.status, "workload": ln.workload,
+                    "optimizations": ln.optimizations, "chain": adv.chain_label(ln.row),
+                    "baseline_hash": ln.baseline.hash if ln.baseline else ""})
+    return buf.getvalue()
+
+
+# --- plots ----------------------------------------------------------------------------------------------
+REGIME_COLORS = {"memory": "#3b75af", "compute": "#ef8636", None: "#9a9a9a"}
+
+
+def _plt():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def plot_throughput_vs_context(ls: list[Line], ax_keys: list[str], path: Path) -> Optional[Path]:
+    done = [ln for ln in ls if ln.row.finished and ln.row.context_len and ln.values["output_tok_s"]]
+    if not done:
+        return None
+    plt = _plt()
+    other = [k for k in ax_keys if not is_opt_axis(k) and k != CONTEXT]
+    series: dict[str, list[Line]] = {}
+    for ln in done:
+        extra = " ".join(f"{k.split('.')[-1]}={ln.row.params.get(k)}" for k in other)
+        series.setdefault((ln.optimizations + (" " + extra if extra else "")).strip(), []).append(ln)
+    fig, (a1, a2) = plt.subplots(1, 2, figsize=(13, 5))
+    for label, pts in sorted(series.items()):
+        pts.sort(key=lambda ln: ln.row.context_len)
+        xs = [ln.row.context_len for ln in pts]
+        a1.plot(xs, [ln.values["output_tok_s"] for ln in pts], marker="o", label=label)
+        eff = [100 * ln.values["roofline_efficiency"] if ln.values["roofline_efficiency"] else float("nan") for ln in pts]
+        a2.plot(xs, eff, marker="o", label=label)
+    for a, title, ylabel in ((a1, "throughput vs context length", "output tok/s (log)"),
+                             (a2, "share of the roofline reached", "roofline efficiency %")):
+        a.set_xscale("log", base=2)
+        a.set_xlabel("context length (tokens)")
+        a.set_ylabel(ylabel)
+        a.set_title(title)
+        a.grid(True, alpha=0.3)
+    a1.set_yscale("log")
+    a1.legend(fontsize=7, loc="best")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def pareto_front(points: list[tuple[float, float]]) -> list[int]:
+    """Indices of the points not dominated (higher throughput x is better, lower loss y is better)."""
+    idx = sorted(range(len(points)), key=lambda i: (-points[i][0], points[i][1]))
+    front, best_y = [], float("inf")
+    for i in idx:
+        if points[i][1] < best_y:
+            front.append(i)
+            best_y = points[i][1]
+    return front
+
+
+def _groups(ls: list[Line]) -> dict[str, list[Line]]:
+    g: dict[str, list[Line]] = {}
+    for ln in ls:
+        g.setdefault(ln.workload, []).append(ln)
+    return g
+
+
+def plot_pareto(ls: list[Line], path: Path) -> Optional[Path]:
+    groups = {k: [ln for ln in v if ln.row.finished and ln.values["ppl"] and ln.values["output_tok_s"]] for k, v in _groups(ls).items()}
+    groups = {k: v for k, v in groups.items() if v}
+    if not groups:
+        return None
+    plt = _plt()
+    n = len(groups)
+    rows = max(len(v) for v in groups.values())
+    fig, axs = plt.subplots(1, n, figsize=(6 * n, 5 + 0.15 * rows), squeeze=False)
+    for a, (wl, pts) in zip(axs[0], sorted(groups.items())):
+        xy = [(ln.values["output_tok_s"], ln.values["ppl"]) for ln in pts]
+        front = pareto_front(xy)
+        fx = sorted((xy[i] for i in front), key=lambda p: p[0])
+        a.plot([p[0] for p in fx], [p[1] for p in fx], "k--", lw=1, label="Pareto front", zorder=2)
+        for i, ln in enumerate(pts):  # numbered points, named in the legend (long labels would overlap)
+            reg = ln.values.get("regime")
+            a.scatter(*xy[i], s=70 if i in front else 35, color=REGIME_COLORS.get(reg, REGIME_COLORS[None]),
+                      edgecolor="black" if i in front else "none", zorder=3,
+                      label=f"{i + 1}: {ln.optimizations} ({reg or '?'}-bound)" + (" *" if i in front else ""))
+            a.annotate(str(i + 1), xy[i], fontsize=8, xytext=(4, 4 + 8 * (i % 2)), textcoords="offset points")
+        a.set_xscale("log")
+        from matplotlib.ticker import NullFormatter
+
+        a.xaxis.set_minor_formatter(NullFormatter())  # minor labels of a short log axis overlap
+        a.set_xlabel("output tok/s (log; right is faster)")
+        a.set_ylabel("perplexity (lower is better)")
+        a.set_title(f"throughput vs accuracy: {wl}", fontsize=9)
+        a.grid(True, alpha=0.3)
+        a.legend(fontsize=6, loc="upper center", bbox_to_anchor=(0.5, -0.15), ncol=1, frameon=False)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def plot_regime_chain(ls: list[Line], path: Path) -> Optional[Path]:
+    groups = {k: sorted([ln for ln in v if ln.row.finished and ln.values["output_tok_s"]], key=lambda ln: adv.chain_order(ln.row))
+              for k, v in _groups(ls).items()}
+    groups = {k: v for k, v in groups.items() if v}
+    if not groups:
+        return None
+    plt = _plt()
+    from matplotlib.patches import Patch
+
+    n = len(groups)
+    width = max(6, max(len(v) for v in groups.values()) * 1.3)
+    fig, axs = plt.subplots(n, 1, figsize=(width, 3.6 * n), squeeze=False)
+    for a, (wl, pts) in zip(axs[:, 0], sorted(groups.items())):
+        xs = range(len(pts))
+        ys = [ln.values["output_tok_s"] for ln in pts]
+        colors = [REGIME_COLORS.get(ln.values.get("regime"), REGIME_COLORS[None]) for ln in pts]
+        a.bar(xs, ys, color=colors)
+        for x, ln in zip(xs, pts):
+            p = ln.values.get("regime.prefill.measured") or "?"
+            d = ln.values.get("regime.decode.measured") or "?"
+            a.annotate(f"P:{p}\nD:{d}", (x, ln.values["output_tok_s"]), ha="center", va="bottom", fontsize=7)
+        a.set_xticks(list(xs))
+        a.set_xticklabels([f"{ln.optimizations}\n{adv.chain_label(ln.row)}" for ln in pts], fontsize=6, rotation=15)
+        a.set_yscale("log")
+        a.set_ylim(top=max(ys) * 2.5)  # room for the labels above the bars
+        a.set_ylabel("output tok/s (log)")
+        a.set_title(f"bottleneck along the optimization chain: {wl}", fontsize=9)
+        a.grid(True, axis="y", alpha=0.3)
+    axs[0, 0].legend(handles=[Patch(color=REGIME_COLORS["memory"], label="memory-bound"),
+                              Patch(color=REGIME_COLORS["compute"], label="compute-bound")], fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+# --- the report -----------------------------------------------------------------------------------------
+@dataclass
+class Report:
+    selection: Selection
+    lines: list[Line]
+    advice: list[adv.Advice]
+    claims: Optional[list[cl.ClaimRow]]
+    out_dir: Path
+    files: list[Path] = field(default_factory=list)
+    logged_to: Optional[str] = None  # parent run id the artifacts went to
+
+    @property
+    def markdown_path(self) -> Path:
+        return self.out_dir / "report.md"
+
+
+def safe_name(ref: str) -> str:
+    return re.sub(r"[^A-Za-z0-9._-]+", "_", ref).strip("_") or "sweep"
+
+
+def render_markdown(rep: Report, ax_keys: list[str], plots: list[Path], baseline_spec: Optional[str]) -> str:
+    sel = rep.selection
+    done = sel.finished
+    hw = "; ".join(dict.fromkeys(r.hardware() for r in done)) or "-"
+    how = f"`--baseline {baseline_spec}`" if baseline_spec else "the trial with the fewest optimizations of the seed's chain applied"
+    out = [
+        f"# Sweep report: {sel.experiment}",
+        "",
+        f"- sweep(s): {', '.join(sel.sweep_ids) or '-'}; {len(sel.rows)} trial(s), {len(done)} finished",
+        f"- hardware: {hw}",
+        f"- baseline: in each workload, {how}; speedup = output tok/s / baseline's; Δppl vs baseline",
+        "- regime p/d: prefill/decode, measured (the roof each phase runs nearer to; see `engine/costmodel.py`)",
+        "",
+        "## Trials",
+        "",
+        markdown_table(rep.lines),
+        "",
+        "## Next optimization",
+        "",
+        adv.to_markdown(rep.advice, ax_keys) if rep.advice else "no finished trials",
+    ]
+    if rep.claims is not None:
+        out += ["## Seed claims", "", cl.to_markdown(rep.claims), ""]
+    if plots:
+        out += ["## Plots", ""] + [f"![{p.stem}]({p.name})" for p in plots] + [""]
+    return "\n".join(out)
+
+
+def build(
+    ref: str,
+    tracking: dict[str, Any],
+    baseline: Optional[str] = None,
+    out_dir: Optional[Path] = None,
+    log_artifacts: bool = True,
+    claims: Optional[bool] = None,
+    progress: bool = True,
+) -> Report:
+    """Read `ref` from MLflow, write the report files, log them to the sweep's parent run."""
+    from mlflow.tracking import MlflowClient
+    from tqdm.auto import tqdm
+
+    from .compose import PROJECT_ROOT
+    from .tracking import resolve_uri
+
+    steps = ["read runs", "table", "advice", "claims", "plots", "write", "log to MLflow"]
+    bar = tqdm(total=len(steps), desc=f"report {ref}", unit="step", disable=not progress, leave=False)
+
+    def done(name: str) -> None:
+        bar.set_postfix_str(name)
+        bar.update(1)
+
+    client = MlflowClient(tracking_uri=resolve_uri(tracking["uri"]))
+    sel = load(client, ref)
+    done("read runs")
+    ax_keys = axes(sel.finished) if len(sel.finished) > 1 else []
+    spec = parse_baseline(baseline)
+    baselines = choose_baselines(sel.rows, ax_keys, spec)
+    ls = lines(sel.rows, ax_keys, baselines)
+    ls.sort(key=lambda ln: (ln.workload, adv.chain_order(ln.row)))
+    done("table")
+    groups: dict[tuple, list[TrialRow]] = {}
+    for r in sel.rows:
+        groups.setdefault(workload_key(r, ax_keys), []).append(r)
+    advices = [a for k, rows in sorted(groups.items()) if (a := adv.advise(rows, ax_keys, describe(k)))]
+    done("advice")
+    want_claims = claims if claims is not None else sel.experiment == SEED_CLAIMS
+    claim_rows = cl.evaluate(sel.rows) if want_claims else None
+    done("claims")
+    out = Path(out_dir) if out_dir else PROJECT_ROOT / REPORTS_DIR / safe_name(ref)
+    out.mkdir(parents=True, exist_ok=True)
+    plots = [p for p in (
+        plot_throughput_vs_context(ls, ax_keys, out / "throughput_vs_context.png"),
+        plot_pareto(ls, out / "pareto.png"),
+        plot_regime_chain(ls, out / "regime_chain.png"),
+    ) if p is not None]
+    done("plots")
+    rep = Report(sel, ls, advices, claim_rows, out)
+    (out / "trials.csv").write_text(csv_text(ls))
+    files = [out / "trials.csv"]
+    if claim_rows is not None:
+        buf = io.StringIO()
+        w = csv.writer(buf, lineterminator="\n")
+        w.writerow(["name", "claim", "measured here", "hardware", "holds?"])
+        w.writerows([[c.name, c.claim, c.measured, c.hardware, c.holds] for c in claim_rows])
+        (out / "claims.csv").write_text(buf.getvalue())
+        files.append(out / "claims.csv")
+    rep.markdown_path.write_text(render_markdown(rep, ax_keys, plots, baseline))
+    rep.files = [rep.markdown_path, *files, *plots]
+    done("write")
+    if log_artifacts and sel.parent_run_id:
+        for f in rep.files:
+            client.log_artifact(sel.parent_run_id, str(f), ARTIFACT_DIR)
+        rep.logged_to = sel.parent_run_id
+    done("log to MLflow")
+    bar.close()
+    return rep

@@ -1,0 +1,227 @@
+"""Recorded trials read back from MLflow as plain rows (what reports, advice and claims work on).
+
+A reference names what to read:
+- an experiment (= sweep) name: every trial run in it, the newest FINISHED run per config hash, so a
+  resumed sweep (which only runs what is missing) reads as one;
+- a sweep id (or a unique prefix of one) or a parent run id: exactly that sweep's trials.
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from typing import Any, Iterable, Optional
+
+from .tracking import PARENT_TAG
+
+# Config groups that are optimizations (the rest of a trial -- model, workload, eval -- is "the workload").
+OPT_GROUPS = ("kv_cache", "attention", "quant", "speculative", "batching", "engine")
+CONTEXT = "workload.context_len"
+# Params that differ between trials without being a measured axis.
+IGNORED_PARAMS = ("sweep_name",)
+
+
+@dataclass
+class TrialRow:
+    run_id: str
+    name: str
+    status: str
+    params: dict[str, str]
+    metrics: dict[str, float]
+    tags: dict[str, str]
+    start_ms: int = 0
+
+    @property
+    def hash(self) -> str:
+        return self.tags.get("config_hash", "")[:12]
+
+    @property
+    def finished(self) -> bool:
+        return self.status == "FINISHED"
+
+    def num(self, key: str) -> Optional[float]:
+        v = self.metrics.get(key)
+        return None if v is None else float(v)
+
+    def int_param(self, key: str) -> Optional[int]:
+        try:
+            return int(self.params[key])
+        except (KeyError, ValueError):
+            return None
+
+    @property
+    def context_len(self) -> Optional[int]:
+        return self.int_param(CONTEXT)
+
+    @property
+    def batch_size(self) -> int:
+        return self.int_param("workload.batch_size") or 1
+
+    @property
+    def device(self) -> str:
+        return self.tags.get("env.device", "cpu")
+
+    def hardware(self) -> str:
+        """What the trial ran on, in one line: device name, threads (CPU), and the roofline peaks."""
+        name = self.tags.get("env.device_name") or self.tags.get("env.cpu") or "?"
+        parts = [name]
+        if self.device.startswith("cpu") and self.tags.get("env.torch_threads"):
+            parts.append(f"{self.tags['env.torch_threads']} threads")
+        bw, fl = self.num("hw_mem_bw"), self.num("hw_flops")
+        if bw and fl:
+            parts.append(f"{bw / 1e9:.0f} GB/s, {fl / 1e9:.0f} GFLOP/s")
+        return ", ".join(parts)
+
+
+@dataclass
+class Selection:
+    """The trials a reference names, and where the sweep's plots and tables go."""
+
+    ref: str
+    experiment: str
+    experiment_id: str
+    rows: list[TrialRow] = field(default_factory=list)
+    sweep_ids: list[str] = field(default_factory=list)
+    parent_run_id: Optional[str] = None  # the sweep run that report artifacts are logged to
+
+    @property
+    def finished(self) -> list[TrialRow]:
+        return [r for r in self.rows if r.finished]
+
+
+class NotFound(LookupError):
+    pass
+
+
+def _row(run) -> TrialRow:
+    return TrialRow(
+        run_id=run.info.run_id,
+        name=run.info.run_name or run.data.tags.get("mlflow.runName", ""),
+        status=run.info.status,
+        params=dict(run.data.params),
+        metrics=dict(run.data.metrics),
+        tags=dict(run.data.tags),
+        start_ms=int(run.info.start_time or 0),
+    )
+
+
+def _search(client, exp_ids: list[str], flt: str, order: Optional[list[str]] = None) -> list:
+    out, token = [], None
+    while True:
+        page = client.search_runs(exp_ids, filter_string=flt, order_by=order, max_results=1000, page_token=token)
+        out.extend(page)
+        token = page.token
+        if not token:
+            return out
+
+
+def _q(s: str) -> str:
+    return str(s).replace("'", "")
+
+
+def newest_per_hash(rows: Iterable[TrialRow]) -> list[TrialRow]:
+    """One row per config hash: the newest FINISHED run, else the newest run (a trial that only failed)."""
+    best: dict[str, TrialRow] = {}
+    for r in sorted(rows, key=lambda r: r.start_ms):
+        h = r.tags.get("config_hash", r.run_id)
+        cur = best.get(h)
+        if cur is None or r.finished or not cur.finished:
+            best[h] = r
+    return sorted(best.values(), key=lambda r: (int(r.tags.get("trial_index", 0) or 0), r.start_ms))
+
+
+def load(client, ref: str) -> Selection:
+    """Resolve `ref` (experiment name, sweep id or its prefix, parent run id) into its trial rows."""
+    from mlflow.entities import ViewType
+
+    exp = client.get_experiment_by_name(ref)
+    if exp is not None:
+        sweeps = _search(client, [exp.experiment_id], "tags.kind = 'sweep'", ["attributes.start_time DESC"])
+        runs = _search(client, [exp.experiment_id], "tags.kind = 'trial'")
+        sel = Selection(ref, exp.name, exp.experiment_id, newest_per_hash(map(_row, runs)))
+        sel.parent_run_id = sweeps[0].info.run_id if sweeps else None
+        sel.sweep_ids = sorted({r.tags["sweep_id"] for r in sel.rows if r.tags.get("sweep_id")})
+        if not sel.rows:
+            raise NotFound(f"experiment {ref!r} has no trial runs")
+        return sel
+    exps = [e.experiment_id for e in client.search_experiments(view_type=ViewType.ACTIVE_ONLY)]
+    names = {e.experiment_id: e.name for e in client.search_experiments(view_type=ViewType.ACTIVE_ONLY)}
+    if not exps:
+        raise NotFound("the tracking store has no experiments")
+    parent = None
+    if re.fullmatch(r"[0-9a-f]{32}", ref):
+        try:
+            run = client.get_run(ref)
+            if run.data.tags.get("kind") == "sweep":
+                parent, sweep_id = run, run.data.tags["sweep_id"]
+        except Exception:
+            run = None
+    if parent is None:
+        sweeps = _search(client, exps, f"tags.kind = 'sweep' and tags.sweep_id LIKE '{_q(ref)}%'")
+        ids = sorted({s.data.tags["sweep_id"] for s in sweeps})
+        if not ids:  # a single-trial sweep has no parent run
+            trials = _search(client, exps, f"tags.kind = 'trial' and tags.sweep_id LIKE '{_q(ref)}%'")
+            ids = sorted({t.data.tags["sweep_id"] for t in trials})
+        if not ids:
+            raise NotFound(f"no experiment, sweep id or sweep run matches {ref!r}")
+        if len(ids) > 1:
+            raise NotFound(f"{ref!r} matches {len(ids)} sweeps ({', '.join(ids[:5])}); give more of the id")
+        sweep_id = ids[0]
+        parent = sweeps[0] if sweeps else None
+    exp_id = parent.info.experiment_id if parent else None
+    runs = _search(client, [exp_id] if exp_id else exps, f"tags.kind = 'trial' and tags.sweep_id = '{_q(sweep_id)}'")
+    if parent is not None:  # trials linked only by parent (e.g. logged by an older driver)
+        seen = {r.info.run_id for r in runs}
+        runs += [r for r in _search(client, [exp_id], f"tags.{PARENT_TAG} = '{parent.info.run_id}'")
+                 if r.info.run_id not in seen and r.data.tags.get("kind") == "trial"]
+    if not runs:
+        raise NotFound(f"sweep {sweep_id} has no trial runs")
+    exp_id = exp_id or runs[0].info.experiment_id
+    sel = Selection(ref, names.get(exp_id, exp_id), exp_id, newest_per_hash(map(_row, runs)), [sweep_id])
+    sel.parent_run_id = parent.info.run_id if parent else None
+    return sel
+
+
+def axes(rows: list[TrialRow]) -> list[str]:
+    """Param keys whose value differs between the rows (the sweep's measured axes), in a stable order."""
+    keys: list[str] = []
+    for r in rows:
+        keys += [k for k in r.params if k not in keys]
+    out = [k for k in keys if k not in IGNORED_PARAMS and len({r.params.get(k) for r in rows}) > 1]
+    return sorted(out, key=lambda k: (k.split(".")[0] not in OPT_GROUPS, k))
+
+
+def is_opt_axis(key: str) -> bool:
+    return key.split(".")[0] in OPT_GROUPS
+
+
+def workload_key(row: TrialRow, ax: list[str]) -> tuple[tuple[str, str], ...]:
+    """The row's values of the non-optimization axes: trials with equal keys ran the same workload."""
+    return tuple((k, row.params.get(k, "")) for k in ax if not is_opt_axis(k))
+
+
+def describe(key: tuple[tuple[str, str], ...]) -> str:
+    return " ".join(f"{k}={v}" for k, v in key) or "all trials"
+
+
+def opt_label(row: TrialRow, ax: list[str]) -> str:
+    """The row's optimization settings on the swept optimization axes (short keys)."""
+    parts = [f"{_short(k)}={row.params.get(k, '')}" for k in ax if is_opt_axis(k)]
+    return " ".join(parts) or row.name
+
+
+def _short(key: str) -> str:
+    group, _, leaf = key.partition(".")
+    return group if leaf in ("mode", "impl", "level", "backend", "name") else key
+
+
+def counterpart(rows: list[TrialRow], row: TrialRow, changes: dict[str, Any], ax: Optional[list[str]] = None) -> Optional[TrialRow]:
+    """The finished row equal to `row` on every axis except `changes` (key -> value, or a predicate)."""
+    ax = ax if ax is not None else axes(rows)
+    for r in rows:
+        if not r.finished:
+            continue
+        if any(r.params.get(k) != row.params.get(k) for k in ax if k not in changes):
+            continue
+        if all((v(r.params.get(k)) if callable(v) else r.params.get(k) == str(v)) for k, v in changes.items()):
+            return r
+    return None

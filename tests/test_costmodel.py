@@ -1,0 +1,139 @@
+"""Cost model numbers against hand-computed values for SmolLM2-135M's shape, hardware peaks, regimes."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from engine.costmodel import (
+    COMPUTE,
+    MEMORY,
+    ModelShape,
+    Precision,
+    Workload,
+    assess,
+    forward_cost,
+    predict,
+    weight_bytes_per_param,
+)
+from engine.hardware import HardwarePeaks, cache_path, gpu_spec, node_peaks
+
+# SmolLM2-135M (DESIGN.md §5): 30 layers, hidden 576, MLP 1536, 9 heads / 3 KV heads of 64, vocab 49152, tied
+SMOL = ModelShape(num_layers=30, hidden=576, intermediate=1536, num_heads=9, num_kv_heads=3, head_dim=64, vocab=49152)
+# this machine's measured peaks (DESIGN.md §5): 18 GB/s read, 85 GFLOP/s fp32 matmul
+CPU = HardwarePeaks("cpu", mem_bw=18e9, flops=85e9, dtype="float32", source="table")
+FP32 = Precision.of("float32")
+
+
+def test_shape_parameter_counts_by_hand():
+    # q,o: 2*576*576 = 663552; k,v: 2*576*(3*64) = 221184; gated MLP: 3*576*1536 = 2654208
+    assert SMOL.layer_params == 663552 + 221184 + 2654208 == 3538944
+    assert SMOL.lm_head_params == 49152 * 576 == 28311552
+    assert SMOL.matmul_params == 30 * 3538944 + 28311552 == 134479872
+    assert SMOL.kv_bytes_per_token(4) == 2 * 30 * 3 * 64 * 4 == 46080
+
+
+def test_from_hf_config_reads_llama_fields():
+    from transformers import LlamaConfig
+
+    cfg = LlamaConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+                      num_attention_heads=9, num_key_value_heads=3, tie_word_embeddings=True)
+    assert ModelShape.from_hf_config(cfg) == SMOL
+
+
+def test_decode_step_bytes_flops_and_intensity_by_hand():
+    # one new token against 2048 cached ones, batch 1, fp32
+    c = forward_cost(SMOL, FP32, batch=1, new_tokens=1, past_tokens=2048, cached=True, materialize_scores=False)
+    assert c.weight_bytes == 134479872 * 4 == 537919488
+    assert c.kv_bytes == 2049 * 46080 == 94417920  # read 2048 cached K/V, write the new one
+    # matmuls 2*134479872 + attention 4 * layers * heads * head_dim * keys = 4*30*9*64*2049
+    assert c.flops == 2 * 134479872 + 4 * 30 * 9 * 64 * 2049 == 410586624
+    assert c.intensity == pytest.approx(410586624 / (537919488 + 94417920))
+    assert c.regime(CPU) == MEMORY
+    assert c.bound_s(CPU) == pytest.approx((537919488 + 94417920) / 18e9)
+
+
+def test_batch1_decode_roofline_matches_the_design_estimate():
+    # DESIGN.md: 18 GB/s -> fp32 decode roofline for the 135M model ~ 34 tok/s at batch 1
+    p = predict(SMOL, FP32, Workload(batch=1, context=1, new_tokens=2), CPU)
+    assert p.decode_tok_s == pytest.approx(18e9 / (537919488 + 2 * 46080), rel=1e-9)
+    assert 33 < p.decode_tok_s < 34
+
+
+def test_prefill_is_compute_bound_and_eager_adds_score_traffic():
+    fused = forward_cost(SMOL, FP32, 1, 2048, 0, cached=True, materialize_scores=False)
+    # matmuls over 2048 tokens + lm_head of the last position + causal attention over 2048*2049/2 pairs
+    assert fused.flops == 2 * 2048 * 30 * 3538944 + 2 * 28311552 + 4 * 30 * 9 * 64 * (2048 * 2049 // 2)
+    assert fused.flops == 579947986944
+    assert fused.bytes == 537919488 + 2048 * 46080
+    assert fused.regime(CPU) == COMPUTE
+    eager = forward_cost(SMOL, FP32, 1, 2048, 0, cached=True, materialize_scores=True)
+    assert eager.attn_score_bytes == 4 * 30 * 9 * 2048 * 2048 * 4  # scores+probs written and read, fp32
+    assert eager.flops == fused.flops
+
+
+def test_regime_flips_from_memory_to_compute_as_batch_grows():
+    # decode at context 128: intensity ~ 277.9M*B / (537.9M + 5.9M*B) crosses the balance 85/18 = 4.7 at B ~ 10
+    intensities, regimes = [], []
+    for b in (1, 4, 8, 16, 64):
+        p = predict(SMOL, FP32, Workload(batch=b, context=128, new_tokens=4), CPU)
+        intensities.append(p.decode.intensity)
+        regimes.append(p.decode_regime)
+    assert intensities == sorted(intensities)
+    assert regimes == [MEMORY, MEMORY, MEMORY, COMPUTE, COMPUTE]
+
+
+def test_kv_cache_moves_decode_from_compute_to_memory_bound():
+    # the seed: without KV cache compute-bound, with it memory-bandwidth-bound
+    off = predict(SMOL, FP32, Workload(batch=1, context=2048, new_tokens=4, kv_cache=False), CPU)
+    on = predict(SMOL, FP32, Workload(batch=1, context=2048, new_tokens=4, kv_cache=True), CPU)
+    assert off.decode_regime == COMPUTE and on.decode_regime == MEMORY
+    assert on.decode_tok_s / off.decode_tok_s > 50  # O(n^2) recompute vs one token per step
+
+
+def test_quantized_weights_shrink_the_bytes_read():
+    assert weight_bytes_per_param("float32") == 4 and weight_bytes_per_param("bfloat16") == 2
+    assert weight_bytes_per_param("float32", "bnb-int8") == 1
+    assert weight_bytes_per_param("float32", "bnb-nf4") == 0.5 + 4 / 64
+    q = Precision.of("float32", "int8-weight", skip_lm_head=True)
+    assert q.weight_bytes(SMOL) == 30 * 3538944 * 1 + 28311552 * 4
+    mixed = Precision.of("float32", "int8-weight", skip_lm_head=False, full_last_layers=2)
+    assert mixed.weight_bytes(SMOL) == 28 * 3538944 + 2 * 3538944 * 4 + 28311552
+    with pytest.raises(Exception, match="unknown quantization"):
+        weight_bytes_per_param("float32", "int3-magic")
+
+
+def test_assess_measured_regime_and_efficiency():
+    wl = Workload(batch=1, context=128, new_tokens=9)
+    p = predict(SMOL, FP32, wl, CPU)
+    measured = {"output_tok_s": p.output_tok_s / 4, "prefill_tok_s": p.prefill_tok_s / 2, "decode_tok_s": p.decode_tok_s / 4}
+    a = assess(p, measured)
+    assert a.metrics["roofline_tok_s"] == pytest.approx(p.output_tok_s)
+    assert a.metrics["roofline_efficiency"] == pytest.approx(0.25)
+    assert a.metrics["roofline_decode_efficiency"] == pytest.approx(0.25)
+    assert a.metrics["roofline_prefill_efficiency"] == pytest.approx(0.5)
+    assert a.metrics["decode_bw_util"] == pytest.approx(0.25)  # memory-bound: the bound is the bandwidth roof
+    assert a.metrics["cost_weight_bytes_per_step"] == 537919488
+    assert a.labels["regime.decode"] == a.labels["regime.decode.measured"] == MEMORY
+    assert a.labels["regime.prefill"] == COMPUTE
+    assert a.labels["regime.phase"] == "decode" and a.labels["regime"] == MEMORY
+
+
+def test_gpu_table_matches_specific_names_first():
+    assert gpu_spec("NVIDIA H200").mem_bw == 4.8e12
+    assert gpu_spec("NVIDIA H100 80GB HBM3").mem_bw == 3.35e12
+    assert gpu_spec("NVIDIA H100 PCIe").mem_bw == 2.0e12
+    assert gpu_spec("NVIDIA A100-SXM4-80GB").mem_bw == 2.039e12
+    assert gpu_spec("NVIDIA L4").flops["bfloat16"] == 121e12
+    assert gpu_spec("Some Future Accelerator") is None
+
+
+def test_cpu_peaks_are_probed_once_then_cached(tmp_path, monkeypatch):
+    monkeypatch.setenv("INFERSWEEP_CACHE", str(tmp_path))
+    first = node_peaks(torch.device("cpu"), "float32", threads=1)
+    assert first.source == "probe" and first.mem_bw > 1e8 and first.flops > 1e8
+    again = node_peaks(torch.device("cpu"), "float32", threads=1)
+    assert again.source == "cache" and (again.mem_bw, again.flops) == (first.mem_bw, first.flops)
+    entries = json.loads(cache_path().read_text())
+    assert len(entries) == 1 and next(iter(entries.values()))["threads"] == 1
