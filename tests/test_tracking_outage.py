@@ -1,0 +1,174 @@
+"""Tracking outages lose nothing: results spool locally and `infersweep sync` uploads them once; a
+half-written run is replaced, never duplicated; the server binds loopback; PostgreSQL behind the server."""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from experiments.cli import main
+from experiments.spool import Spool, sync
+from experiments.sweep import run_sweep
+from experiments.tracking_server import free_port, server_command
+
+from conftest import TINY
+
+
+def _client(uri):
+    from mlflow.tracking import MlflowClient
+
+    return MlflowClient(tracking_uri=uri)
+
+
+def _trials(client, name):
+    exp = client.get_experiment_by_name(name)
+    runs = [] if exp is None else client.search_runs([exp.experiment_id], max_results=1000)
+    return [r for r in runs if r.data.tags.get("kind") == "trial"], [r for r in runs if r.data.tags.get("kind") == "sweep"]
+
+
+def test_unreachable_server_spools_and_sync_uploads_exactly_once(mlflow_server, tmp_path, capsys):
+    dead = f"http://127.0.0.1:{free_port()}"  # nothing listens there
+    spool = tmp_path / "spool"
+    over = TINY + [f"tracking.uri={dead}", f"tracking.spool_dir={spool}", "tracking.request_retries=0",
+                   "tracking.request_timeout_s=2", "sweep_name=t-outage", "kv_cache=off,contiguous", "seed=0,1"]
+    t0 = time.monotonic()
+    res = run_sweep(over, in_process=True, echo=lambda *_: None)
+    assert time.monotonic() - t0 < 90  # one failed connection, not a timeout per trial
+    assert [r["status"] for r in res.rows] == ["FINISHED"] * 4 and res.spooled == 4
+    assert len(Spool(spool).trials(res.sweep_id)) == 4
+
+    # the server is "back" (here: the session's live server), sync with the same spool
+    live = [f"tracking.uri={mlflow_server}", f"tracking.spool_dir={spool}"]
+    assert main(["sync", *live]) == 0
+    assert "uploaded 4 result(s)" in capsys.readouterr().out
+    client = _client(mlflow_server)
+    trials, parents = _trials(client, "t-outage")
+    assert len(trials) == 4 and {r.info.status for r in trials} == {"FINISHED"}
+    assert len({r.data.tags["config_hash"] for r in trials}) == 4
+    assert [p.info.status for p in parents] == ["FINISHED"]
+    assert {r.data.tags["mlflow.parentRunId"] for r in trials} == {parents[0].info.run_id}
+    assert "token_ids.json" in {a.path for a in client.list_artifacts(trials[0].info.run_id)}
+    assert not spool.exists() or not any(spool.iterdir())
+    assert main(["sync", *live]) == 0 and "nothing to sync" in capsys.readouterr().out
+
+    # resume against the live store: everything is there, nothing re-runs
+    res2 = run_sweep(over[:-5] + live + ["sweep_name=t-outage", "kv_cache=off,contiguous", "seed=0,1"],
+                     in_process=True, echo=lambda *_: None)
+    assert res2.skipped == 4 and not res2.failed
+
+
+def test_sync_replaces_a_half_written_run_and_is_idempotent(mlflow_server, tmp_path):
+    """A write that broke off left a RUNNING run; the spooled record replaces it, and a sync that died
+    after uploading (file still there) does not upload it twice."""
+    from experiments.spec import TrialSpec
+    from experiments.spool import trial_record
+    from experiments.compose import expand
+    from experiments.trial import TrialOutcome
+
+    spec = expand(TINY + ["sweep_name=t-partial"])[0]
+    client = _client(mlflow_server)
+    exp = client.get_experiment_by_name("t-partial") or client.get_experiment(client.create_experiment("t-partial"))
+    exp_id = exp if isinstance(exp, str) else exp.experiment_id
+    half = client.create_run(exp_id, tags={"record_id": "rec-1", "kind": "trial", "config_hash": spec.config_hash})
+    outcome = TrialOutcome(config_hash=spec.config_hash, index=0, status="FINISHED", metrics={"output_tok_s": 1.0},
+                           start_ms=1, end_ms=2)
+    sp = Spool(tmp_path)
+    rec = trial_record("t-partial", spec, outcome, None, "sw-1", None, "rec-1")
+    path = sp.write_trial("sw-1", rec)
+    tracking = {"uri": mlflow_server, "artifact_root": str(tmp_path / "a"), "spool_dir": str(tmp_path)}
+    rep = sync(tracking)
+    assert rep.uploaded == 1 and rep.failed == 0
+    trials, _ = _trials(client, "t-partial")
+    assert [r.info.status for r in trials] == ["FINISHED"]
+    assert client.get_run(half.info.run_id).info.lifecycle_stage == "deleted"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(rec))  # as if the last sync died before removing the file
+    rep = sync(tracking)
+    assert rep.uploaded == 0 and rep.skipped == 1
+    assert len(_trials(client, "t-partial")[0]) == 1
+
+
+def test_server_binds_loopback_unless_configured():
+    cmd = server_command({"uri": "sqlite:///x.db", "artifact_root": "/tmp/a"}, 5001)
+    assert cmd[cmd.index("--host") + 1] == "127.0.0.1"
+    cmd = server_command({"uri": "sqlite:///x.db", "artifact_root": "/tmp/a", "host": "0.0.0.0"}, 5001)
+    assert cmd[cmd.index("--host") + 1] == "0.0.0.0"
+
+
+def test_cli_started_server_for_the_sweep_lifetime(tmp_path):
+    """tracking=server: the CLI starts `mlflow server` on the store, logs through it, stops it."""
+    store = tmp_path / "store"
+    over = TINY + ["tracking=server", f"tracking.uri=sqlite:///{store}/mlflow.db", f"tracking.artifact_root={store}/art",
+                   f"tracking.spool_dir={tmp_path}/spool", "sweep_name=t-served"]
+    lines = []
+    res = run_sweep(over, in_process=True, echo=lines.append)
+    assert [r["status"] for r in res.rows] == ["FINISHED"]
+    assert res.tracking_uri.startswith("http://127.0.0.1:")
+    assert any("starting mlflow server" in ln for ln in lines)
+    with socket.socket() as s:  # gone with the sweep
+        assert s.connect_ex(("127.0.0.1", int(res.tracking_uri.rsplit(":", 1)[1]))) != 0
+    trials, _ = _trials(_client(f"sqlite:///{store}/mlflow.db"), "t-served")
+    assert [r.info.status for r in trials] == ["FINISHED"]
+
+
+# --- PostgreSQL behind mlflow server ----------------------------------------------------------------
+def _pg_bin(name):
+    for d in sorted(Path("/usr/lib/postgresql").glob("*/bin"), reverse=True):
+        if (d / name).exists():
+            return str(d / name)
+    return shutil.which(name)
+
+
+def _pg_missing():
+    if not _pg_bin("initdb") or not _pg_bin("pg_ctl"):
+        return "PostgreSQL server binaries not installed (Debian: apt-get install postgresql; .ci/run does)"
+    try:
+        import psycopg2  # noqa: F401
+    except ImportError:
+        return "psycopg2 not installed (pip install psycopg2-binary)"
+    return None
+
+
+@pytest.fixture(scope="module")
+def postgres(tmp_path_factory):
+    reason = _pg_missing()
+    if reason:
+        pytest.skip(reason)
+    root = Path(f"/tmp/infersweep-pg-{os.getpid()}")
+    shutil.rmtree(root, ignore_errors=True)
+    root.mkdir()
+    as_user = []
+    if os.geteuid() == 0:  # initdb refuses root: run the cluster as the `postgres` system user
+        shutil.chown(root, "postgres")
+        as_user = ["runuser", "-u", "postgres", "--"]
+    port = free_port()
+    data = root / "data"
+    run = lambda *a: subprocess.run([*as_user, *a], check=True, capture_output=True, text=True, timeout=120)  # noqa: E731
+    run(_pg_bin("initdb"), "-D", str(data), "-U", "postgres", "--auth=trust", "-E", "UTF8")
+    run(_pg_bin("pg_ctl"), "-D", str(data), "-l", str(root / "pg.log"), "-w", "-o",
+        f"-p {port} -k {root} -c listen_addresses=127.0.0.1", "start")
+    try:
+        psql = shutil.which("psql") or _pg_bin("psql")
+        for sql in ("CREATE ROLE infersweep LOGIN PASSWORD 'infersweep'", "CREATE DATABASE infersweep OWNER infersweep"):
+            run(psql, "-h", "127.0.0.1", "-p", str(port), "-U", "postgres", "-c", sql)
+        yield f"postgresql+psycopg2://infersweep:infersweep@127.0.0.1:{port}/infersweep"
+    finally:
+        subprocess.run([*as_user, _pg_bin("pg_ctl"), "-D", str(data), "-m", "fast", "stop"], capture_output=True, timeout=60)
+        shutil.rmtree(root, ignore_errors=True)
+
+
+def test_tracking_postgres_config_behind_mlflow_server(postgres, tmp_path):
+    over = TINY + ["tracking=postgres", f"tracking.uri={postgres}", "tracking.workers=2",
+                   f"tracking.artifact_root={tmp_path}/art", f"tracking.spool_dir={tmp_path}/spool",
+                   "sweep_name=t-postgres", "kv_cache=off,contiguous"]
+    res = run_sweep(over, in_process=True, echo=lambda *_: None)
+    assert [r["status"] for r in res.rows] == ["FINISHED"] * 2 and res.spooled == 0
+    trials, parents = _trials(_client(postgres), "t-postgres")  # read the database directly
+    assert sorted(r.info.status for r in trials) == ["FINISHED", "FINISHED"]
+    assert [p.info.status for p in parents] == ["FINISHED"]
