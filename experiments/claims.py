@@ -235,8 +235,8 @@ def naive_w8a8(t: Trials) -> Optional[Finding]:
 
 
 def quant_long_context(t: Trials) -> Optional[Finding]:
-    drops: dict[int, float] = {}
-    used: list[TrialRow] = []
+    """The ppl increase of one quantization level at its shortest and longest measured context."""
+    by_level: dict[str, dict[int, tuple[float, TrialRow, TrialRow]]] = {}
     for q in t.rows:
         lv = q.params.get("quant.level")
         if lv in (None, "none") or not q.num("ppl"):
@@ -244,13 +244,14 @@ def quant_long_context(t: Trials) -> Optional[Finding]:
         base = counterpart(t.rows, q, {"quant.level": "none"}, t.ax)
         if base is None or not base.num("ppl"):
             continue
-        drops.setdefault(q.context_len or 0, 100 * (q.num("ppl") / base.num("ppl") - 1))
-        used += [base, q]
-    if len(drops) < 2:
-        return None
-    lo, hi = min(drops), max(drops)
-    measured = f"ppl increase {drops[lo]:+.1f}% at context {lo}, {drops[hi]:+.1f}% at {hi}"
-    return Finding(measured, YES if drops[hi] > drops[lo] else NO, used)
+        by_level.setdefault(lv, {})[q.context_len or 0] = (100 * (q.num("ppl") / base.num("ppl") - 1), base, q)
+    for lv, drops in by_level.items():
+        if len(drops) < 2:
+            continue
+        lo, hi = min(drops), max(drops)
+        measured = f"{lv}: ppl {drops[lo][0]:+.2f}% at context {lo}, {drops[hi][0]:+.2f}% at {hi}"
+        return Finding(measured, YES if drops[hi][0] > drops[lo][0] else NO, [*drops[lo][1:], *drops[hi][1:]])
+    return None
 
 
 def speculative_formula(t: Trials) -> Optional[Finding]:
