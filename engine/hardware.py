@@ -137,10 +137,13 @@ def _key(name: str, device: torch.device, threads: int, dtype: str) -> str:
     return f"v{PROBE_VERSION}|{device.type}|{name}|threads={threads}|{dtype}"
 
 
-def node_peaks(device: torch.device, dtype: str, threads: Optional[int] = None) -> HardwarePeaks:
-    """Peaks of this node for `dtype` at `threads` torch threads (CPU): table, else cache, else probe."""
+def node_peaks(device: torch.device, dtype: str, threads: Optional[int] = None, refresh: bool = False) -> HardwarePeaks:
+    """Peaks of this node for `dtype` at `threads` torch threads (CPU): table, else cache, else probe.
+
+    `refresh` probes again and keeps the higher of the old and new numbers per peak (a probe taken while
+    the node was busy reads low; peaks only ever move up towards the truth)."""
     name = device_name(device)
-    if device.type == "cuda":
+    if device.type == "cuda" and not refresh:
         spec = gpu_spec(name)
         if spec is not None and dtype in spec.flops:
             return HardwarePeaks(name, spec.mem_bw, spec.flops[dtype], dtype, "table")
@@ -152,18 +155,17 @@ def node_peaks(device: torch.device, dtype: str, threads: Optional[int] = None) 
     with open(path.with_suffix(".lock"), "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         entries = _read(path)
-        if key in entries:
-            e = entries[key]
-            return HardwarePeaks(name, float(e["mem_bw"]), float(e["flops"]), dtype, "cache")
+        old = entries.get(key)
+        if old is not None and not refresh:
+            return HardwarePeaks(name, float(old["mem_bw"]), float(old["flops"]), dtype, "cache")
         log.info("probing %s (%s, %d threads)", name, dtype, threads)
         t0 = time.perf_counter()
-        peaks = HardwarePeaks(
-            name=name,
-            mem_bw=probe_bandwidth(device),
-            flops=probe_matmul(device, TORCH_DTYPES[dtype]),
-            dtype=dtype,
-            source="probe",
-        )
+        if threads and device.type == "cpu":
+            torch.set_num_threads(threads)
+        bw, flops = probe_bandwidth(device), probe_matmul(device, TORCH_DTYPES[dtype])
+        if old is not None:
+            bw, flops = max(bw, float(old["mem_bw"])), max(flops, float(old["flops"]))
+        peaks = HardwarePeaks(name=name, mem_bw=bw, flops=flops, dtype=dtype, source="probe")
         entries[key] = {**asdict(peaks), "threads": threads, "probe_s": round(time.perf_counter() - t0, 2),
                         "measured_at": time.strftime("%Y-%m-%dT%H:%M:%S")}
         tmp = path.with_suffix(f".tmp{os.getpid()}")

@@ -138,6 +138,21 @@ def cmd_ui(args) -> int:
     return subprocess.call(cmd)
 
 
+def cmd_probe(args) -> int:
+    import torch
+
+    from engine.hardware import cache_path, node_peaks
+
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    threads = args.threads or (torch.get_num_threads() if device.type == "cpu" else None)
+    p = node_peaks(device, args.dtype, threads, refresh=args.refresh)
+    print(f"{p.name} ({device.type}{f', {threads} threads' if device.type == 'cpu' else ''}, {p.dtype}): "
+          f"{p.mem_bw / 1e9:.1f} GB/s, {p.flops / 1e9:.1f} GFLOP/s, balance {p.balance:.1f} FLOP/byte  [{p.source}]")
+    if p.source != "table":
+        print(f"cache: {cache_path()}")
+    return 0
+
+
 def cmd_prepare(args) -> int:
     from engine.models import PREPARED_MODELS, prepare_model
 
@@ -189,6 +204,12 @@ def build_parser() -> argparse.ArgumentParser:
     u.add_argument("--port", type=int, default=0, help="default: tracking.ui_port (5000)")
     u.add_argument("--host", default="127.0.0.1", help="bind address; keep 127.0.0.1 unless you mean it")
     u.set_defaults(fn=cmd_ui)
+    hw = sub.add_parser("probe", help="hardware peaks the cost model uses (GPU table, else a cached per-node probe)")
+    hw.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    hw.add_argument("--threads", type=int, default=0, help="CPU threads (default: torch's default)")
+    hw.add_argument("--device", default=None, help="cpu | cuda (default: cuda when available)")
+    hw.add_argument("--refresh", action="store_true", help="probe again; keep the higher of old and new peaks")
+    hw.set_defaults(fn=cmd_probe)
     pr = sub.add_parser("prepare", help="convert shipped models into local HF checkpoints (done once)")
     pr.add_argument("names", nargs="*", help="default: all known")
     pr.add_argument("--force", action="store_true")

@@ -137,3 +137,16 @@ def test_cpu_peaks_are_probed_once_then_cached(tmp_path, monkeypatch):
     assert again.source == "cache" and (again.mem_bw, again.flops) == (first.mem_bw, first.flops)
     entries = json.loads(cache_path().read_text())
     assert len(entries) == 1 and next(iter(entries.values()))["threads"] == 1
+
+
+def test_refresh_reprobes_and_keeps_the_higher_peaks(tmp_path, monkeypatch):
+    monkeypatch.setenv("INFERSWEEP_CACHE", str(tmp_path))
+    first = node_peaks(torch.device("cpu"), "float32", threads=1)
+    path = cache_path()
+    entries = json.loads(path.read_text())
+    (key,) = entries
+    entries[key]["mem_bw"] = 1e15  # as if an earlier, quieter probe had read more
+    path.write_text(json.dumps(entries))
+    again = node_peaks(torch.device("cpu"), "float32", threads=1, refresh=True)
+    assert again.source == "probe" and again.mem_bw == 1e15 and again.flops >= first.flops
+    assert node_peaks(torch.device("cpu"), "float32", threads=1).mem_bw == 1e15
