@@ -31,7 +31,8 @@ METRICS: dict[str, str] = {
     "top1_agreement": "share of positions where candidate and reference rank the same token first",
     "ppl_ratio": "candidate perplexity / reference perplexity on the same windows",
     "fidelity_ref_cached": "1 when the reference statistics came from the on-disk cache, 0 when computed",
-    "model_load_s": "seconds to load the model (not part of any timed region)",
+    "model_load_s": "seconds this trial spent loading the model, outside every timed region; 0.0 when a warm "
+    "worker reused the model an earlier trial of the same model key loaded (tag env.model_cache=hit)",
     "attn_peak_bytes": "largest transient attention memory (scores/probs or kernel scratch) of one call, last run",
     # roofline cost model (engine/costmodel.py): predicted work, hardware peaks, bounds, and how near them a run got
     "roofline_tok_s": "upper bound on output_tok_s: B*N / (prefill bound + decode bound), bound = max(FLOPs/peak, bytes/bandwidth)",
