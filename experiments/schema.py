@@ -129,6 +129,7 @@ class TrackingConf:
     spool_dir: str = "mlflow/spool"  # results wait here when the store is unreachable (`infersweep sync`)
     request_timeout_s: float = 10  # per HTTP request to a tracking server
     request_retries: int = 2  # HTTP retries before the result is spooled instead
+    writers: int = 1  # driver threads writing results to a server (>1 wants PostgreSQL behind it)
 
 
 # mappings whose keys are the user's (`+cluster.resources.accel=1`), not the schema's

@@ -15,7 +15,9 @@ import dataclasses
 import json
 import logging
 import os
+import threading
 import uuid
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Iterable, Optional
 
@@ -111,12 +113,21 @@ class Recorder:
     """The driver's single path to the store: tracker while it answers, spool after it fails once."""
 
     def __init__(self, tracking: dict[str, Any], echo=print):
+        from .tracking import is_http
+
         self.tracking = tracking
         self.spool = Spool(spool_root(tracking))
         self.echo = echo
         self.tracker = None
         self.offline_reason: Optional[str] = None
         self.spooled = 0
+        self._lock = threading.Lock()
+        self._pending: list[Future] = []
+        # Several writer threads only talk to a server (which serializes what its store needs); a
+        # direct SQLite store keeps one writer.
+        writers = int(tracking.get("writers") or 1)
+        self._pool = ThreadPoolExecutor(writers, thread_name_prefix="mlflow-writer") \
+            if writers > 1 and is_http(str(tracking.get("uri", ""))) else None
         try:
             from .tracking import Tracker
 
@@ -133,10 +144,12 @@ class Recorder:
         return self.tracker is not None and self.offline_reason is None
 
     def _go_offline(self, e: BaseException) -> None:
-        if self.offline_reason is None:
+        with self._lock:
+            if self.offline_reason is not None:
+                return
             self.offline_reason = f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"
-            self.echo(f"warning: tracking store {self.tracking.get('uri')} unreachable ({self.offline_reason}); "
-                      f"results go to the spool {self.spool.root} -- upload them later with `infersweep sync`")
+        self.echo(f"warning: tracking store {self.tracking.get('uri')} unreachable ({self.offline_reason}); "
+                  f"results go to the spool {self.spool.root} -- upload them later with `infersweep sync`")
 
     def _try(self, fn, *args, **kwargs):
         if not self.online:
@@ -166,7 +179,16 @@ class Recorder:
         return rid
 
     def log_trial(self, exp_name: str, spec: TrialSpec, outcome: TrialOutcome, parent_run_id: Optional[str],
-                  sweep_id: str, extra_tags: Optional[dict[str, str]] = None) -> Optional[str]:
+                  sweep_id: str, extra_tags: Optional[dict[str, str]] = None):
+        """The run id (or None when spooled); with `tracking.writers` > 1 a Future of it (see `flush`)."""
+        args = (exp_name, spec, outcome, parent_run_id, sweep_id, extra_tags)
+        if self._pool is not None and self.online:
+            fut = self._pool.submit(self._log_trial, *args)
+            self._pending.append(fut)
+            return fut
+        return self._log_trial(*args)
+
+    def _log_trial(self, exp_name, spec, outcome, parent_run_id, sweep_id, extra_tags) -> Optional[str]:
         record_id = uuid.uuid4().hex
         if self.tracker is not None:
             rid, ok = self._try(self.tracker.log_trial, exp_name, spec, outcome, parent_run_id, sweep_id,
@@ -174,10 +196,23 @@ class Recorder:
             if ok:
                 return rid
         self.spool.write_trial(sweep_id, trial_record(exp_name, spec, outcome, parent_run_id, sweep_id, extra_tags, record_id))
-        self.spooled += 1
+        with self._lock:
+            self.spooled += 1
         return None
 
+    def flush(self) -> None:
+        """Wait for the writer threads (every result is in the store or the spool afterwards)."""
+        for f in self._pending:
+            f.exception()  # _log_trial spools instead of raising; never lose the wait to one error
+        self._pending.clear()
+
+    def close(self) -> None:
+        self.flush()
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+
     def end_sweep(self, sweep_rec: dict[str, Any], run_id: Optional[str], status: str, end_ms: int) -> None:
+        self.flush()  # the parent ends after its children
         if run_id is not None:
             _, ok = self._try(self.tracker.client.set_terminated, run_id, status, end_ms)
             if ok:

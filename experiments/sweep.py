@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 import time
 import uuid
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -145,11 +146,16 @@ def run_specs(
             status = KILLED
             raise
         finally:
+            rec.flush()  # writer threads: every result is in the store or the spool from here on
+            for r in rows.values():
+                if isinstance(r["run_id"], Future):
+                    r["run_id"] = r["run_id"].result()
             result.rows = [rows[i] for i in sorted(rows)]
             if parent is not None or (rec.spool.read_sweep(sweep_id) is not None):
                 if status == "FINISHED" and any(r["status"] not in (FINISHED, SKIPPED) for r in result.rows):
                     status = "FAILED"
                 rec.end_sweep(sweep_rec, parent, status, int(time.time() * 1000))
+            rec.close()
             result.spooled = rec.spooled
             result.wall_s = time.perf_counter() - t0
     return result

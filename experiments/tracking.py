@@ -13,6 +13,7 @@ import os
 import platform
 import socket
 import subprocess
+import threading
 import time
 from importlib import metadata
 from pathlib import Path
@@ -127,9 +128,14 @@ class Tracker:
             os.environ.setdefault("MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR", "1")
         self.client = MlflowClient(tracking_uri=self.uri)
         self._exp_ids: dict[str, str] = {}
+        self._exp_lock = threading.Lock()
 
     # --- writing -------------------------------------------------------------------------------------
     def experiment_id(self, name: str) -> str:
+        with self._exp_lock:  # writer threads: create the experiment once
+            return self._experiment_id(name)
+
+    def _experiment_id(self, name: str) -> str:
         if name in self._exp_ids:
             return self._exp_ids[name]
         exp = self.client.get_experiment_by_name(name)

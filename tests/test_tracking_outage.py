@@ -63,6 +63,16 @@ def test_unreachable_server_spools_and_sync_uploads_exactly_once(mlflow_server, 
     assert res2.skipped == 4 and not res2.failed
 
 
+def test_parallel_writer_threads_record_each_trial_once(mlflow_server, tmp_path):
+    over = TINY + [f"tracking.uri={mlflow_server}", f"tracking.spool_dir={tmp_path}", "tracking.writers=4",
+                   "sweep_name=t-writers", "seed=range(0,6)"]
+    res = run_sweep(over, in_process=True, echo=lambda *_: None)
+    assert [r["status"] for r in res.rows] == ["FINISHED"] * 6 and all(isinstance(r["run_id"], str) for r in res.rows)
+    trials, parents = _trials(_client(mlflow_server), "t-writers")
+    assert sorted(r.info.run_id for r in trials) == sorted(r["run_id"] for r in res.rows)
+    assert {r.info.status for r in trials} == {"FINISHED"} and [p.info.status for p in parents] == ["FINISHED"]
+
+
 def test_sync_replaces_a_half_written_run_and_is_idempotent(mlflow_server, tmp_path):
     """A write that broke off left a RUNNING run; the spooled record replaces it, and a sync that died
     after uploading (file still there) does not upload it twice."""
