@@ -182,3 +182,32 @@ def test_tracking_postgres_config_behind_mlflow_server(postgres, tmp_path):
     trials, parents = _trials(_client(postgres), "t-postgres")  # read the database directly
     assert sorted(r.info.status for r in trials) == ["FINISHED", "FINISHED"]
     assert [p.info.status for p in parents] == ["FINISHED"]
+
+
+def test_sweep_run_of_a_dead_driver_is_marked_killed(mlflow_server):
+    """A driver killed with SIGKILL cannot end its parent run; the next sweep of the experiment does."""
+    from experiments.tracking import Tracker
+
+    proc = subprocess.Popen(["true"])
+    proc.wait()  # a pid that is gone
+    tracker = Tracker({"uri": mlflow_server, "artifact_root": "/tmp/unused"})
+    exp = tracker.experiment_id("t-reap")
+    live = tracker.client.create_run(exp, tags={"kind": "sweep", "driver": f"{socket.gethostname()}:{os.getpid()}"})
+    dead = tracker.client.create_run(exp, tags={"kind": "sweep", "driver": f"{socket.gethostname()}:{proc.pid}"})
+    assert tracker.reap_stale_sweeps("t-reap") == 1
+    assert tracker.client.get_run(dead.info.run_id).info.status == "KILLED"
+    assert tracker.client.get_run(live.info.run_id).info.status == "RUNNING"
+    tracker.client.set_terminated(live.info.run_id)
+
+
+def test_cluster_definitions_parse():
+    import yaml
+
+    root = Path(__file__).resolve().parents[1] / "cluster"
+    up = yaml.safe_load((root / "ray-gpu.yaml").read_text())
+    assert up["head_node_type"] in up["available_node_types"] and up["setup_commands"]
+    rc = yaml.safe_load((root / "kuberay" / "raycluster.yaml").read_text())
+    assert rc["kind"] == "RayCluster" and rc["spec"]["workerGroupSpecs"][0]["template"]["spec"]["containers"]
+    job = yaml.safe_load((root / "kuberay" / "rayjob.yaml").read_text())
+    assert job["kind"] == "RayJob" and job["spec"]["entrypoint"].startswith("infersweep sweep")
+    assert "cluster=existing" in job["spec"]["entrypoint"]
