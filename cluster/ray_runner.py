@@ -374,8 +374,9 @@ def run_on_ray(
                     finish(e, TaskFailure(msg, CRASHED if retriable else DETERMINISTIC), meta_of(slot, e))
                     top_up()
                 continue
-            finish(e, result, meta_of(slot, e))
-            dispatch(slot)
+            meta = meta_of(slot, e)
+            dispatch(slot)  # the worker starts its next item while the caller records this one
+            finish(e, result, meta)
     except KeyboardInterrupt:
         for s in list(live):
             if s.entry is not None:

@@ -32,7 +32,10 @@ def _trials(client, name):
     return [r for r in runs if r.data.tags.get("kind") == "trial"], [r for r in runs if r.data.tags.get("kind") == "sweep"]
 
 
-def test_unreachable_server_spools_and_sync_uploads_exactly_once(mlflow_server, tmp_path, capsys):
+def test_unreachable_server_spools_and_sync_uploads_exactly_once(mlflow_server, tmp_path, capsys, monkeypatch):
+    # the Tracker sets MLflow's HTTP retry/timeout variables for this process: restore them afterwards
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "2")
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_TIMEOUT", "10")
     dead = f"http://127.0.0.1:{free_port()}"  # nothing listens there
     spool = tmp_path / "spool"
     over = TINY + [f"tracking.uri={dead}", f"tracking.spool_dir={spool}", "tracking.request_retries=0",
