@@ -230,7 +230,7 @@ def test_killed_node_trials_move_to_another_node(two_node, server_overrides, ser
     assert moved.data.tags["attempts"] == "2" and moved.data.tags["env.node_id"] != victim.node_id
 
 
-def test_ctrl_c_then_resume_skips_finished_and_force_reruns(two_node, mlflow_server, server_client, tmp_path):
+def test_ctrl_c_then_resume_skips_finished_and_force_reruns(two_node, mlflow_server, server_client, tmp_path, capsys):
     c, _ = two_node
     args = [sys.executable, "-m", "experiments.cli", "sweep", *TINY, *SLOW, f"tracking.uri={mlflow_server}",
             f"tracking.spool_dir={tmp_path}", f"cluster.address={c.address}", "+cluster.resources.pool=1",
@@ -253,17 +253,18 @@ def test_ctrl_c_then_resume_skips_finished_and_force_reruns(two_node, mlflow_ser
     parent = [r for r in runs if r.data.tags.get("kind") == "sweep"]
     assert [p.info.status for p in parent] == ["KILLED"]
 
-    again = subprocess.run(args, cwd=PROJECT_ROOT, env=env, capture_output=True, text=True, timeout=180)
-    assert again.returncode == 0, again.stdout + again.stderr
-    assert f"skipping {len(finished)} trial(s) already FINISHED" in again.stdout
+    # the same command again (in this process: it is already connected to the same cluster)
+    from experiments.cli import main
+
+    assert main(args[3:]) == 0
+    assert f"skipping {len(finished)} trial(s) already FINISHED" in capsys.readouterr().out
     trials = _trial_runs(server_client, "t-resume")
     fin = [r.data.tags["config_hash"] for r in trials if r.info.status == "FINISHED"]
     assert len(fin) == 8 and len(set(fin)) == 8  # exactly one FINISHED run per hash
     assert all(r.info.status in ("FINISHED", "KILLED") for r in trials)
 
-    forced = subprocess.run(args + ["--force"], cwd=PROJECT_ROOT, env=env, capture_output=True, text=True, timeout=180)
-    assert forced.returncode == 0, forced.stdout + forced.stderr
-    assert "skipping" not in forced.stdout
+    assert main(args[3:] + ["--force"]) == 0
+    assert "skipping" not in capsys.readouterr().out
     fin = [r.data.tags["config_hash"] for r in _trial_runs(server_client, "t-resume") if r.info.status == "FINISHED"]
     assert len(fin) == 16 and len(set(fin)) == 8
 
