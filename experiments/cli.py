@@ -41,7 +41,7 @@ def cmd_sweep(args) -> int:
     from .sweep import run_sweep
 
     res = run_sweep(args.overrides, in_process=args.in_process, force=args.force)
-    print(f"\nMLflow: experiment '{res.sweep_name}', sweep {res.sweep_id} in {res.tracking_uri}")
+    print(f"\nMLflow: experiment '{res.sweep_name}', sweep {res.sweep_id} in {res.store_uri or res.tracking_uri}")
     print("open the dashboard with:  infersweep ui   (then http://127.0.0.1:5000)")
     if res.failed:
         print(f"{len(res.failed)} of {len(res.rows)} trial(s) FAILED (see the error above and error.txt in MLflow)")

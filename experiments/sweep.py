@@ -34,6 +34,7 @@ class SweepResult:
     spooled: int = 0  # results waiting in the spool (store unreachable)
     spool_dir: str = ""
     wall_s: float = 0.0
+    store_uri: str = ""  # the store behind tracking_uri (differs when the sweep served it over HTTP)
 
     @property
     def failed(self) -> list[dict]:
@@ -79,7 +80,8 @@ def run_specs(
     t0 = time.perf_counter()
     with serving(first["tracking"], echo=echo) as tracking:
         rec = Recorder(tracking, echo=echo)
-        result = SweepResult(sweep_id, sweep_name, None, rec.uri, spool_dir=str(rec.spool.root))
+        result = SweepResult(sweep_id, sweep_name, None, rec.uri, spool_dir=str(rec.spool.root),
+                             store_uri=str(first["tracking"]["uri"]) if first["tracking"].get("serve") else rec.uri)
         rows: dict[int, dict] = {}
         todo = specs
         if skip_finished:
