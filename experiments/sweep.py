@@ -72,7 +72,7 @@ def run_specs(
     (resume). `on_start(spec, meta)` is called as each trial is handed to a worker (Ray only)."""
     from .spool import Recorder
     from .tracking import sweep_record
-    from .tracking_server import serving
+    from .tracking_server import redact, serving
 
     first = specs[0].config
     sweep_name = first["sweep_name"]
@@ -81,7 +81,7 @@ def run_specs(
     with serving(first["tracking"], echo=echo) as tracking:
         rec = Recorder(tracking, echo=echo)
         result = SweepResult(sweep_id, sweep_name, None, rec.uri, spool_dir=str(rec.spool.root),
-                             store_uri=str(first["tracking"]["uri"]) if first["tracking"].get("serve") else rec.uri)
+                             store_uri=redact(str(first["tracking"]["uri"]) if first["tracking"].get("serve") else rec.uri))
         rows: dict[int, dict] = {}
         todo = specs
         if skip_finished:

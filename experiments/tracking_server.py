@@ -18,6 +18,11 @@ from typing import Any, Iterator, Optional
 from .compose import PROJECT_ROOT
 
 
+def redact(uri: str) -> str:
+    """A URI fit for the screen: no password."""
+    return re.sub(r"//([^:/@]+):[^@/]*@", r"//\1:***@", uri)
+
+
 def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket() as s:
         s.bind((host, 0))
@@ -107,7 +112,7 @@ def serving(tracking: dict[str, Any], echo=print) -> Iterator[dict[str, Any]]:
         yield tracking
         return
     server = MlflowServer(tracking)
-    store = re.sub(r"//([^:/@]+):[^@/]*@", r"//\1:***@", str(tracking["uri"]))  # no password on screen
+    store = redact(str(tracking["uri"]))
     echo(f"starting mlflow server on {server.url} (store {store}; log {server.log_path})")
     with server:
         yield dict(tracking, uri=server.url, serve=False)
