@@ -23,6 +23,7 @@ from typing import Any, Iterable, Optional
 
 from .compose import PROJECT_ROOT
 from .spec import TrialSpec
+from .tracking import _stored_config
 from .trial import TrialOutcome
 
 log = logging.getLogger(__name__)
@@ -95,7 +96,7 @@ def trial_record(exp_name: str, spec: TrialSpec, outcome: TrialOutcome, parent_r
         "sweep_id": sweep_id,
         "parent_run_id": parent_run_id,
         "extra_tags": extra_tags or {},
-        "spec": {"config": spec.config, "swept": spec.swept, "index": spec.index},
+        "spec": {"config": _stored_config(spec.config), "swept": spec.swept, "index": spec.index},
         "outcome": dataclasses.asdict(outcome),
     }
 

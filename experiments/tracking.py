@@ -11,6 +11,7 @@ import functools
 import json
 import os
 import platform
+import re
 import socket
 import subprocess
 import threading
@@ -94,7 +95,7 @@ def sweep_record(sweep_name: str, sweep_id: str, specs: list[TrialSpec], command
     return {
         "exp_name": sweep_name,
         "sweep_id": sweep_id,
-        "tags": {"sweep_id": sweep_id, "kind": "sweep", "command": command, "driver": driver_id(), **environment_tags()},
+        "tags": {"sweep_id": sweep_id, "kind": "sweep", "command": redact(command), "driver": driver_id(), **environment_tags()},
         "params": {"trials": str(len(specs)), "axes": ",".join(axes) or "-"},
         "trials_txt": "\n".join(f"{s.short_hash} {s.label}" for s in specs),
         "start_ms": int(time.time() * 1000),
@@ -253,7 +254,7 @@ class Tracker:
             params = flatten({k: v for k, v in spec.config.items() if k != "tracking"})
             metrics = [Metric(k, float(v), outcome.end_ms, 0) for k, v in sorted(outcome.metrics.items())]
             self.client.log_batch(rid, metrics=metrics, params=_params(params))
-            self.client.log_text(rid, yaml.safe_dump(spec.config, sort_keys=True), CONFIG_ARTIFACT)
+            self.client.log_text(rid, yaml.safe_dump(_stored_config(spec.config), sort_keys=True), CONFIG_ARTIFACT)
             if outcome.token_ids:
                 self.client.log_text(rid, json.dumps(outcome.token_ids), TOKENS_ARTIFACT)
                 self.client.log_text(rid, outcome.sample_text, "sample.txt")
@@ -294,6 +295,18 @@ class Tracker:
                 run_id=run_id, artifact_path=path, dst_path=tmp, tracking_uri=self.uri
             )
             return Path(local).read_text()
+
+
+def redact(text: str) -> str:
+    """No password of a database URI in what is logged or printed."""
+    return re.sub(r"//([^:/@\s]+):[^@/\s]*@", r"//\1:***@", text)
+
+
+def _stored_config(config: dict[str, Any]) -> dict[str, Any]:
+    """The resolved config as logged (config.yaml): the tracking URI without its password."""
+    if "tracking" not in config:
+        return config
+    return dict(config, tracking=dict(config["tracking"], uri=redact(str(config["tracking"].get("uri", "")))))
 
 
 def _q(s: str) -> str:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import re
 import shutil
 import signal
 import socket
@@ -16,11 +15,7 @@ from pathlib import Path
 from typing import Any, Iterator, Optional
 
 from .compose import PROJECT_ROOT
-
-
-def redact(uri: str) -> str:
-    """A URI fit for the screen: no password."""
-    return re.sub(r"//([^:/@]+):[^@/]*@", r"//\1:***@", uri)
+from .tracking import redact
 
 
 def free_port(host: str = "127.0.0.1") -> int:
