@@ -115,3 +115,16 @@ def test_help_explains_commands():
     out = subprocess.run([sys.executable, "-m", "experiments.cli", "--help"], capture_output=True, text=True).stdout
     for word in ("sweep", "run", "reproduce", "ui", "prepare", "experiment=quickstart"):
         assert word in out
+
+
+def test_sweep_over_backends_logs_comparable_runs(ray_local, tiny_overrides, mlflow_client):
+    res = run_sweep(tiny_overrides + ["sweep_name=t-backends", "engine=native,hf", "attention=eager,sdpa"], echo=lambda *_: None)
+    assert [r["status"] for r in res.rows] == ["FINISHED"] * 4
+    runs = _children(mlflow_client, res.parent_run_id)
+    by_backend = {}
+    for run in runs:
+        assert set(REQUIRED) <= set(run.data.metrics)
+        with open(mlflow_client.download_artifacts(run.info.run_id, TOKENS_ARTIFACT)) as f:
+            by_backend.setdefault(run.data.params["engine.backend"], set()).add(f.read())
+    assert set(by_backend) == {"native", "hf"}
+    assert by_backend["native"] == by_backend["hf"] and len(by_backend["hf"]) == 1  # same greedy tokens
