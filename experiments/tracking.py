@@ -7,6 +7,7 @@ a half-written run is marked FAILED/KILLED, and results that cannot be written w
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import os
@@ -196,14 +197,18 @@ class Tracker:
             return set()
         out: set[str] = set()
         token = None
-        while True:
-            page = self.client.search_runs(
-                [exp.experiment_id], filter_string="attributes.status = 'FINISHED'", max_results=5000, page_token=token
-            )
-            out |= {r.data.tags["config_hash"] for r in page if r.data.tags.get("kind") == "trial" and "config_hash" in r.data.tags}
-            token = page.token
-            if not token:
-                return out
+        # Small pages: a server answers a 1,000-run page (params + metrics + tags of each) slower than
+        # its request timeout; 200 at a time stays well inside it.
+        with _read_timeout(self.uri, 60):
+            while True:
+                page = self.client.search_runs(
+                    [exp.experiment_id], filter_string="attributes.status = 'FINISHED' and tags.kind = 'trial'",
+                    max_results=200, page_token=token,
+                )
+                out |= {r.data.tags["config_hash"] for r in page if "config_hash" in r.data.tags}
+                token = page.token
+                if not token:
+                    return out
 
     def find_record(self, exp_name: str, record_id: str) -> list:
         exp = self.client.get_experiment_by_name(exp_name)
@@ -295,6 +300,23 @@ class Tracker:
                 run_id=run_id, artifact_path=path, dst_path=tmp, tracking_uri=self.uri
             )
             return Path(local).read_text()
+
+
+@contextlib.contextmanager
+def _read_timeout(uri: str, seconds: int):
+    """A longer HTTP timeout for one bulk read (before any writer thread runs)."""
+    if not is_http(uri):
+        yield
+        return
+    old = os.environ.get("MLFLOW_HTTP_REQUEST_TIMEOUT")
+    os.environ["MLFLOW_HTTP_REQUEST_TIMEOUT"] = str(max(seconds, int(old or 0)))
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop("MLFLOW_HTTP_REQUEST_TIMEOUT", None)
+        else:
+            os.environ["MLFLOW_HTTP_REQUEST_TIMEOUT"] = old
 
 
 def redact(text: str) -> str:
