@@ -14,6 +14,10 @@ KV_CACHE_MODES = ("off", "contiguous", "paged")
 BACKENDS = ("hf", "native")
 DTYPES = ("float32", "bfloat16", "float16")
 QUANT_LEVELS = ("none", "int8-weight", "int8-dynamic", "bnb-int8", "bnb-nf4", "bnb-fp4")
+WORKLOAD_KINDS = ("static", "serving")
+BATCHING_MODES = ("static", "continuous")
+ARRIVALS = ("all-at-once", "fixed-rate", "poisson")
+LENGTH_DISTS = ("fixed", "uniform")
 
 
 class EngineError(RuntimeError):
@@ -60,6 +64,8 @@ class OptimizationSpec:
     kv_cache: str = "contiguous"
     kv_block_size: int = 16
     compile: bool = False
+    prefix_caching: bool = False  # serving: reuse computed full blocks of a shared prompt prefix (paged cache)
+    kv_num_blocks: int = 0  # serving: blocks in the shared pool; 0 = enough for max_batch_size longest requests
 
 
 @dataclass(frozen=True)
@@ -115,6 +121,65 @@ class WorkloadSpec:
 
 
 @dataclass(frozen=True)
+class LengthSpec:
+    """A token-length distribution: `fixed` (always `value`) or `uniform` over [min, max] (inclusive)."""
+
+    dist: str = "fixed"
+    value: int = 128
+    min: int = 32
+    max: int = 256
+
+
+@dataclass(frozen=True)
+class ServingSpec:
+    """A serving workload: `num_requests` requests with seeded input/output lengths arriving over time.
+
+    Each prompt is the shared system-prompt prefix (`prefix_len` tokens, the same for every request)
+    followed by `input_len` tokens of its own; it generates exactly `output_len` tokens. `length_trace`, a
+    JSONL file of {"input_len": .., "output_len": ..} lines, replaces both distributions (requests take
+    its lines in order, cycling). Arrivals: `all-at-once` (t=0), `fixed-rate` (every 1/rate s) or
+    `poisson` at `rate` requests/s with gamma-distributed gaps of shape `burstiness` (1 = Poisson,
+    < 1 burstier, > 1 more regular; vLLM's benchmark convention). `max_concurrency` (0 = unlimited) is a
+    client-side cap on requests in flight: a request beyond it is sent when one finishes, and its latency
+    counts from then. The same seed gives the same requests."""
+
+    num_requests: int = 64
+    input_len: LengthSpec = field(default_factory=LengthSpec)
+    output_len: LengthSpec = field(default_factory=lambda: LengthSpec(value=32, min=16, max=64))
+    length_trace: Optional[str] = None
+    arrival: str = "all-at-once"
+    rate: float = 4.0
+    burstiness: float = 1.0
+    prefix_len: int = 0
+    max_concurrency: int = 0
+
+
+@dataclass(frozen=True)
+class BatchingSpec:
+    """How a serving workload's requests share forward passes (engine/serving/scheduler.py).
+
+    `static`: take up to `max_batch_size` waiting requests, run that batch until its longest request is
+    done, then form the next. `continuous`: iteration-level scheduling; every step finished sequences
+    leave and waiting ones are admitted while the batch has fewer than `max_batch_size` sequences, the
+    step stays within `max_batch_tokens` new tokens and the KV pool has blocks (preempting the newest
+    running sequence by recompute when it runs out). `chunked_prefill` splits prompts across steps to
+    fit `max_batch_tokens` instead of waiting for a step with room for the whole prompt."""
+
+    mode: str = "static"
+    max_batch_size: int = 8
+    max_batch_tokens: int = 2048
+    chunked_prefill: bool = False
+
+
+@dataclass(frozen=True)
+class SLOSpec:
+    """Service-level objectives for goodput: a request counts when it meets both."""
+
+    ttft_ms: float = 2000.0
+    tpot_ms: float = 200.0
+
+
+@dataclass(frozen=True)
 class EvalSpec:
     """Accuracy measurement over `num_windows` windows of `workload.context_len` tokens: perplexity, and
     with `fidelity` also KL divergence / top-1 agreement against the unoptimized reference (the same model
@@ -138,3 +203,6 @@ class EngineTrial:
     eval: EvalSpec = field(default_factory=EvalSpec)
     seed: int = 0
     threads: int = 0  # torch intra-op threads; 0 leaves torch's default
+    serving: Optional[ServingSpec] = None  # a serving workload instead of `workload`'s static batch
+    batching: BatchingSpec = field(default_factory=BatchingSpec)
+    slo: SLOSpec = field(default_factory=SLOSpec)

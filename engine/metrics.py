@@ -5,10 +5,15 @@ Latency metrics over several requests are logged as `<name>_mean|_p50|_p90|_p99`
 from __future__ import annotations
 
 import statistics
+from typing import TYPE_CHECKING
 
 import torch
 
+from .config import SLOSpec
 from .generate import GenerationTrace
+
+if TYPE_CHECKING:  # no import at run time: the serving package imports the backends
+    from .serving.llm_engine import ServingTrace
 
 # name -> definition; anything logged as a metric is listed here.
 METRICS: dict[str, str] = {
@@ -22,7 +27,7 @@ METRICS: dict[str, str] = {
     "request_s": "requests completed per second",
     "peak_mem_bytes": "process RSS high-water mark on CPU, torch.cuda.max_memory_allocated on GPU",
     "weights_bytes": "bytes of model parameters and buffers as stored",
-    "kv_cache_bytes": "KV cache bytes allocated at the end of generation",
+    "kv_cache_bytes": "KV cache bytes allocated at the end of generation (serving: the whole shared block pool)",
     "kv_cache_used_bytes": "KV cache bytes holding live tokens at the end of generation",
     "ppl": "perplexity of the model on the evaluation text at context_len (teacher-forced)",
     "nll_mean": "mean negative log-likelihood per predicted token (nats)",
@@ -34,6 +39,14 @@ METRICS: dict[str, str] = {
     "model_load_s": "seconds this trial spent loading the model, outside every timed region; 0.0 when a warm "
     "worker reused the model an earlier trial of the same model key loaded (tag env.model_cache=hit)",
     "attn_peak_bytes": "largest transient attention memory (scores/probs or kernel scratch) of one call, last run",
+    # serving workloads (engine/serving): requests arriving over time, static or continuous batching
+    "goodput": "serving: requests per second that met every SLO (ttft_ms <= slo.ttft_ms and tpot_ms <= slo.tpot_ms)",
+    "slo_attainment": "serving: share of requests that met every SLO",
+    "prefix_hit_rate": "serving: share of the tokens of admitted sequences whose K/V came from the prefix cache",
+    "preemptions": "serving: sequences preempted (by recompute) because the KV pool ran out of blocks",
+    "mean_batch_size": "serving: sequences per forward step, averaged over steps",
+    "duration_s": "serving: start of the run -> last token of the last request (s)",
+    "kv_peak_bytes": "serving: most KV pool bytes held by sequences at once (blocks x block bytes)",
     # roofline cost model (engine/costmodel.py): predicted work, hardware peaks, bounds, and how near them a run got
     "roofline_tok_s": "upper bound on output_tok_s: B*N / (prefill bound + decode bound), bound = max(FLOPs/peak, bytes/bandwidth)",
     "roofline_prefill_tok_s": "upper bound on prefill_tok_s from the cost model",
@@ -114,6 +127,34 @@ def static_batch_metrics(trace: GenerationTrace) -> dict[str, float]:
     m["request_s"] = b / e2e
     m["kv_cache_bytes"] = float(trace.kv_cache_allocated)
     m["kv_cache_used_bytes"] = float(trace.kv_cache_used)
+    return m
+
+
+def serving_metrics(trace: "ServingTrace", slo: SLOSpec) -> dict[str, float]:
+    """Metrics of one serving run: latency distributions over requests (vLLM's definitions; requests with
+    one output token have no tpot), throughput over the run's duration, goodput against the SLOs."""
+    reqs = trace.requests
+    ttft = [r.ttft_s * 1e3 for r in reqs]
+    tpot = [(r.e2e_s - r.ttft_s) / (len(r.output) - 1) * 1e3 for r in reqs if len(r.output) > 1]
+    itl = [(b - a) * 1e3 for r in reqs for a, b in zip(r.token_times_s, r.token_times_s[1:])]
+    met = sum(1 for r in reqs if r.ttft_s * 1e3 <= slo.ttft_ms
+              and (len(r.output) < 2 or (r.e2e_s - r.ttft_s) / (len(r.output) - 1) * 1e3 <= slo.tpot_ms))
+    dur = trace.duration_s
+    m: dict[str, float] = {}
+    m.update(distribution("ttft_ms", ttft))
+    m.update(distribution("tpot_ms", tpot or [0.0]))
+    m.update(distribution("itl_ms", itl or [0.0]))
+    m.update(distribution("e2e_s", [r.e2e_s for r in reqs]))
+    m["output_tok_s"] = sum(len(r.output) for r in reqs) / dur
+    m["request_s"] = len(reqs) / dur
+    m["goodput"] = met / dur
+    m["slo_attainment"] = met / len(reqs)
+    m["prefix_hit_rate"] = trace.stats.prefix_hit_rate
+    m["preemptions"] = float(trace.stats.preemptions)
+    m["mean_batch_size"] = trace.step_seqs / trace.steps
+    m["duration_s"] = dur
+    m["kv_cache_bytes"] = float(trace.kv_pool_bytes)
+    m["kv_peak_bytes"] = float(trace.kv_peak_bytes)
     return m
 
 

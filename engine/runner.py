@@ -109,6 +109,20 @@ def roofline(trial: EngineTrial, loaded: LoadedModel, metrics: dict[str, float])
     return a.labels
 
 
+def evaluate(trial: EngineTrial, backend, loaded: LoadedModel, metrics: dict[str, float], say) -> None:
+    """Accuracy at `workload.context_len` (perplexity, or fidelity against the reference) into `metrics`."""
+    if not (trial.eval.enabled and trial.eval.num_windows > 0):
+        return
+    ids = corpus_ids(loaded.tokenizer, trial.eval.text)
+    evw = windows(ids, trial.workload.context_len, trial.eval.num_windows).to(loaded.device)
+    if trial.eval.fidelity:
+        say("evaluating fidelity against the reference")
+        metrics.update(evaluate_fidelity(trial, backend, loaded, evw))
+    else:
+        say("evaluating perplexity")
+        metrics.update(perplexity(backend, evw))
+
+
 def run_engine_trial(
     trial: EngineTrial,
     loaded: Optional[LoadedModel] = None,
@@ -122,9 +136,16 @@ def run_engine_trial(
     if loaded is None:
         say(f"loading {trial.model.name}")
         loaded = load_model(trial.model, attention=trial.optimization.attention, quant=trial.quant)
-    check_context(trial, loaded)
     backend = make_backend(loaded, trial.optimization)
     device = loaded.device
+    if trial.serving is not None:  # requests arriving over time, scheduled (engine/serving)
+        from .serving.run import run_serving
+
+        metrics, token_ids = run_serving(trial, loaded, backend, say)
+        evaluate(trial, backend, loaded, metrics, say)
+        return EngineResult(metrics=metrics, token_ids=token_ids, sample_text=loaded.tokenizer.decode(token_ids[0]),
+                            info=device_info(device))
+    check_context(trial, loaded)
     sync = device_synchronizer(device)
     wl = trial.workload
     prompts = static_batch_prompts(loaded.tokenizer, wl.text, wl.context_len, wl.batch_size).to(device)
@@ -157,15 +178,7 @@ def run_engine_trial(
     if hasattr(backend, "extra_metrics"):  # backend-specific measurements of the timed runs (native)
         metrics.update(backend.extra_metrics())
     labels = roofline(trial, loaded, metrics)
-    if trial.eval.enabled and trial.eval.num_windows > 0:
-        ids = corpus_ids(loaded.tokenizer, trial.eval.text)
-        evw = windows(ids, wl.context_len, trial.eval.num_windows).to(device)
-        if trial.eval.fidelity:
-            say("evaluating fidelity against the reference")
-            metrics.update(evaluate_fidelity(trial, backend, loaded, evw))
-        else:
-            say("evaluating perplexity")
-            metrics.update(perplexity(backend, evw))
+    evaluate(trial, backend, loaded, metrics, say)
     token_ids = traces[0].tokens.tolist()
     return EngineResult(
         metrics=metrics,

@@ -7,7 +7,20 @@ from __future__ import annotations
 
 import os
 
-from .config import ATTENTION_IMPLS, BACKENDS, DTYPES, KV_CACHE_MODES, QUANT_LEVELS, EngineTrial, TextSource
+from .config import (
+    ARRIVALS,
+    ATTENTION_IMPLS,
+    BACKENDS,
+    BATCHING_MODES,
+    DTYPES,
+    KV_CACHE_MODES,
+    LENGTH_DISTS,
+    QUANT_LEVELS,
+    EngineError,
+    EngineTrial,
+    LengthSpec,
+    TextSource,
+)
 from .models import PREPARED_MODELS, PREPARED_SCHEME, TINY_SCHEME, max_positions
 
 HF_KV_MODES = ("off", "contiguous")
@@ -93,4 +106,93 @@ def check_trial(trial: EngineTrial, gpu_available: bool) -> list[tuple[str, str]
         need = w.context_len + w.max_new_tokens
         if limit and need > limit:
             p.append(("workload.context_len", f"context_len + max_new_tokens = {need} exceeds the model's maximum of {limit} positions"))
+    p += _batching(trial)
+    return p
+
+
+def _length(field: str, s: LengthSpec) -> list[tuple[str, str]]:
+    out = _choice(f"{field}.dist", s.dist, LENGTH_DISTS)
+    if s.dist == "fixed" and s.value < 1:
+        out.append((f"{field}.value", f"must be >= 1, got {s.value}"))
+    if s.dist == "uniform":
+        if s.min < 1:
+            out.append((f"{field}.min", f"must be >= 1, got {s.min}"))
+        if s.max < s.min:
+            out.append((f"{field}.max", f"must be >= its min ({s.min}), got {s.max}"))
+    return out
+
+
+def _batching(trial: EngineTrial) -> list[tuple[str, str]]:
+    """Batching, SLO, prefix-caching and serving-workload checks."""
+    from .serving.workload import max_prompt_tokens, max_request_tokens, read_length_trace
+
+    p: list[tuple[str, str]] = []
+    b, o, s = trial.batching, trial.optimization, trial.serving
+    p += _choice("batching.mode", b.mode, BATCHING_MODES)
+    for field, value, lo in (("batching.max_batch_size", b.max_batch_size, 1),
+                             ("batching.max_batch_tokens", b.max_batch_tokens, 1),
+                             ("optimization.kv_num_blocks", o.kv_num_blocks, 0)):
+        if value < lo:
+            p.append((field, f"must be >= {lo}, got {value}"))
+    for field, value in (("slo.ttft_ms", trial.slo.ttft_ms), ("slo.tpot_ms", trial.slo.tpot_ms)):
+        if not value > 0:
+            p.append((field, f"must be > 0, got {value}"))
+    if (b.mode == "continuous" or s is not None) and o.backend != "native":
+        what = "serving workloads run" if s is not None else "batching=continuous runs"
+        p.append(("optimization.backend", f"{what} on engine=native (varlen batches over a paged KV pool); "
+                                          "backend hf runs one static batch only"))
+    if s is None:
+        if b.mode == "continuous":
+            p.append(("batching.mode", "continuous batching schedules requests arriving over time: use a serving "
+                                       "workload (workload=serving-mixed, or workload.kind=serving)"))
+        if o.prefix_caching:
+            p.append(("optimization.prefix_caching", "prefix caching applies to serving workloads (workload.kind=serving)"))
+        return p
+    if o.kv_cache != "paged":
+        p.append(("optimization.kv_cache", "serving workloads need kv_cache=paged: the scheduler admits requests by free KV blocks"))
+    if o.attention == "flash":
+        p.append(("optimization.attention", "flash has no varlen (continuous batching) path yet; use sdpa or eager"))
+    if o.compile:
+        p.append(("engine.compile", "torch.compile is not supported with serving workloads (shapes change every step)"))
+    spec = getattr(trial, "speculative", None)
+    if spec is not None and getattr(spec, "method", "off") not in ("off", "none"):
+        p.append(("speculative", "speculative decoding is not implemented for serving workloads"))
+    for field, value, lo in (("serving.num_requests", s.num_requests, 1), ("serving.prefix_len", s.prefix_len, 0),
+                             ("serving.max_concurrency", s.max_concurrency, 0)):
+        if value < lo:
+            p.append((field, f"must be >= {lo}, got {value}"))
+    p += _choice("serving.arrival", s.arrival, ARRIVALS)
+    if s.arrival != "all-at-once" and not s.rate > 0:
+        p.append(("serving.rate", f"must be > 0 requests/s for arrival={s.arrival}, got {s.rate}"))
+    if not s.burstiness > 0:
+        p.append(("serving.burstiness", f"must be > 0 (1 = Poisson), got {s.burstiness}"))
+    lengths_ok = True
+    if s.length_trace:
+        try:
+            read_length_trace(s.length_trace)
+        except EngineError as e:
+            p.append(("serving.length_trace", str(e)))
+            lengths_ok = False
+    else:
+        bad = _length("serving.input_len", s.input_len) + _length("serving.output_len", s.output_len)
+        p += bad
+        lengths_ok = not bad
+    if not lengths_ok or s.prefix_len < 0:
+        return p
+    total, prompt = max_request_tokens(s), max_prompt_tokens(s)
+    if not any(f.startswith("model.path") for f, _ in p):
+        limit = max_positions(trial.model)
+        if limit and total > limit:
+            p.append(("serving.input_len", f"the longest request (prefix + input + output = {total} tokens) exceeds "
+                                           f"the model's maximum of {limit} positions"))
+    blocks = -(-total // max(1, o.kv_block_size))
+    if o.kv_num_blocks and o.kv_num_blocks < blocks:
+        p.append(("optimization.kv_num_blocks", f"{o.kv_num_blocks} blocks of {o.kv_block_size} tokens cannot hold the "
+                                                f"longest request ({total} tokens needs {blocks}); 0 sizes the pool automatically"))
+    if b.mode == "continuous" and not b.chunked_prefill:
+        # a preempted request is re-prefilled with its generated tokens in one step
+        need = total - 1 if o.kv_num_blocks else prompt
+        if b.max_batch_tokens < need:
+            p.append(("batching.max_batch_tokens", f"must be >= {need} (the longest {'prompt + output - 1' if o.kv_num_blocks else 'prompt'}) "
+                                                   f"unless batching.chunked_prefill=true, got {b.max_batch_tokens}"))
     return p

@@ -14,7 +14,7 @@ EPILOG = """\
 overrides are Hydra overrides: group choices (kv_cache=off, attention=eager, model=tiny-llama),
 keys (workload.context_len=512, cluster.address=auto), comma lists that fan out a sweep
 (kv_cache=off,contiguous attention=eager,sdpa), and experiment=NAME for a whole sweep file
-in conf/experiment/. Groups: model attention kv_cache engine workload eval cluster tracking experiment.
+in conf/experiment/. Groups: model attention kv_cache engine workload batching eval cluster tracking experiment.
 
 examples:
   infersweep sweep experiment=quickstart

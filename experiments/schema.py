@@ -44,6 +44,8 @@ class AttentionConf:
 class KVCacheConf:
     mode: str = "contiguous"  # off | contiguous | paged
     block_size: int = 16  # tokens per block (paged)
+    prefix_caching: bool = False  # serving: share computed full blocks of common prompt prefixes
+    num_blocks: int = 0  # serving: blocks in the shared pool; 0 = max_batch_size x the longest request
 
 
 @dataclass
@@ -79,8 +81,17 @@ class TextConf:
 
 
 @dataclass
+class LengthConf:
+    dist: str = "fixed"  # fixed (always `value`) | uniform (min..max inclusive)
+    value: int = 128
+    min: int = 32
+    max: int = 256
+
+
+@dataclass
 class WorkloadConf:
     name: str = "static"
+    kind: str = "static"  # static (one batch of context_len prompts) | serving (requests over time)
     context_len: int = 128
     max_new_tokens: int = 32
     batch_size: int = 1
@@ -88,6 +99,30 @@ class WorkloadConf:
     repeats: int = 3
     sampling: SamplingConf = field(default_factory=SamplingConf)
     text: TextConf = field(default_factory=TextConf)
+    # kind=serving (see engine.config.ServingSpec)
+    num_requests: int = 64
+    input_len: LengthConf = field(default_factory=LengthConf)  # own tokens, after the shared prefix
+    output_len: LengthConf = field(default_factory=lambda: LengthConf(value=32, min=16, max=64))
+    length_trace: Optional[str] = None  # JSONL of {"input_len", "output_len"}; replaces both distributions
+    arrival: str = "all-at-once"  # all-at-once | fixed-rate | poisson
+    rate: float = 4.0  # requests/s (fixed-rate, poisson)
+    burstiness: float = 1.0  # gamma shape of poisson gaps: 1 = Poisson, < 1 burstier
+    prefix_len: int = 0  # shared system-prompt tokens at the start of every prompt
+    max_concurrency: int = 0  # client-side cap on requests in flight; 0 = unlimited
+
+
+@dataclass
+class BatchingConf:
+    mode: str = "static"  # static (run a batch to its longest request) | continuous (iteration-level)
+    max_batch_size: int = 8  # sequences per batch
+    max_batch_tokens: int = 2048  # new tokens per forward step (continuous)
+    chunked_prefill: bool = False  # split prompts across steps to fit max_batch_tokens (continuous)
+
+
+@dataclass
+class SLOConf:
+    ttft_ms: float = 2000.0  # goodput counts requests with time to first token <= this
+    tpot_ms: float = 200.0  # ... and time per output token <= this
 
 
 @dataclass
@@ -146,6 +181,8 @@ class TrialConf:
     engine: EngineConf = field(default_factory=EngineConf)
     quant: QuantConf = field(default_factory=QuantConf)
     workload: WorkloadConf = field(default_factory=WorkloadConf)
+    batching: BatchingConf = field(default_factory=BatchingConf)
+    slo: SLOConf = field(default_factory=SLOConf)
     eval: EvalConf = field(default_factory=EvalConf)
     cluster: ClusterConf = field(default_factory=ClusterConf)
     tracking: TrackingConf = field(default_factory=TrackingConf)

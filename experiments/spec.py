@@ -6,12 +6,18 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from engine.config import (
+    WORKLOAD_KINDS,
+    BatchingSpec,
+    EngineError,
     EngineTrial,
     EvalSpec,
+    LengthSpec,
     ModelSpec,
     OptimizationSpec,
     QuantSpec,
     SamplingSpec,
+    ServingSpec,
+    SLOSpec,
     TextSource,
     TinyModelSpec,
     WorkloadSpec,
@@ -67,24 +73,45 @@ def to_engine_trial(config: dict[str, Any]) -> EngineTrial:
     m = dict(config["model"])
     tiny = TinyModelSpec(**m.pop("tiny"))
     model = ModelSpec(tiny=tiny, **m)
+    kv = config["kv_cache"]
     opt = OptimizationSpec(
         backend=config["engine"]["backend"],
         attention=config["attention"]["impl"],
-        kv_cache=config["kv_cache"]["mode"],
-        kv_block_size=config["kv_cache"]["block_size"],
+        kv_cache=kv["mode"],
+        kv_block_size=kv["block_size"],
         compile=config["engine"]["compile"],
+        prefix_caching=kv.get("prefix_caching", False),
+        kv_num_blocks=kv.get("num_blocks", 0),
     )
     q = dict(config.get("quant") or {})
     quant = QuantSpec(**q) if q else QuantSpec()
     w = dict(config["workload"])
     w.pop("name", None)
+    kind = w.pop("kind", "static")
+    if kind not in WORKLOAD_KINDS:
+        raise EngineError(f"workload.kind: {kind!r} is not allowed; choose one of {', '.join(WORKLOAD_KINDS)}")
+    serving_keys = {k: w.pop(k) for k in SERVING_KEYS if k in w}
+    serving = _serving(serving_keys) if kind == "serving" else None
     sampling = SamplingSpec(seed=config["seed"], **w.pop("sampling"))
     workload = WorkloadSpec(sampling=sampling, text=_text(w.pop("text")), **w)
     e = dict(config["eval"])
     e.pop("name", None)
     ev = EvalSpec(text=_text(e.pop("text")), **e)
     threads = config["engine"]["threads"] or int(config["cluster"]["num_cpus_per_trial"])
-    return EngineTrial(model=model, optimization=opt, quant=quant, workload=workload, eval=ev, seed=config["seed"], threads=threads)
+    batching = BatchingSpec(**config["batching"]) if "batching" in config else BatchingSpec()
+    slo = SLOSpec(**config["slo"]) if "slo" in config else SLOSpec()
+    return EngineTrial(model=model, optimization=opt, quant=quant, workload=workload, eval=ev, seed=config["seed"], threads=threads,
+                       serving=serving, batching=batching, slo=slo)
+
+
+# workload keys of kind=serving (engine.config.ServingSpec)
+SERVING_KEYS = ("num_requests", "input_len", "output_len", "length_trace", "arrival", "rate", "burstiness", "prefix_len",
+                "max_concurrency")
+
+
+def _serving(w: dict[str, Any]) -> ServingSpec:
+    lens = {k: LengthSpec(**w.pop(k)) for k in ("input_len", "output_len") if k in w}
+    return ServingSpec(**lens, **w)
 
 
 # engine field path -> config key, for error messages in the user's vocabulary
@@ -94,8 +121,12 @@ ENGINE_TO_CONFIG = {
     "optimization.kv_cache": "kv_cache (kv_cache.mode)",
     "optimization.kv_block_size": "kv_cache.block_size",
     "threads": "engine.threads",
+    "optimization.prefix_caching": "kv_cache.prefix_caching",
+    "optimization.kv_num_blocks": "kv_cache.num_blocks",
 }
 
 
 def config_key(engine_field: str) -> str:
+    if engine_field.startswith("serving."):  # the serving workload's keys live under workload
+        return "workload." + engine_field[len("serving."):]
     return ENGINE_TO_CONFIG.get(engine_field, engine_field)

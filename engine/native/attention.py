@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from ..config import ATTENTION_IMPLS, EngineError
+from .varlen import VarlenBatch
 
 
 def causal_mask(start: int, t: int, s: int, device: torch.device) -> torch.Tensor:
@@ -42,12 +43,17 @@ class AttentionKernel:
 
     def __call__(self, q, k, v, cache, layer: int, start: int) -> torch.Tensor:
         """q [B,Hq,T,D] and the new k, v [B,Hkv,T,D]; `cache` (or None when caching is off) stores the new
-        keys/values and returns all S of them. Returns [B, Hq, T, D]."""
+        keys/values and returns all S of them. Returns [B, Hq, T, D]. A `VarlenBatch` in place of the cache
+        (B = 1, T = N flattened tokens of sequences at different positions) attends per sequence."""
+        if isinstance(cache, VarlenBatch):
+            return cache.attend(self, layer, q, k, v)
         if cache is not None:
             k, v = cache.update(layer, k, v)
         return self.attend(q, k, v, start)
 
-    def attend(self, q, k, v, start: int) -> torch.Tensor:
+    def attend(self, q, k, v, start: int, key_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """`key_mask` [B, S] bool (True = a real key) masks the padding of decode rows of different
+        lengths gathered into one batch; only for one query per sequence (T == 1)."""
         raise NotImplementedError
 
 
@@ -56,7 +62,7 @@ class EagerAttention(AttentionKernel):
 
     name = "eager"
 
-    def attend(self, q, k, v, start):
+    def attend(self, q, k, v, start, key_mask=None):
         b, hq, t, d = q.shape
         hkv, s = k.shape[1], k.shape[2]
         g = hq // hkv
@@ -65,6 +71,9 @@ class EagerAttention(AttentionKernel):
         scores = torch.matmul(qg, k.transpose(-1, -2))  # [B, Hkv, g*T, S]
         scores.mul_(1.0 / math.sqrt(d))
         transient = scores.numel() * scores.element_size()
+        if key_mask is not None:
+            assert t == 1, "key_mask is for one query per sequence"
+            scores.masked_fill_(~key_mask[:, None, None, :], float("-inf"))
         if t > 1:  # a single new query is the newest position: it may see every key
             mask = causal_mask(start, t, s, q.device)  # [T, S]
             scores.view(b, hkv, g, t, s).masked_fill_(~mask, float("-inf"))
@@ -81,10 +90,14 @@ class SdpaAttention(AttentionKernel):
 
     name = "sdpa"
 
-    def attend(self, q, k, v, start):
+    def attend(self, q, k, v, start, key_mask=None):
         b, hq, t, d = q.shape
         s = k.shape[2]
-        if t == s and start == 0:
+        if key_mask is not None:  # decode rows of different lengths, padded to one S
+            assert t == 1, "key_mask is for one query per sequence"
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=key_mask[:, None, None, :], enable_gqa=True)
+            mask_bytes = key_mask.numel()
+        elif t == s and start == 0:
             out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
             mask_bytes = 0
         elif t == 1:
@@ -131,6 +144,8 @@ class FlashAttention(AttentionKernel):
         self._with_kvcache = flash_attn_with_kvcache
 
     def __call__(self, q, k, v, cache, layer, start):
+        if isinstance(cache, VarlenBatch):
+            raise EngineError("attention=flash has no varlen (continuous batching) path yet; use sdpa")
         b, hq, t, d = q.shape
         # flash-attn's layout is [B, T, H, D]; a transpose of ours is a view with unit last-dim stride.
         qt, kt, vt = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)

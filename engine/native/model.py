@@ -6,7 +6,9 @@
 
 The weights are the loaded transformers model's own tensors (shared, not copied), wrapped in plain
 `nn.Linear` modules so a quantization pass can swap them later without this file knowing.
-The model takes positions and a KV cache explicitly and knows nothing of batching or sessions.
+The model takes positions and a KV cache explicitly and knows nothing of batching or sessions:
+`forward` runs a static batch sharing positions, `forward_varlen` a flattened batch of sequences of
+different lengths and positions over a paged pool (varlen.py).
 """
 from __future__ import annotations
 
@@ -19,6 +21,7 @@ import torch.nn.functional as F
 from ..config import EngineError
 from .attention import AttentionKernel
 from .rope import apply_rope, inv_frequencies, rope_cos_sin
+from .varlen import VarlenBatch
 
 LLAMA_FAMILY = ("llama", "mistral", "qwen2")
 
@@ -190,3 +193,15 @@ class Transformer(nn.Module):
         if n != t:
             x = x.view(b, t, -1)[:, -n:].reshape(b * n, -1)
         return self.lm_head(self.norm(x)).float().view(b, n, -1)  # [B, n, V]
+
+    def forward_varlen(self, tokens: torch.Tensor, batch: VarlenBatch, kernel: AttentionKernel,
+                       logits_rows: torch.Tensor) -> torch.Tensor:
+        """A flattened batch of sequences at different positions (continuous batching): tokens [N] at
+        `batch.positions` [N], K/V in the paged pool through the batch's block tables -> logits [R, V]
+        float32 of the rows `logits_rows` [R] (the last token of each sequence that samples)."""
+        x = self.embed_tokens(tokens)  # [N, hidden]; a batch of one "sequence" of N rows for the blocks
+        cos, sin = rope_cos_sin(self.inv_freq, batch.positions, x.dtype)  # [N, D] per-token positions
+        for i, block in enumerate(self.layers):
+            x = block(x, 1, cos, sin, kernel, batch, i, 0)
+        x = x.index_select(0, logits_rows)  # norm + lm_head only where a token is sampled
+        return self.lm_head(self.norm(x)).float()  # [R, V]

@@ -1,0 +1,38 @@
+"""The only place that turns a scheduled batch into tensors: it owns the KV pool and runs the native
+model's varlen forward (engine/native/varlen.py) over the flattened chunks of every scheduled sequence.
+"""
+from __future__ import annotations
+
+import torch
+
+from ..config import EngineError
+from ..native.backend import NativeBackend
+from ..native.varlen import KVPool, VarlenBatch
+from .scheduler import ScheduledBatch
+
+
+class ModelRunner:
+    def __init__(self, backend: NativeBackend, num_blocks: int, block_size: int):
+        if backend.opt.compile:
+            raise EngineError("engine.compile is not supported with serving workloads (shapes change every step)")
+        self.backend = backend
+        args = backend.model.args
+        self.pool = KVPool(args.num_layers, num_blocks, block_size, args.num_kv_heads, args.head_dim,
+                           backend.dtype, backend.device)
+
+    def execute(self, batch: ScheduledBatch) -> torch.Tensor:
+        """One forward pass over every chunk -> logits [R, V] float32, one row per sampling chunk in order."""
+        chunks = batch.chunks
+        assert chunks, "an empty batch"
+        dev = self.backend.device
+        tokens = torch.tensor([t for c in chunks for t in c.tokens], dtype=torch.long, device=dev)  # [N]
+        meta = VarlenBatch(self.pool, [len(c.tokens) for c in chunks], [c.end for c in chunks],
+                           [list(c.block_table) for c in chunks])
+        rows, row = [], 0
+        for c in chunks:
+            row += len(c.tokens)
+            if c.sample:
+                rows.append(row - 1)  # the chunk's last token predicts the next one
+        be = self.backend
+        with torch.inference_mode():
+            return be.model.forward_varlen(tokens, meta, be.kernel, torch.tensor(rows, dtype=torch.long, device=dev))
