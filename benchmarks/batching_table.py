@@ -7,10 +7,15 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 
-from mlflow.tracking import MlflowClient
+os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")
 
-from experiments.tracking import TOKENS_ARTIFACT, Tracker, resolve_uri
+from mlflow.tracking import MlflowClient  # noqa: E402
+
+from experiments.tracking import TOKENS_ARTIFACT, Tracker, resolve_uri  # noqa: E402
+
+MODES = ("static", "continuous")
 
 
 def _f(m: dict, k: str, fmt: str = "{:.0f}") -> str:
@@ -48,7 +53,7 @@ def main() -> None:
     print("| rate req/s | batching | prefix cache | req/s | output tok/s | goodput req/s | TTFT ms p50 / p90 / p99 | "
           "TPOT ms p50 / p90 / p99 | ITL ms p99 | e2e s p50 | batch | prefix hit | preempt | same tokens |")
     print("|---:|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|:---:|")
-    for key in sorted(cells):
+    for key in sorted(cells, key=lambda k: (k[0], MODES.index(k[1]) if k[1] in MODES else 9, k[2])):
         rate, mode, pc = key
         m = cells[key]
         if m["status"] != "FINISHED":

@@ -369,3 +369,25 @@ def test_config_validation_names_the_keys():
         expand(base + ["batching=continuous", "batching.max_batch_tokens=100"])
     assert "batching.max_batch_tokens: must be >= 320" in ei.value.problems[0]
     assert len(expand(base + ["batching=continuous", "batching.max_batch_tokens=100", "batching.chunked_prefill=true"])) == 1
+
+
+# ---------------------------------------------------------------- slow tier: the real model
+
+
+@pytest.mark.slow
+def test_smollm2_continuous_with_preemption_and_prefix_cache_equals_alone():
+    smol = load_model(ModelSpec(name="smollm2", path="prepared://smollm2-135m-instruct"), attention="sdpa")
+    from engine.workload import corpus_ids
+    from engine.config import TextSource
+
+    spec = ServingSpec(num_requests=6, input_len=LengthSpec("uniform", 0, 8, 40), output_len=LengthSpec("uniform", 0, 4, 12),
+                       prefix_len=32)
+    corpus = corpus_ids(smol.tokenizer, TextSource())
+    requests = make_requests(spec, corpus, 0)
+    ref = alone(smol, requests)
+    trial = EngineTrial(model=smol.spec, optimization=OptimizationSpec(backend="native", kv_cache="paged", kv_block_size=16,
+                                                                       prefix_caching=True, kv_num_blocks=10),
+                        serving=spec, batching=BatchingSpec("continuous", max_batch_size=4))
+    trace = ServingSetup(trial, make_backend(smol, trial.optimization), check_invariants=True).run(requests)
+    assert trace.stats.prefix_hit_rate > 0
+    assert [list(r.output) for r in trace.requests] == ref
