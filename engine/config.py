@@ -18,6 +18,8 @@ WORKLOAD_KINDS = ("static", "serving")
 BATCHING_MODES = ("static", "continuous")
 ARRIVALS = ("all-at-once", "fixed-rate", "poisson")
 LENGTH_DISTS = ("fixed", "uniform")
+SPECULATIVE_METHODS = ("off", "draft", "self-draft", "prompt-lookup")
+PROMPT_STYLES = ("window", "repeat")
 
 
 class EngineError(RuntimeError):
@@ -109,7 +111,11 @@ class TextSource:
 
 @dataclass(frozen=True)
 class WorkloadSpec:
-    """A static batch: `batch_size` prompts of exactly `context_len` tokens, `max_new_tokens` each."""
+    """A static batch: `batch_size` prompts of exactly `context_len` tokens, `max_new_tokens` each.
+
+    `prompt_style`: `window` (a window of the text, which the model continues: free generation) or
+    `repeat` (an instruction to repeat a passage + the passage, both cut to context_len tokens in all:
+    the output copies its context, which is what prompt-lookup decoding exploits)."""
 
     context_len: int = 128
     max_new_tokens: int = 32
@@ -118,6 +124,28 @@ class WorkloadSpec:
     repeats: int = 1
     sampling: SamplingSpec = field(default_factory=SamplingSpec)
     text: TextSource = field(default_factory=TextSource)
+    prompt_style: str = "window"
+
+
+@dataclass(frozen=True)
+class SpeculativeSpec:
+    """Speculative decoding: a drafter proposes `k` tokens, the target verifies them in one forward.
+
+    `method`: `off`; `draft` (a separate model sharing the tokenizer, `draft_model`, its own KV cache);
+    `self-draft` (the target's first `draft_layers` blocks + its final norm and LM head, weights shared);
+    `prompt-lookup` (the tokens that followed the latest earlier occurrence of the context's last n-gram,
+    n from `prompt_lookup_max` down to `prompt_lookup_min`; no model). Batch size 1 only."""
+
+    method: str = "off"
+    k: int = 4
+    draft_layers: int = 1
+    draft_model: Optional[ModelSpec] = None
+    prompt_lookup_min: int = 1
+    prompt_lookup_max: int = 3
+
+    @property
+    def enabled(self) -> bool:
+        return self.method != "off"
 
 
 @dataclass(frozen=True)
@@ -201,6 +229,7 @@ class EngineTrial:
     quant: QuantSpec = field(default_factory=QuantSpec)
     workload: WorkloadSpec = field(default_factory=WorkloadSpec)
     eval: EvalSpec = field(default_factory=EvalSpec)
+    speculative: SpeculativeSpec = field(default_factory=SpeculativeSpec)
     seed: int = 0
     threads: int = 0  # torch intra-op threads; 0 leaves torch's default
     serving: Optional[ServingSpec] = None  # a serving workload instead of `workload`'s static batch

@@ -12,6 +12,9 @@ import torch
 from .config import SLOSpec
 from .generate import GenerationTrace
 
+if TYPE_CHECKING:
+    from .speculative.decode import SpeculativeStats
+
 if TYPE_CHECKING:  # no import at run time: the serving package imports the backends
     from .serving.llm_engine import ServingTrace
 
@@ -39,6 +42,20 @@ METRICS: dict[str, str] = {
     "model_load_s": "seconds this trial spent loading the model, outside every timed region; 0.0 when a warm "
     "worker reused the model an earlier trial of the same model key loaded (tag env.model_cache=hit)",
     "attn_peak_bytes": "largest transient attention memory (scores/probs or kernel scratch) of one call, last run",
+    # speculative decoding (engine/speculative): a step = one target forward verifying the drafted tokens
+    "acceptance_rate": "alpha: per-token probability that the target accepts a drafted token = accepted / "
+                       "(accepted + rejections), the drafts the target judged (after a rejection the rest are not)",
+    "draft_accepted_frac": "accepted / drafted tokens (vLLM's draft acceptance rate; below alpha when steps reject early)",
+    "tokens_per_step": "measured tokens emitted per target step after the prefill (accepted drafts + 1)",
+    "predicted_tokens_per_step": "(1 - alpha^(k+1)) / (1 - alpha) with the measured alpha and configured k (k+1 at alpha=1)",
+    "draft_tokens_per_step": "tokens drafted per target step (k, less where prompt lookup found no match or near the end)",
+    "draft_cost_ratio": "c = drafter time per drafted token / target time per verification forward",
+    "draft_forward_ms": "drafter time per drafted token (ms; a draft model's forward, or the n-gram lookup)",
+    "verify_forward_ms": "target time per verification forward over 1 + drafted tokens (ms)",
+    "draft_prefill_ms": "the drafter taking in the prompt, once per request (ms; inside the decode phase)",
+    "draft_kv_cache_bytes": "the drafter's own KV cache bytes allocated (0 for prompt lookup)",
+    "draft_weights_bytes": "weights the drafter adds to the target's (a separate draft model; 0 for self-draft, prompt lookup)",
+    "speculative_speedup": "report-level: tpot_ms of the speculative=off trial at the same settings / this trial's tpot_ms",
     # serving workloads (engine/serving): requests arriving over time, static or continuous batching
     "goodput": "serving: requests per second that met every SLO (ttft_ms <= slo.ttft_ms and tpot_ms <= slo.tpot_ms)",
     "slo_attainment": "serving: share of requests that met every SLO",
@@ -155,6 +172,35 @@ def serving_metrics(trace: "ServingTrace", slo: SLOSpec) -> dict[str, float]:
     m["duration_s"] = dur
     m["kv_cache_bytes"] = float(trace.kv_pool_bytes)
     m["kv_peak_bytes"] = float(trace.kv_peak_bytes)
+    return m
+
+
+def expected_tokens_per_step(alpha: float, k: int) -> float:
+    """Tokens per target step when each of k drafts is accepted independently with probability alpha
+    (Leviathan et al. 2023): 1 + alpha + ... + alpha^k = (1 - alpha^(k+1)) / (1 - alpha)."""
+    if alpha >= 1.0:
+        return float(k + 1)
+    return (1.0 - alpha ** (k + 1)) / (1.0 - alpha)
+
+
+def speculative_metrics(stats: "SpeculativeStats") -> dict[str, float]:
+    """Metrics of one speculative generation; a ratio whose denominator is 0 is left out, never faked."""
+    m: dict[str, float] = {"draft_prefill_ms": stats.draft_prefill_s * 1e3,
+                           "draft_kv_cache_bytes": float(stats.draft_kv_cache_bytes)}
+    if stats.steps:
+        m["tokens_per_step"] = stats.step_tokens / stats.steps
+        m["draft_tokens_per_step"] = stats.drafted / stats.steps
+        m["verify_forward_ms"] = stats.verify_s / stats.steps * 1e3
+    judged = stats.accepted + stats.rejections
+    if judged:
+        alpha = stats.accepted / judged
+        m["acceptance_rate"] = alpha
+        m["predicted_tokens_per_step"] = expected_tokens_per_step(alpha, stats.k)
+    if stats.drafted:
+        m["draft_accepted_frac"] = stats.accepted / stats.drafted
+        m["draft_forward_ms"] = stats.draft_s / stats.drafted * 1e3
+        if stats.verify_s > 0:
+            m["draft_cost_ratio"] = (stats.draft_s / stats.drafted) / (stats.verify_s / stats.steps)
     return m
 
 

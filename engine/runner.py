@@ -16,9 +16,9 @@ from .config import EngineError, EngineTrial, OptimizationSpec
 from .fidelity import ReferenceCache, compute_reference, fidelity, perplexity
 from .generate import device_synchronizer, generate
 from .memory import PeakMemory
-from .metrics import median_metrics, static_batch_metrics, tokens_equal
+from .metrics import median_metrics, speculative_metrics, static_batch_metrics, tokens_equal
 from .models import LoadedModel, cache_root, load_model
-from .workload import corpus_ids, static_batch_prompts, windows
+from .workload import corpus_ids, windows, workload_prompts
 
 log = logging.getLogger(__name__)
 
@@ -148,25 +148,38 @@ def run_engine_trial(
     check_context(trial, loaded)
     sync = device_synchronizer(device)
     wl = trial.workload
-    prompts = static_batch_prompts(loaded.tokenizer, wl.text, wl.context_len, wl.batch_size).to(device)
+    prompts = workload_prompts(loaded.tokenizer, wl).to(device)
     max_len = wl.context_len + wl.max_new_tokens
+    spec = trial.speculative
+    draft = None
+    if spec.enabled:  # the drafter (a draft model is loaded here) is built outside every timed region
+        from .speculative import generate_speculative, make_draft_source
+
+        say(f"preparing the {spec.method} drafter")
+        draft = make_draft_source(trial, loaded)
 
     def one_run(new_tokens: int = wl.max_new_tokens):
         session = backend.new_session(wl.batch_size, max_len)
+        if draft is not None:
+            return generate_speculative(session, draft.new(max_len), prompts, new_tokens, spec.k, wl.sampling,
+                                        trial.seed, sync)
         return generate(session, prompts, new_tokens, wl.sampling, trial.seed, sync)
 
     for i in range(wl.warmup):
         # the full prefill plus a couple of decode steps warms every kernel and allocation size;
-        # decoding all max_new_tokens again would only cost time
+        # decoding all max_new_tokens again would only cost time (speculative: one full k-token verification)
         say(f"warm-up {i + 1}/{wl.warmup}")
-        one_run(min(wl.max_new_tokens, 2))
+        one_run(min(wl.max_new_tokens, 2 if draft is None else spec.k + 2))
     runs, traces = [], []
     with PeakMemory(device) as mem:
         for i in range(max(1, wl.repeats)):
             say(f"timed run {i + 1}/{wl.repeats}")
             trace = one_run()
             traces.append(trace)
-            runs.append(static_batch_metrics(trace))
+            m = static_batch_metrics(trace)
+            if "speculative" in trace.extra:
+                m.update(speculative_metrics(trace.extra["speculative"]))
+            runs.append(m)
     # Sampling is seeded per run, so greedy or not, every repeat must produce the same tokens.
     for t in traces[1:]:
         if not tokens_equal(t.tokens, traces[0].tokens):
@@ -174,6 +187,8 @@ def run_engine_trial(
     metrics = median_metrics(runs)
     metrics["peak_mem_bytes"] = float(mem.peak_bytes)
     metrics["weights_bytes"] = float(backend.weights_bytes())
+    if draft is not None:
+        metrics["draft_weights_bytes"] = float(draft.weights_bytes)
     metrics["model_load_s"] = float(loaded.load_s)
     if hasattr(backend, "extra_metrics"):  # backend-specific measurements of the timed runs (native)
         metrics.update(backend.extra_metrics())

@@ -45,6 +45,63 @@ def _text(field: str, src: TextSource) -> list[tuple[str, str]]:
     return out
 
 
+def _num_layers(m) -> int | None:
+    """Decoder layers of a model, from its config without loading weights (None if not known yet)."""
+    import json
+
+    from .models import prepared_dir
+
+    if m.path.startswith(TINY_SCHEME):
+        return m.tiny.num_layers
+    path = prepared_dir(m.path[len(PREPARED_SCHEME):]) if m.path.startswith(PREPARED_SCHEME) else m.path
+    try:
+        with open(os.path.join(path, "config.json")) as f:
+            return int(json.load(f).get("num_hidden_layers") or 0) or None
+    except (OSError, ValueError):
+        return None  # a hub id or a model not prepared yet: checked when it loads
+
+
+def _speculative(trial: EngineTrial) -> list[tuple[str, str]]:
+    from .config import PROMPT_STYLES, SPECULATIVE_METHODS
+
+    s, w = trial.speculative, trial.workload
+    p = _choice("workload.prompt_style", w.prompt_style, PROMPT_STYLES)
+    p += _choice("speculative.method", s.method, SPECULATIVE_METHODS)
+    if s.method == "off" or s.method not in SPECULATIVE_METHODS:
+        return p
+    if s.k < 1:
+        p.append(("speculative.k", f"must be >= 1 (tokens drafted per step), got {s.k}"))
+    if w.batch_size != 1:
+        p.append(("workload.batch_size", f"speculative decoding runs batch size 1 (each sequence accepts a different "
+                                         f"number of drafts, and a static batch rolls back as one); got {w.batch_size}"))
+    if s.method == "self-draft":
+        total = _num_layers(trial.model)
+        if total is not None and not 1 <= s.draft_layers < total:
+            p.append(("speculative.draft_layers", f"must be in [1, {total}) for this {total}-layer model "
+                                                  f"(the draft runs the first N layers), got {s.draft_layers}"))
+        elif s.draft_layers < 1:
+            p.append(("speculative.draft_layers", f"must be >= 1, got {s.draft_layers}"))
+    if s.method == "draft":
+        d = s.draft_model
+        if d is None or not d.path:
+            p.append(("speculative.draft_model.path", "speculative=draft needs a draft model: a local HF checkpoint, "
+                                                      "hub id, prepared://NAME or tiny://NAME sharing the target's tokenizer"))
+        elif d.path.startswith(PREPARED_SCHEME) and d.path[len(PREPARED_SCHEME):] not in PREPARED_MODELS:
+            p.append(("speculative.draft_model.path", f"unknown prepared model {d.path[len(PREPARED_SCHEME):]!r}; "
+                                                      f"known: {', '.join(sorted(PREPARED_MODELS))}"))
+        elif (os.path.sep in d.path or d.path.startswith(".")) and not os.path.isdir(d.path):
+            p.append(("speculative.draft_model.path", f"{d.path!r} does not exist (expected a local HF checkpoint directory or a hub id)"))
+        if d is not None:
+            p += _choice("speculative.draft_model.dtype", d.dtype, DTYPES)
+    if s.method == "prompt-lookup":
+        if s.prompt_lookup_min < 1:
+            p.append(("speculative.prompt_lookup_min", f"must be >= 1, got {s.prompt_lookup_min}"))
+        if s.prompt_lookup_max < s.prompt_lookup_min:
+            p.append(("speculative.prompt_lookup_max", f"must be >= prompt_lookup_min ({s.prompt_lookup_min}), "
+                                                       f"got {s.prompt_lookup_max}"))
+    return p
+
+
 def check_trial(trial: EngineTrial, gpu_available: bool) -> list[tuple[str, str]]:
     p: list[tuple[str, str]] = []
     m, o, w = trial.model, trial.optimization, trial.workload
@@ -106,6 +163,7 @@ def check_trial(trial: EngineTrial, gpu_available: bool) -> list[tuple[str, str]
         need = w.context_len + w.max_new_tokens
         if limit and need > limit:
             p.append(("workload.context_len", f"context_len + max_new_tokens = {need} exceeds the model's maximum of {limit} positions"))
+    p += _speculative(trial)
     p += _batching(trial)
     return p
 

@@ -18,7 +18,7 @@ from omegaconf import OmegaConf, open_dict
 from engine.config import EngineError
 
 from . import schema
-from .spec import TrialSpec, config_key, to_engine_trial
+from .spec import TrialSpec, config_key, normalize, to_engine_trial
 
 PROJECT_ROOT = Path(__file__).resolve().parents[1]
 
@@ -273,6 +273,7 @@ def expand(overrides: list[str], gpu_available: bool | None = None) -> list[Tria
         # 3. the Cartesian product, each trial composed and checked
         keys = list(axes)
         specs: list[TrialSpec] = []
+        hashes: set[str] = set()
         for i, combo in enumerate(itertools.product(*(axes[k] for k in keys))):
             swept = dict(zip(keys, combo))
             try:
@@ -280,7 +281,15 @@ def expand(overrides: list[str], gpu_available: bool | None = None) -> list[Tria
             except Exception as e:
                 problems.append(f"trial {i} ({swept}): {describe_error('overrides', e)}")
                 continue
-            specs.append(TrialSpec(config=config, swept=swept, index=i))
+            # keys that cannot change this trial (speculative.k with speculative=off) are reset, and a
+            # combination that only differed in them is the same trial: run it once
+            config, inert = normalize(config)
+            kept = {k: v for k, v in swept.items() if k not in inert}
+            spec = TrialSpec(config=config, swept=kept, index=len(specs))
+            if len(kept) < len(swept) and spec.config_hash in hashes:
+                continue
+            hashes.add(spec.config_hash)
+            specs.append(spec)
 
     by_msg: dict[str, list[str]] = {}
     seen: dict[str, int] = {}

@@ -99,6 +99,7 @@ class WorkloadConf:
     repeats: int = 3
     sampling: SamplingConf = field(default_factory=SamplingConf)
     text: TextConf = field(default_factory=TextConf)
+    prompt_style: str = "window"  # window (continue a text window) | repeat (instruction + passage to copy)
     # kind=serving (see engine.config.ServingSpec)
     num_requests: int = 64
     input_len: LengthConf = field(default_factory=LengthConf)  # own tokens, after the shared prefix
@@ -123,6 +124,24 @@ class BatchingConf:
 class SLOConf:
     ttft_ms: float = 2000.0  # goodput counts requests with time to first token <= this
     tpot_ms: float = 200.0  # ... and time per output token <= this
+
+
+@dataclass
+class DraftModelConf:
+    name: Optional[str] = None  # None: the path
+    path: Optional[str] = None  # local dir | hub id | prepared://NAME | tiny://NAME (the target's tiny shape)
+    dtype: Optional[str] = None  # None: the target's dtype
+    revision: Optional[str] = None
+
+
+@dataclass
+class SpeculativeConf:
+    method: str = "off"  # off | draft | self-draft | prompt-lookup
+    k: int = 4  # lookahead: tokens drafted per target step
+    draft_layers: int = 1  # self-draft: the target's first N layers (+ final norm + LM head) draft
+    prompt_lookup_min: int = 1  # prompt-lookup: shortest n-gram matched
+    prompt_lookup_max: int = 3  # prompt-lookup: longest n-gram matched (tried first)
+    draft_model: DraftModelConf = field(default_factory=DraftModelConf)  # draft: the separate draft model
 
 
 @dataclass
@@ -181,6 +200,7 @@ class TrialConf:
     engine: EngineConf = field(default_factory=EngineConf)
     quant: QuantConf = field(default_factory=QuantConf)
     workload: WorkloadConf = field(default_factory=WorkloadConf)
+    speculative: SpeculativeConf = field(default_factory=SpeculativeConf)
     batching: BatchingConf = field(default_factory=BatchingConf)
     slo: SLOConf = field(default_factory=SLOConf)
     eval: EvalConf = field(default_factory=EvalConf)

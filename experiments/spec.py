@@ -16,6 +16,7 @@ from engine.config import (
     OptimizationSpec,
     QuantSpec,
     SamplingSpec,
+    SpeculativeSpec,
     ServingSpec,
     SLOSpec,
     TextSource,
@@ -98,9 +99,11 @@ def to_engine_trial(config: dict[str, Any]) -> EngineTrial:
     e.pop("name", None)
     ev = EvalSpec(text=_text(e.pop("text")), **e)
     threads = config["engine"]["threads"] or int(config["cluster"]["num_cpus_per_trial"])
+    speculative = _speculative(config, model)
     batching = BatchingSpec(**config["batching"]) if "batching" in config else BatchingSpec()
     slo = SLOSpec(**config["slo"]) if "slo" in config else SLOSpec()
     return EngineTrial(model=model, optimization=opt, quant=quant, workload=workload, eval=ev, seed=config["seed"], threads=threads,
+                       speculative=speculative,
                        serving=serving, batching=batching, slo=slo)
 
 
@@ -114,6 +117,49 @@ def _serving(w: dict[str, Any]) -> ServingSpec:
     return ServingSpec(**lens, **w)
 
 
+def _speculative(config: dict[str, Any], target: ModelSpec) -> SpeculativeSpec:
+    s = dict(config.get("speculative") or {})
+    d = dict(s.pop("draft_model", None) or {})
+    draft = None
+    if d.get("path"):  # a tiny:// draft takes the target's tiny shape (tests, smoke runs)
+        draft = ModelSpec(name=d.get("name") or d["path"], path=d["path"], dtype=d.get("dtype") or target.dtype,
+                          revision=d.get("revision"), tiny=target.tiny)
+    return SpeculativeSpec(draft_model=draft, **s)
+
+
+# Keys with no effect given the method (speculative=off has no k): `normalize` resets them to their defaults,
+# so `speculative=off,self-draft speculative.k=2,4` expands to one off trial and two self-draft trials.
+SPECULATIVE_USES = {"off": (), "self-draft": ("k", "draft_layers"), "draft": ("k", "draft_model"),
+                    "prompt-lookup": ("k", "prompt_lookup_min", "prompt_lookup_max")}
+
+
+def inert_keys(config: dict[str, Any]) -> list[str]:
+    """Dotted config keys whose value cannot change what this trial measures."""
+    s = config.get("speculative") or {}
+    uses = SPECULATIVE_USES.get(s.get("method"))
+    if uses is None:  # unknown method: validation reports it
+        return []
+    return [f"speculative.{k}" for k in s if k != "method" and k not in uses]
+
+
+def normalize(config: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
+    """(config with its inert keys reset to the schema's defaults, the inert keys)."""
+    import copy
+    import dataclasses
+
+    from . import schema
+
+    inert = inert_keys(config)
+    if not inert:
+        return config, inert
+    out = copy.deepcopy(config)
+    defaults = dataclasses.asdict(schema.SpeculativeConf())
+    for key in inert:
+        leaf = key.split(".", 1)[1]
+        out["speculative"][leaf] = copy.deepcopy(defaults[leaf])
+    return out, inert
+
+
 # engine field path -> config key, for error messages in the user's vocabulary
 ENGINE_TO_CONFIG = {
     "optimization.backend": "engine.backend",
@@ -121,6 +167,7 @@ ENGINE_TO_CONFIG = {
     "optimization.kv_cache": "kv_cache (kv_cache.mode)",
     "optimization.kv_block_size": "kv_cache.block_size",
     "threads": "engine.threads",
+    "speculative.method": "speculative (speculative.method)",
     "optimization.prefix_caching": "kv_cache.prefix_caching",
     "optimization.kv_num_blocks": "kv_cache.num_blocks",
 }

@@ -72,12 +72,14 @@ class NativeSession:
 class NativeBackend:
     name = "native"
 
-    def __init__(self, loaded: LoadedModel, opt: OptimizationSpec):
+    def __init__(self, loaded: LoadedModel, opt: OptimizationSpec, num_layers: int | None = None):
+        """`num_layers`: run only the first blocks + final norm + LM head (weights shared with `loaded`;
+        sessions get their own, smaller KV caches): the self-speculative draft."""
         if opt.kv_cache not in KV_CACHE_MODES:
             raise EngineError(f"kv_cache {opt.kv_cache!r} unknown; choose one of {KV_CACHE_MODES}")
         self.loaded, self.opt = loaded, opt
         self.device = loaded.device
-        self.model = Transformer.from_hf(loaded.model).eval()
+        self.model = Transformer.from_hf(loaded.model, num_layers=num_layers).eval()
         self.dtype = self.model.embed_tokens.weight.dtype
         self.kernel = make_attention(opt.attention, self.device)
         self.decode_step = self.model

@@ -12,6 +12,7 @@ different lengths and positions over a paged pool (varlen.py).
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -162,10 +163,16 @@ class Transformer(nn.Module):
         self.register_buffer("inv_freq", inv_freq, persistent=False)  # [D/2] float32
 
     @classmethod
-    def from_hf(cls, hf_model) -> "Transformer":
-        """Wrap a loaded transformers Llama-family model; every weight is the HF model's own tensor."""
+    def from_hf(cls, hf_model, num_layers: int | None = None) -> "Transformer":
+        """Wrap a loaded transformers Llama-family model; every weight is the HF model's own tensor.
+        `num_layers` keeps only the first blocks (then the final norm and LM head): an early-exit model
+        sharing all its weights with the full one, e.g. a self-speculative draft."""
         config = hf_model.config
         args = ModelArgs.from_hf(config)
+        if num_layers is not None:
+            if not 1 <= num_layers <= args.num_layers:
+                raise EngineError(f"num_layers must be in [1, {args.num_layers}], got {num_layers}")
+            args = dataclasses.replace(args, num_layers=num_layers)
         params: dict = {name: p for name, p in hf_model.named_parameters(remove_duplicate=False)}
         projections = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "lm_head")
         params.update({f"{name}#module": m for name, m in hf_model.named_modules() if name.split(".")[-1] in projections})

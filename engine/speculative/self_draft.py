@@ -1,0 +1,27 @@
+"""`self-draft`: the target's own first N decoder blocks, then its final norm and LM head, as the draft.
+
+Early exit (the idea of LayerSkip / Draft&Verify, here without any training): no second model and no
+extra weights -- every module is the target's -- but a KV cache of its own (N layers). It works with any
+Llama-family checkpoint, so SmolLM2 alone suffices. Its cost per token is about (N/L of the blocks + the
+LM head) of a target step, and its acceptance depends on how much of the final prediction the first N
+blocks already hold, which an untrained exit does not promise.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+from ..config import EngineError, OptimizationSpec
+from ..models import LoadedModel
+
+
+def self_draft_backend(loaded: LoadedModel, opt: OptimizationSpec, num_layers: int):
+    """A native backend over the first `num_layers` blocks of `loaded` (weights shared with the target).
+    The draft's cache follows the target's native layout (contiguous or paged); contiguous otherwise."""
+    from ..native.backend import NativeBackend
+
+    total = int(getattr(loaded.config, "num_hidden_layers", 0) or 0)
+    if not 1 <= num_layers < total:
+        raise EngineError(f"speculative.draft_layers must be in [1, {total}) for this {total}-layer model, got {num_layers}")
+    kv = opt.kv_cache if (opt.backend == "native" and opt.kv_cache in ("contiguous", "paged")) else "contiguous"
+    draft_opt = dataclasses.replace(opt, backend="native", kv_cache=kv)
+    return NativeBackend(loaded, draft_opt, num_layers=num_layers)
