@@ -62,7 +62,8 @@ def cmd_sync(args) -> int:
     with serving(tracking) as live:
         rep = sync(live)
     print(f"uploaded {rep.uploaded} result(s), {rep.skipped} already present, {rep.failed} failed; "
-          f"{rep.sweeps} sweep(s) complete")
+          f"{rep.sweeps} sweep(s) complete" + (f"; dropped {rep.duplicates} duplicate(s) of FINISHED hashes"
+                                               if rep.duplicates else ""))
     for e in rep.errors:
         print(f"  error: {e}", file=sys.stderr)
     return 1 if rep.failed else 0

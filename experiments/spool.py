@@ -124,6 +124,7 @@ class Recorder:
         self.spooled = 0
         self._lock = threading.Lock()
         self._pending: list[Future] = []
+        self.dedupe_on_sync = False
         # Several writer threads only talk to a server (which serializes what its store needs); a
         # direct SQLite store keeps one writer.
         writers = int(tracking.get("writers") or 1)
@@ -166,7 +167,14 @@ class Recorder:
 
     # --- the driver's calls ----------------------------------------------------------------------------
     def finished_hashes(self, exp_name: str) -> set[str]:
+        """FINISHED hashes in the store and the spool. If the store cannot be asked, the results of this
+        sweep are marked so that `sync` drops those whose hash turns out FINISHED already (never two
+        FINISHED runs of one hash without --force)."""
         found, ok = self._try(self.tracker.finished_hashes, exp_name) if self.tracker else (None, False)
+        if not ok:
+            self.dedupe_on_sync = True
+            self.echo("warning: could not read which trials already FINISHED; running all of them -- "
+                      "`infersweep sync` drops results whose hash is FINISHED in the store by then")
         return (found or set()) | self.spool.finished_hashes(exp_name)
 
     def reap_stale_sweeps(self, exp_name: str) -> int:
@@ -196,7 +204,9 @@ class Recorder:
                                 extra_tags, record_id)
             if ok:
                 return rid
-        self.spool.write_trial(sweep_id, trial_record(exp_name, spec, outcome, parent_run_id, sweep_id, extra_tags, record_id))
+        rec = trial_record(exp_name, spec, outcome, parent_run_id, sweep_id, extra_tags, record_id)
+        rec["skip_if_finished"] = self.dedupe_on_sync
+        self.spool.write_trial(sweep_id, rec)
         with self._lock:
             self.spooled += 1
         return None
@@ -227,6 +237,7 @@ class Recorder:
 class SyncReport:
     uploaded: int = 0
     skipped: int = 0  # already in the store (an earlier sync got that far)
+    duplicates: int = 0  # dropped: their hash was FINISHED in the store already (see Recorder.finished_hashes)
     failed: int = 0
     sweeps: int = 0
     errors: list[str] = dataclasses.field(default_factory=list)
@@ -243,6 +254,13 @@ def sync(tracking: dict[str, Any], echo=print) -> SyncReport:
     spool = Spool(spool_root(tracking))
     tracker = Tracker(tracking)
     rep = SyncReport()
+    finished_by_exp: dict[str, set[str]] = {}
+
+    def finished(exp_name: str) -> set[str]:
+        if exp_name not in finished_by_exp:
+            finished_by_exp[exp_name] = tracker.finished_hashes(exp_name)
+        return finished_by_exp[exp_name]
+
     for sweep_id in spool.sweeps():
         sdir = spool.sweep_dir(sweep_id)
         srec = spool.read_sweep(sweep_id)
@@ -260,12 +278,16 @@ def sync(tracking: dict[str, Any], echo=print) -> SyncReport:
                 existing = tracker.find_record(rec["exp_name"], rec["record_id"])
                 if any(_complete(r) for r in existing):
                     rep.skipped += 1
+                elif rec.get("skip_if_finished") and rec["outcome"]["config_hash"] in finished(rec["exp_name"]):
+                    rep.duplicates += 1  # ran while the store could not say it was done: keep the first
                 else:
                     for r in existing:  # half-written by a write that broke off: replace it
                         tracker.client.delete_run(r.info.run_id)
                     tracker.log_trial(rec["exp_name"], _spec(rec), _outcome(rec), rec.get("parent_run_id") or parent,
                                       rec.get("sweep_id"), rec.get("extra_tags"), rec["record_id"])
                     rep.uploaded += 1
+                    if rec["outcome"]["status"] == "FINISHED" and rec["exp_name"] in finished_by_exp:
+                        finished_by_exp[rec["exp_name"]].add(rec["outcome"]["config_hash"])
                 path.unlink()
             except Exception as e:
                 rep.failed += 1

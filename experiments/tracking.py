@@ -128,6 +128,7 @@ class Tracker:
             os.environ["MLFLOW_HTTP_REQUEST_MAX_RETRIES"] = str(int(tracking.get("request_retries", 2)))
             os.environ["MLFLOW_HTTP_REQUEST_TIMEOUT"] = str(int(max(1, tracking.get("request_timeout_s", 10))))
             os.environ.setdefault("MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR", "1")
+            os.environ.setdefault("MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT", "true")  # no line per run on stdout
         self.client = MlflowClient(tracking_uri=self.uri)
         self._exp_ids: dict[str, str] = {}
         self._exp_lock = threading.Lock()

@@ -66,6 +66,25 @@ def test_unreachable_server_spools_and_sync_uploads_exactly_once(mlflow_server, 
     assert res2.skipped == 4 and not res2.failed
 
 
+def test_results_of_a_blind_resume_never_duplicate_a_finished_hash(mlflow_server, tmp_path, capsys, monkeypatch):
+    """Store unreachable at start: the sweep cannot know what FINISHED, runs all, spools; sync keeps the
+    first FINISHED run of each hash."""
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "2")
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_TIMEOUT", "10")
+    base = TINY + [f"tracking.spool_dir={tmp_path}", "sweep_name=t-dedupe", "seed=0,1"]
+    first = run_sweep(base + [f"tracking.uri={mlflow_server}"], in_process=True, echo=lambda *_: None)
+    assert [r["status"] for r in first.rows] == ["FINISHED"] * 2
+    lines = []
+    blind = run_sweep(base + [f"tracking.uri=http://127.0.0.1:{free_port()}", "tracking.request_retries=0",
+                              "tracking.request_timeout_s=2", "seed=0,1,2"], in_process=True, echo=lines.append)
+    assert blind.spooled == 3 and any("could not read which trials already FINISHED" in ln for ln in lines)
+    assert main(["sync", f"tracking.uri={mlflow_server}", f"tracking.spool_dir={tmp_path}"]) == 0
+    assert "uploaded 1 result(s)" in capsys.readouterr().out
+    trials, _ = _trials(_client(mlflow_server), "t-dedupe")
+    fin = [r.data.tags["config_hash"] for r in trials if r.info.status == "FINISHED"]
+    assert len(fin) == 3 and len(set(fin)) == 3
+
+
 def test_parallel_writer_threads_record_each_trial_once(mlflow_server, tmp_path):
     over = TINY + [f"tracking.uri={mlflow_server}", f"tracking.spool_dir={tmp_path}", "tracking.writers=4",
                    "sweep_name=t-writers", "seed=range(0,6)"]
