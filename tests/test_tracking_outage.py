@@ -196,7 +196,7 @@ def postgres(tmp_path_factory):
 
 
 def test_tracking_postgres_config_behind_mlflow_server(postgres, tmp_path):
-    over = TINY + ["tracking=postgres", f"tracking.uri={postgres}", "tracking.workers=2",
+    over = TINY + ["tracking=postgres", f"tracking.uri={postgres}", "tracking.workers=1",
                    f"tracking.artifact_root={tmp_path}/art", f"tracking.spool_dir={tmp_path}/spool",
                    "sweep_name=t-postgres", "kv_cache=off,contiguous"]
     res = run_sweep(over, in_process=True, echo=lambda *_: None)
