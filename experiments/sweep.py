@@ -139,7 +139,7 @@ def run_specs(
                     todo,
                     placement_for=lambda s: placement(s.config["cluster"]),
                     on_result=record,
-                    key_for=lambda s: model_key(s.config) if s.config["cluster"].get("warm_workers", True) else s.index,
+                    key_for=lambda s: model_key(s.config) if s.config["cluster"].get("warm_workers", True) else None,
                     desc=sweep_name,
                     placement_timeout_s=float(first["cluster"].get("placement_timeout_s", 600)),
                     on_start=(lambda s, meta: on_start(s, meta)) if on_start else None,
