@@ -182,7 +182,7 @@ def flash_short(t: Trials) -> Optional[Finding]:
         return None
     eager, fused = p
     r = _ratio(eager.num("output_tok_s"), fused.num("output_tok_s"))
-    measured = f"x{r:.2f} end-to-end at context {ctx}, batch {eager.batch_size}"
+    measured = f"x{r:.2f} end-to-end at context {ctx}, batch {eager.batch_size}" + (" (fused slower here)" if r < 0.9 else "")
     return Finding(measured, YES if r < 1.2 else (PARTLY if r < 1.5 else NO), [eager, fused])
 
 

@@ -101,7 +101,7 @@ def cmd_report(args) -> int:
 
     try:
         rep = build(args.sweep, _tracking(args.overrides), baseline=args.baseline, out_dir=args.out,
-                    log_artifacts=not args.no_log, claims=True if args.claims else None)
+                    log_artifacts=not args.no_log, claims=True if args.claims else None, all_trials=args.all)
     except (NotFound, ValueError) as e:
         raise SweepError([str(e)]) from None
     print(text_table(rep.lines))
@@ -199,6 +199,8 @@ def build_parser() -> argparse.ArgumentParser:
     rep.add_argument("--out", default=None, help="output folder (default: reports/<SWEEP>/)")
     rep.add_argument("--claims", action="store_true", help="add the seed-claims table (automatic for seed-claims)")
     rep.add_argument("--no-log", action="store_true", help="do not log the report to the sweep's parent run")
+    rep.add_argument("--all", action="store_true",
+                     help="every configuration ever run in the experiment (default: the latest sweep's trials)")
     rep.set_defaults(fn=cmd_report)
     u = sub.add_parser("ui", help="start the MLflow UI on the project's store (127.0.0.1)")
     u.add_argument("overrides", nargs="*", help="tracking.* overrides")

@@ -384,6 +384,7 @@ def build(
     log_artifacts: bool = True,
     claims: Optional[bool] = None,
     progress: bool = True,
+    all_trials: bool = False,
 ) -> Report:
     """Read `ref` from MLflow, write the report files, log them to the sweep's parent run."""
     from mlflow.tracking import MlflowClient
@@ -400,7 +401,7 @@ def build(
         bar.update(1)
 
     client = MlflowClient(tracking_uri=resolve_uri(tracking["uri"]))
-    sel = load(client, ref)
+    sel = load(client, ref, all_trials=all_trials)
     done("read runs")
     ax_keys = axes(sel.finished) if len(sel.finished) > 1 else []
     spec = parse_baseline(baseline)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Iterable, Optional
 
 from .tracking import PARENT_TAG
@@ -129,15 +130,35 @@ def newest_per_hash(rows: Iterable[TrialRow]) -> list[TrialRow]:
     return sorted(best.values(), key=lambda r: (int(r.tags.get("trial_index", 0) or 0), r.start_ms))
 
 
-def load(client, ref: str) -> Selection:
-    """Resolve `ref` (experiment name, sweep id or its prefix, parent run id) into its trial rows."""
+def _planned_hashes(client, parent_run_id: str) -> Optional[set[str]]:
+    """Short config hashes a sweep planned (its `trials.txt`: one `HASH label` line per trial)."""
+    import tempfile
+
+    try:
+        with tempfile.TemporaryDirectory() as tmp:
+            text = Path(client.download_artifacts(parent_run_id, "trials.txt", tmp)).read_text()
+    except Exception:  # an older sweep run without the artifact
+        return None
+    hashes = {line.split()[0] for line in text.splitlines() if line.strip()}
+    return hashes if hashes and len({len(h) for h in hashes}) == 1 else None
+
+
+def load(client, ref: str, all_trials: bool = False) -> Selection:
+    """Resolve `ref` (experiment name, sweep id or its prefix, parent run id) into its trial rows.
+
+    For an experiment name: the trials the latest sweep planned, newest FINISHED run per hash (a resumed
+    sweep skips what already finished, so those come from earlier sweeps); `all_trials`: every config
+    ever run in the experiment."""
     from mlflow.entities import ViewType
 
     exp = client.get_experiment_by_name(ref)
     if exp is not None:
         sweeps = _search(client, [exp.experiment_id], "tags.kind = 'sweep'", ["attributes.start_time DESC"])
-        runs = _search(client, [exp.experiment_id], "tags.kind = 'trial'")
-        sel = Selection(ref, exp.name, exp.experiment_id, newest_per_hash(map(_row, runs)))
+        runs = list(map(_row, _search(client, [exp.experiment_id], "tags.kind = 'trial'")))
+        planned = _planned_hashes(client, sweeps[0].info.run_id) if sweeps and not all_trials else None
+        if planned:  # the latest sweep's plan; trials it skipped as already FINISHED come from earlier sweeps
+            runs = [r for r in runs if r.tags.get("config_hash", "")[:len(next(iter(planned)))] in planned]
+        sel = Selection(ref, exp.name, exp.experiment_id, newest_per_hash(runs))
         sel.parent_run_id = sweeps[0].info.run_id if sweeps else None
         sel.sweep_ids = sorted({r.tags["sweep_id"] for r in sel.rows if r.tags.get("sweep_id")})
         if not sel.rows:

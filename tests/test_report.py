@@ -230,3 +230,15 @@ def test_quantization_claims_from_constructed_trials():
     assert out["quant-naive-w8a8"].holds == "yes"  # +20% ppl at 2048 ("crashes accuracy")
     assert out["quant-long-context"].holds == "yes" and "int8-dynamic" in out["quant-long-context"].measured
     assert out["quant-int4"].holds == ABSENT  # quant exists, but no 4-bit trial here
+
+
+def test_experiment_report_covers_the_latest_sweeps_plan_including_resumed_trials(ray_local, tiny_overrides, tracking, tmp_path):
+    quiet = lambda *_: None  # noqa: E731
+    run_sweep(tiny_overrides + ["sweep_name=t-scope", "kv_cache=off,contiguous"], echo=quiet)
+    second = run_sweep(tiny_overrides + ["sweep_name=t-scope", "kv_cache=off,contiguous", "attention=eager,sdpa"], echo=quiet)
+    assert second.skipped == 2  # resume: the sdpa trials already FINISHED in the first sweep
+    rep = build("t-scope", tracking, out_dir=tmp_path, log_artifacts=False, progress=False)
+    assert len(rep.lines) == 4 and len(rep.selection.sweep_ids) == 2
+    run_sweep(tiny_overrides + ["sweep_name=t-scope", "kv_cache=off,contiguous", "workload.context_len=32"], echo=quiet)
+    assert len(build("t-scope", tracking, out_dir=tmp_path, log_artifacts=False, progress=False).lines) == 2
+    assert len(build("t-scope", tracking, out_dir=tmp_path, log_artifacts=False, progress=False, all_trials=True).lines) == 6
