@@ -152,18 +152,37 @@ class LoadedModel:
 
 
 def weights_bytes(module: torch.nn.Module) -> int:
-    """Bytes of what a checkpoint of `module` holds (its state dict) at the stored dtypes, so quantized
-    weights and their scales count at their real size; tied/shared tensors count once."""
+    """Bytes of what a checkpoint of `module` holds at the stored dtypes: parameters, persistent buffers
+    and bitsandbytes' quantization statistics (int8 `SCB`, 4-bit `quant_state`), so quantized weights
+    count at their real size; tied/shared tensors count once.
+
+    Not via `state_dict()`: on CPU, bitsandbytes 0.50's 4-bit `_save_to_state_dict` rewrites the live
+    packed weights, after which the model computes garbage (measured: SmolLM2 nf4 ppl 112 -> 1e8)."""
     seen: set[tuple[int, int]] = set()
     total = 0
-    for t in module.state_dict(keep_vars=True).values():
+
+    def add(t) -> None:
+        nonlocal total
         if not isinstance(t, torch.Tensor):
-            continue
+            return
         key = (t.data_ptr(), t.numel() * t.element_size())
-        if key in seen:
-            continue
-        seen.add(key)
-        total += key[1]
+        if key not in seen:
+            seen.add(key)
+            total += key[1]
+
+    for m in module.modules():
+        for p in m._parameters.values():
+            add(p)
+        for name, buf in m._buffers.items():
+            if name not in m._non_persistent_buffers_set:
+                add(buf)
+        w = m._parameters.get("weight")
+        add(getattr(w, "SCB", None))
+        qs = getattr(w, "quant_state", None)
+        while qs is not None:  # 4-bit: absmax + code (+ nested double-quantization state)
+            add(getattr(qs, "absmax", None))
+            add(getattr(qs, "code", None))
+            qs = getattr(qs, "state2", None)
     return total
 
 
@@ -294,7 +313,9 @@ def load_model(
     if quant.level in BNB_LEVELS:
         _silence_bnb_cast_warning()
         with torch.device("meta"):
-            names = [n for n, _ in AutoModelForCausalLM.from_config(cfg, **kwargs).named_modules()]
+            # from_config takes no revision (the config is already resolved); only remote-code trust
+            meta = AutoModelForCausalLM.from_config(cfg, trust_remote_code=spec.trust_remote_code)
+            names = [n for n, _ in meta.named_modules()]
         model = AutoModelForCausalLM.from_pretrained(
             path, dtype=dtype, attn_implementation=impl, device_map=device,
             quantization_config=bnb_config(quant, num_layers, names), **kwargs,
