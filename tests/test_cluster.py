@@ -234,7 +234,8 @@ def test_ctrl_c_then_resume_skips_finished_and_force_reruns(two_node, mlflow_ser
     c, _ = two_node
     args = [sys.executable, "-m", "experiments.cli", "sweep", *TINY, *SLOW, f"tracking.uri={mlflow_server}",
             f"tracking.spool_dir={tmp_path}", f"cluster.address={c.address}", "+cluster.resources.pool=1",
-            "sweep_name=t-resume", "seed=range(0,6)"]
+            "sweep_name=t-resume", "seed=range(0,6)",
+            "workload.repeats=8"]  # ~8x longer trials: on a quiet machine the sweep must still be mid-way at SIGINT
     env = dict(os.environ, PYTHONPATH=str(PROJECT_ROOT))
     proc = subprocess.Popen(args, cwd=PROJECT_ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     deadline = time.monotonic() + 120
