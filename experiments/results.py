@@ -66,7 +66,8 @@ class TrialRow:
         name = self.tags.get("env.device_name") or self.tags.get("env.cpu") or "?"
         parts = [name]
         if self.device.startswith("cpu") and self.tags.get("env.torch_threads"):
-            parts.append(f"{self.tags['env.torch_threads']} threads")
+            n = self.tags["env.torch_threads"]
+            parts.append(f"{n} thread{'' if n == '1' else 's'}")
         bw, fl = self.num("hw_mem_bw"), self.num("hw_flops")
         if bw and fl:
             parts.append(f"{bw / 1e9:.0f} GB/s, {fl / 1e9:.0f} GFLOP/s")
