@@ -90,8 +90,8 @@ def main(argv=None) -> int:
     p.add_argument("--no-write", action="store_true")
     p.add_argument("--out", default=str(ROOT / "BENCHMARKS.md"))
     p.add_argument("--max-foreign", type=float, default=0.15)
-    p.add_argument("--retries", type=int, default=1)
-    p.add_argument("--max-wait", type=float, default=60.0)
+    p.add_argument("--retries", type=int, default=2)
+    p.add_argument("--max-wait", type=float, default=120.0, help="seconds to wait for a quiet machine per attempt")
     a = p.parse_args(argv)
     command = "python benchmarks/bench_speculative.py" + (" " + shlex.join(a.overrides) if a.overrides else "")
     specs = expand(["experiment=speculative", *a.overrides])
@@ -161,15 +161,21 @@ def main(argv=None) -> int:
             if s.config["workload"]["prompt_style"] != style or s.config["speculative"]["method"] == "off":
                 continue
             m = r["m"]
+            busy = " †" if m["foreign_cpu"] > a.max_foreign else ""
             method, depth, k = label(s.config)
             same = "yes" if r["toks"] == off["toks"] else "**no**"
             vr = m.get("verify_forward_ms")
             L.append(f"| {method} | {depth or '—'} | {k} | {f(m.get('acceptance_rate'))} | {f(m.get('tokens_per_step'))} "
                      f"| {f(m.get('predicted_tokens_per_step'))} | {f(m.get('draft_tokens_per_step'))} "
                      f"| {f(m.get('draft_cost_ratio'), '.3f')} | {f(m.get('draft_forward_ms'), '.1f')} | {f(vr, '.1f')} "
-                     f"| {f(vr / om['tpot_ms_mean'] if vr else None)} | {m['tpot_ms_mean']:.1f} "
+                     f"| {f(vr / om['tpot_ms_mean'] if vr else None)} | {m['tpot_ms_mean']:.1f}{busy} "
                      f"| **{f(speedups.get(s.config_hash))}×** | {same} |")
         L.append("")
+    L.append(f"† other processes used more than {100 * a.max_foreign:.0f}% of the CPU during that trial, after "
+             f"{a.retries} re-measurements: its clocks are inflated. Speedup = tpot(off) / tpot(trial) "
+             "(`experiments.speculative.speculative_speedups`); c = draft time per drafted token / verify time "
+             "per step; \"verify / off step\" = one verification forward over 1 + k' tokens / one plain decode step.")
+    L.append("")
     section = "\n".join(L) + "\n"
     print("\n" + section)
     if not a.no_write:

@@ -394,3 +394,22 @@ def test_speedup_over_the_matching_off_trial():
             row("pl-r", "prompt-lookup", "2", "repeat", 50.0), row("pl-w", "prompt-lookup", "8", "window", 120.0)]
     assert speculative_speedups(rows) == {"pl-r": 2.0, "pl-w": 0.75}
     assert speculative_speedups(rows[2:]) == {}  # no off trial in the sweep: no speedup
+
+
+@pytest.mark.slow
+def test_smollm2_greedy_speculation_equals_greedy_decoding():
+    """The real model, native paged cache: prompt lookup on the repeat workload (which it accepts often) and a
+    24-layer self-draft both give exactly the greedy tokens."""
+    from engine.models import load_model
+    from engine.workload import workload_prompts
+
+    smol = load_model(ModelSpec(name="smollm2-135m-instruct", path="prepared://smollm2-135m-instruct"))
+    o = OptimizationSpec(backend="native", kv_cache="paged", kv_block_size=16)
+    be = make_backend(smol, o)
+    prompt = workload_prompts(smol.tokenizer, WorkloadSpec(context_len=160, prompt_style="repeat"))
+    n, max_len = 24, 160 + 24
+    ref = generate(be.new_session(1, max_len), prompt, n, GREEDY, 0, NO_SYNC).tokens
+    for d, k in ((PromptLookupDrafter(1, 3, CPU), 4), (SessionDrafter(self_draft_backend(smol, o, 24).new_session(1, max_len), CPU), 3)):
+        tr = generate_speculative(be.new_session(1, max_len), d, prompt, n, k, GREEDY, 0, NO_SYNC)
+        assert torch.equal(tr.tokens, ref), type(d).__name__
+        assert tr.extra["speculative"].accepted > 0
