@@ -104,7 +104,7 @@ def test_seed_claims_sweep_and_claims_table(ray_local, tiny_overrides, tracking,
     rep = build("t-seed-claims", tracking, out_dir=tmp_path, claims=True, progress=False)
     rows = {c.name: c for c in rep.claims}
     kv = rows["kv-speedup"]
-    assert kv.holds in ("yes", "partly", "no") and "decode at context 2048" in kv.measured and "threads" in kv.hardware
+    assert kv.holds in ("yes", "partly", "no") and "decode at context 2048" in kv.measured and "thread" in kv.hardware
     assert rows["flash-memory"].holds in ("yes", "partly", "no") and "attention scratch" in rows["flash-memory"].measured
     assert rows["flash-short"].holds == ABSENT  # no eager trial at 128 in this subset
     for name in ("spec-formula", "spec-speedup", "continuous-batching"):  # no such trials (or no such feature yet)
