@@ -260,13 +260,22 @@ def speculative_formula(t: Trials) -> Optional[Finding]:
         return None
     r = rows[0]
     got, want = r.num("tokens_per_step"), r.num("predicted_tokens_per_step")
-    measured = f"{got:.2f} tokens/step vs formula {want:.2f} (alpha={r.num('acceptance_rate') or 0:.2f})"
+    measured = (f"{got:.2f} tokens/step vs formula {want:.2f} ({_spec_desc(r)}, "
+                f"alpha={r.num('acceptance_rate') or 0:.2f})")
     err = abs(got / want - 1)
     return Finding(measured, YES if err <= 0.1 else (PARTLY if err <= 0.25 else NO), [r])
 
 
 def _speculative_on(v: Optional[str]) -> bool:
     return v not in (None, "off", "none")
+
+
+def _spec_desc(r: TrialRow) -> str:
+    """`prompt-lookup k=4, repeat workload, context 256`: what a speculative number was measured on."""
+    method = r.params.get("speculative.method", "?")
+    extra = f" ({r.params.get('speculative.draft_layers')} layers)" if method == "self-draft" else ""
+    return (f"{method}{extra} k={r.params.get('speculative.k', '?')}, "
+            f"{r.params.get('workload.prompt_style', 'window')} workload, context {r.context_len}")
 
 
 def speculative_speedup(t: Trials) -> Optional[Finding]:
@@ -276,7 +285,9 @@ def speculative_speedup(t: Trials) -> Optional[Finding]:
             if s is None:
                 continue
             r = _ratio(base.num("output_tok_s"), s.num("output_tok_s"))
-            return Finding(f"{s.params.get(key)}: x{r:.2f} output tok/s", _range_verdict(r, 2), [base, s])
+            measured = (f"x{r:.2f} output tok/s ({_spec_desc(s)}: {base.num('output_tok_s'):.1f} -> "
+                        f"{s.num('output_tok_s'):.1f} tok/s, alpha={s.num('acceptance_rate') or 0:.2f})")
+            return Finding(measured, _range_verdict(r, 2), [base, s])
     return None
 
 
