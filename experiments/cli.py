@@ -7,6 +7,7 @@ import os
 import shutil
 import subprocess
 import sys
+import textwrap
 
 from .compose import SweepError
 
@@ -14,7 +15,9 @@ EPILOG = """\
 overrides are Hydra overrides: group choices (kv_cache=off, attention=eager, model=tiny-llama),
 keys (workload.context_len=512, cluster.address=auto), comma lists that fan out a sweep
 (kv_cache=off,contiguous attention=eager,sdpa), and experiment=NAME for a whole sweep file
-in conf/experiment/. Groups: model attention kv_cache engine workload batching eval cluster tracking experiment.
+in conf/experiment/.
+
+{groups}
 
 examples:
   infersweep sweep experiment=quickstart
@@ -27,6 +30,19 @@ examples:
   infersweep report quickstart                              # table, plots, advice -> reports/quickstart/
   infersweep ui
 """
+
+
+def _groups_help() -> str:
+    """`group: option, option` for every config group in conf/, read from disk so it never goes stale."""
+    from .compose import conf_dir
+
+    lines = ["groups and their options:"]
+    for d in sorted(p for p in conf_dir().iterdir() if p.is_dir()):
+        options = sorted(f.stem for f in d.glob("*.yaml"))
+        if options:
+            lines.append(textwrap.fill(f"{d.name}: {', '.join(options)}", 100, initial_indent="  ",
+                                       subsequent_indent="      "))
+    return "\n".join(lines)
 
 
 def _tracking(overrides: list[str]) -> dict:
@@ -165,16 +181,17 @@ def cmd_prepare(args) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    epilog = EPILOG.format(groups=_groups_help())
     p = argparse.ArgumentParser(
         prog="infersweep",
         description="Measure the LLM inference optimization chain: Hydra sweeps, run on Ray, recorded in MLflow.",
-        epilog=EPILOG,
+        epilog=epilog,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     sub = p.add_subparsers(dest="command", required=True)
     s = sub.add_parser("sweep", help="fan out a sweep over Ray and record every trial in MLflow",
-                       epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+                       epilog=epilog, formatter_class=argparse.RawDescriptionHelpFormatter)
     s.add_argument("overrides", nargs="*", help="Hydra overrides (comma lists sweep)")
     s.add_argument("--in-process", action="store_true", help="run trials in this process instead of on Ray (debugging)")
     s.add_argument("--force", action="store_true",

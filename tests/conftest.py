@@ -17,7 +17,7 @@ def ray_local():
     import ray
 
     if not ray.is_initialized():
-        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, logging_level="WARNING")
+        ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False, logging_level="WARNING")
     yield ray
     ray.shutdown()
 
