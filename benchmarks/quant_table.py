@@ -32,19 +32,23 @@ def main() -> None:
     env = runs[0].data.tags
     print(f"sweep {parent.data.tags.get('sweep_id')} on {env.get('env.device_name', '?')}, "
           f"torch threads {env.get('env.torch_threads', '?')}\n")
-    print("| quant | context | decode tok/s | vs none | weights MB | kl_div_mean | kl_div_p99 | top1 | ppl | ppl_ratio |")
-    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    print("| quant | context | prefill tok/s | vs none | decode tok/s | vs none | weights MB | kl_div_mean | kl_div_p99 | top1 | ppl | ppl_ratio |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for lvl in LEVELS:
         for c in ctxs:
             m = cells.get((lvl, c))
             if not m:
                 continue
             if m["status"] != "FINISHED":
-                print(f"| {lvl} | {c} | {m['status']} |||||||")
+                print(f"| {lvl} | {c} | {m['status']} ||||||||||")
                 continue
-            base = cells.get(("none", c), {}).get("decode_tok_s")
-            rel = f"{m['decode_tok_s'] / base:.2f}x" if base else "-"
-            print(f"| {lvl} | {c} | {m['decode_tok_s']:.1f} | {rel} | {m['weights_bytes'] / 1e6:.0f} | "
+            ref = cells.get(("none", c), {})
+
+            def rel(key: str) -> str:
+                return f"x{m[key] / ref[key]:.2f}" if ref.get(key) else "-"
+
+            print(f"| {lvl} | {c} | {m['prefill_tok_s']:.0f} | {rel('prefill_tok_s')} | {m['decode_tok_s']:.2f} | "
+                  f"{rel('decode_tok_s')} | {m['weights_bytes'] / 1e6:.0f} | "
                   f"{m['kl_div_mean']:.4f} | {m['kl_div_p99']:.4f} | {m['top1_agreement']:.3f} | {m['ppl']:.2f} | {m['ppl_ratio']:.4f} |")
     print("\nLong-context trap: KL at the longest context / KL at the shortest, per level")
     trend = defaultdict(dict)

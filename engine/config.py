@@ -14,6 +14,9 @@ KV_CACHE_MODES = ("off", "contiguous", "paged")
 BACKENDS = ("hf", "native")
 DTYPES = ("float32", "bfloat16", "float16")
 QUANT_LEVELS = ("none", "int8-weight", "int8-dynamic", "bnb-int8", "bnb-nf4", "bnb-fp4")
+# int8-weight matmul: dequant = cast the int8 weight to the activation dtype per call, then a float GEMM;
+# int8pack = torch._weight_int8pack_mm (gpt-fast's op; CPU/MPS only; unvectorized in some CPU builds)
+INT8_KERNELS = ("dequant", "int8pack")
 WORKLOAD_KINDS = ("static", "serving")
 BATCHING_MODES = ("static", "continuous")
 ARRIVALS = ("all-at-once", "fixed-rate", "poisson")
@@ -78,6 +81,7 @@ class QuantSpec:
     compute_dtype: str = "float32"  # bnb 4-bit compute dtype (bfloat16/float16 on GPUs)
     skip_modules: tuple[str, ...] = ("lm_head",)  # fnmatch patterns of module names kept in full precision
     keep_last_layers: int = 0  # mixed precision: the last N decoder layers stay unquantized
+    kernel: str = "dequant"  # int8-weight matmul, one of INT8_KERNELS (see engine/quant.py)
 
     def __post_init__(self):
         object.__setattr__(self, "skip_modules", tuple(self.skip_modules))

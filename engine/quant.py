@@ -2,9 +2,13 @@
 
 Levels
 - `none`: weights at `model.dtype`.
-- `int8-weight`: weight-only INT8, symmetric per output channel; activations stay in float. The matmul
-  runs on torch's `_weight_int8pack_mm` kernel (CPU/MPS; the same op gpt-fast uses) where it exists,
-  otherwise dequantize-then-matmul.
+- `int8-weight`: weight-only INT8, symmetric per output channel; activations stay in float. `kernel`
+  picks the matmul: `dequant` (default: cast the int8 weight to the activation dtype, float GEMM, scale
+  the output; under torch.compile on a GPU the cast fuses into the GEMM's prologue, gpt-fast style) or
+  `int8pack` (torch's `_weight_int8pack_mm`, CPU/MPS). On the pinned torch 2.13 CPU wheel int8pack is
+  2.6x slower than dequant at one row and ~30x slower at 128 rows (it scales linearly in rows, an
+  unblocked loop), so a weight-only trial with it prefills at 1/20 of fp32's speed; BENCHMARKS.md has
+  the micro-benchmark.
 - `int8-dynamic`: INT8 weights + INT8 activations (W8A8): per-token dynamic activation scales, an int8 x
   int8 -> int32 matmul (`torch._int_mm`), rescaled by both scales. No outlier handling: this is the
   "naive activation quantization" the seed warns about.
@@ -28,7 +32,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .config import QUANT_LEVELS, EngineError, QuantSpec  # noqa: F401  (re-exported)
+from .config import INT8_KERNELS, QUANT_LEVELS, EngineError, QuantSpec  # noqa: F401  (re-exported)
 
 BNB_LEVELS = ("bnb-int8", "bnb-nf4", "bnb-fp4")
 OWN_LEVELS = ("int8-weight", "int8-dynamic")
@@ -53,24 +57,24 @@ def quantize_per_channel(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 class WeightOnlyInt8Linear(nn.Module):
     """y = x @ (W_int8 * s)^T + b, with W stored as int8 [out, in] and s float32 [out]."""
 
-    def __init__(self, linear: nn.Linear):
+    def __init__(self, linear: nn.Linear, kernel: str = "dequant"):
         super().__init__()
+        if kernel not in INT8_KERNELS:
+            raise EngineError(f"int8-weight kernel must be one of {INT8_KERNELS}, got {kernel!r}")
         q, s = quantize_per_channel(linear.weight)
         self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.kernel = kernel
         self.register_buffer("weight", q)
         self.register_buffer("scales", s)
         self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach().clone(), requires_grad=False)
-        self._packed_ok = hasattr(torch, "_weight_int8pack_mm")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x [..., in] -> [..., out]
         shape = x.shape
         x2 = x.reshape(-1, shape[-1])
-        if self._packed_ok and x2.dtype in (torch.float32, torch.bfloat16, torch.float16) and x2.device.type in ("cpu", "mps"):
-            try:
-                y = torch._weight_int8pack_mm(x2.contiguous(), self.weight, self.scales.to(x2.dtype))
-            except RuntimeError:
-                self._packed_ok = False
-                y = F.linear(x2, self.weight.to(x2.dtype)) * self.scales.to(x2.dtype)
+        if self.kernel == "int8pack":
+            if x2.device.type not in ("cpu", "mps"):
+                raise EngineError(f"quant.kernel=int8pack runs on CPU/MPS only, not {x2.device.type}; use kernel=dequant")
+            y = torch._weight_int8pack_mm(x2.contiguous(), self.weight, self.scales.to(x2.dtype))
         else:
             y = F.linear(x2, self.weight.to(x2.dtype)) * self.scales.to(x2.dtype)
         if self.bias is not None:
@@ -115,11 +119,12 @@ def quantize_model(model: nn.Module, spec: QuantSpec, num_layers: int) -> int:
     if spec.level not in OWN_LEVELS:
         raise EngineError(f"quantize_model handles {OWN_LEVELS}, not {spec.level!r}")
     cls = SWAPS[spec.level]
+    make = (lambda lin: cls(lin, spec.kernel)) if spec.level == "int8-weight" else cls
     targets = [(n, m) for n, m in model.named_modules() if type(m) is nn.Linear and not skipped(n, spec, num_layers)]
     for name, lin in targets:
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
-        setattr(parent, child, cls(lin))
+        setattr(parent, child, make(lin))
     return len(targets)
 
 

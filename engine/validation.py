@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import os
 
+import torch
+
 from .config import (
     ARRIVALS,
     ATTENTION_IMPLS,
@@ -15,6 +17,7 @@ from .config import (
     DTYPES,
     KV_CACHE_MODES,
     LENGTH_DISTS,
+    INT8_KERNELS,
     QUANT_LEVELS,
     EngineError,
     EngineTrial,
@@ -114,6 +117,10 @@ def check_trial(trial: EngineTrial, gpu_available: bool) -> list[tuple[str, str]
     q = trial.quant
     p += _choice("quant.level", q.level, QUANT_LEVELS)
     p += _choice("quant.compute_dtype", q.compute_dtype, DTYPES)
+    p += _choice("quant.kernel", q.kernel, INT8_KERNELS)
+    if q.level == "int8-weight" and q.kernel == "int8pack":
+        if not hasattr(torch, "_weight_int8pack_mm"):
+            p.append(("quant.kernel", f"int8pack needs torch._weight_int8pack_mm, missing in torch {torch.__version__}"))
     if q.keep_last_layers < 0:
         p.append(("quant.keep_last_layers", f"must be >= 0, got {q.keep_last_layers}"))
     if q.level.startswith("bnb-") and m.dtype != "float32" and not gpu_available:

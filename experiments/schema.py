@@ -54,6 +54,7 @@ class QuantConf:
     compute_dtype: str = "float32"  # bnb 4-bit compute dtype
     skip_modules: List[str] = field(default_factory=lambda: ["lm_head"])  # kept in full precision (fnmatch)
     keep_last_layers: int = 0  # mixed precision: last N decoder layers unquantized
+    kernel: str = "dequant"  # int8-weight matmul: dequant (int8 -> float, then GEMM) | int8pack (torch._weight_int8pack_mm)
 
 
 @dataclass

@@ -6,7 +6,7 @@ import torch
 from torch import nn
 
 from engine import EngineTrial, EvalSpec, ModelSpec, WorkloadSpec, load_model, run_engine_trial
-from engine.config import QuantSpec
+from engine.config import EngineError, QuantSpec
 from engine.fidelity import ReferenceCache
 from engine.models import cache_root, weights_bytes
 from engine.quant import DynamicInt8Linear, WeightOnlyInt8Linear, quantize_per_channel
@@ -64,11 +64,13 @@ def test_quantized_weights_really_are_low_bit():
     assert emb > 0  # tied embedding/lm_head stays full precision (skip_modules default)
 
 
-def test_weight_only_int8_kernel_matches_dequantized_matmul():
+@pytest.mark.parametrize("kernel", ["dequant", "int8pack"])
+@pytest.mark.parametrize("rows", [1, 5, 40])
+def test_weight_only_int8_kernel_matches_dequantized_matmul(kernel, rows):
     torch.manual_seed(0)
     lin = nn.Linear(64, 96, bias=True)
-    q = WeightOnlyInt8Linear(lin)
-    x = torch.randn(5, 64)
+    q = WeightOnlyInt8Linear(lin, kernel=kernel)
+    x = torch.randn(rows, 64)
     qw, s = quantize_per_channel(lin.weight)
     ref = x @ (qw.float() * s[:, None]).t() + lin.bias
     torch.testing.assert_close(q(x), ref, atol=1e-4, rtol=1e-4)
@@ -157,3 +159,24 @@ def test_native_backend_inherits_every_quantization_level(level):
     assert native.token_ids == hf.token_ids
     assert native.metrics["weights_bytes"] == hf.metrics["weights_bytes"]
     assert native.metrics["ppl"] == pytest.approx(hf.metrics["ppl"], rel=1e-4)
+
+
+def test_int8_kernel_is_a_validated_config_option():
+    from experiments.compose import SweepError, expand
+
+    trials = expand(["model=tiny-llama", "quant=int8-weight", "quant.kernel=dequant,int8pack"])
+    assert [t.config["quant"]["kernel"] for t in trials] == ["dequant", "int8pack"]
+    assert len({t.config_hash for t in trials}) == 2  # the kernel changes the numbers, so it is in the hash
+    with pytest.raises(SweepError) as ei:
+        expand(["model=tiny-llama", "quant=int8-weight", "quant.kernel=fast"])
+    assert any("quant.kernel" in p and "dequant" in p for p in ei.value.problems), ei.value.problems
+    with pytest.raises(EngineError, match="kernel"):
+        WeightOnlyInt8Linear(nn.Linear(4, 4), kernel="fast")
+
+
+def test_both_int8_kernels_generate_the_same_greedy_tokens():
+    a = load_model(TINY, quant=QuantSpec(level="int8-weight", kernel="dequant"))
+    b = load_model(TINY, quant=QuantSpec(level="int8-weight", kernel="int8pack"))
+    ids = torch.arange(3, 19)[None]
+    la, lb = a.model(ids).logits, b.model(ids).logits
+    torch.testing.assert_close(la, lb, atol=1e-4, rtol=1e-4)
