@@ -9,9 +9,16 @@ from collections import defaultdict
 
 from mlflow.tracking import MlflowClient
 
+from experiments.results import load
 from experiments.tracking import resolve_uri
 
 LEVELS = ["none", "int8-weight", "int8-dynamic", "bnb-int8", "bnb-nf4", "bnb-fp4"]
+
+
+def _early_late(m: dict) -> str:
+    if "kl_div_early" not in m:
+        return "-"
+    return f"{m['kl_div_early']:.4f} / {m['kl_div_late']:.4f}"
 
 
 def main() -> None:
@@ -20,27 +27,25 @@ def main() -> None:
     ap.add_argument("--experiment", default="quant-long-context")
     a = ap.parse_args()
     client = MlflowClient(tracking_uri=resolve_uri(a.tracking_uri))
-    exp = client.get_experiment_by_name(a.experiment)
-    parents = client.search_runs([exp.experiment_id], "tags.kind = 'sweep'", order_by=["attributes.start_time DESC"], max_results=1)
-    parent = parents[0]
-    runs = client.search_runs([exp.experiment_id], f"tags.mlflow.parentRunId = '{parent.info.run_id}'", max_results=1000)
+    # the latest sweep's plan, newest FINISHED run per config hash (a resumed sweep's skipped trials included)
+    sel = load(client, a.experiment)
     cells: dict[tuple[str, int], dict] = {}
-    for r in runs:
-        cells[(r.data.params["quant.level"], int(r.data.params["workload.context_len"]))] = {
-            "status": r.info.status, **r.data.metrics}
+    for r in sel.rows:
+        cells[(r.params["quant.level"], int(r.params["workload.context_len"]))] = {"status": r.status, **r.metrics}
     ctxs = sorted({c for _, c in cells})
-    env = runs[0].data.tags
-    print(f"sweep {parent.data.tags.get('sweep_id')} on {env.get('env.device_name', '?')}, "
+    env = sel.rows[0].tags
+    print(f"sweep(s) {', '.join(sel.sweep_ids)} on {env.get('env.device_name', '?')}, "
           f"torch threads {env.get('env.torch_threads', '?')}\n")
-    print("| quant | context | prefill tok/s | vs none | decode tok/s | vs none | weights MB | kl_div_mean | kl_div_p99 | top1 | ppl | ppl_ratio |")
-    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    print("| quant | context | prefill tok/s | vs none | decode tok/s | vs none | weights MB | kl_div_mean | kl_div_p99 | "
+          "KL early / late quarter | top1 | ppl | ppl_ratio |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for lvl in LEVELS:
         for c in ctxs:
             m = cells.get((lvl, c))
             if not m:
                 continue
             if m["status"] != "FINISHED":
-                print(f"| {lvl} | {c} | {m['status']} ||||||||||")
+                print(f"| {lvl} | {c} | {m['status']} |||||||||||")
                 continue
             ref = cells.get(("none", c), {})
 
@@ -49,7 +54,8 @@ def main() -> None:
 
             print(f"| {lvl} | {c} | {m['prefill_tok_s']:.0f} | {rel('prefill_tok_s')} | {m['decode_tok_s']:.2f} | "
                   f"{rel('decode_tok_s')} | {m['weights_bytes'] / 1e6:.0f} | "
-                  f"{m['kl_div_mean']:.4f} | {m['kl_div_p99']:.4f} | {m['top1_agreement']:.3f} | {m['ppl']:.2f} | {m['ppl_ratio']:.4f} |")
+                  f"{m['kl_div_mean']:.4f} | {m['kl_div_p99']:.4f} | {_early_late(m)} | {m['top1_agreement']:.3f} | "
+                  f"{m['ppl']:.2f} | {m['ppl_ratio']:.4f} |")
     print("\nLong-context trap: KL at the longest context / KL at the shortest, per level")
     trend = defaultdict(dict)
     for (lvl, c), m in cells.items():
@@ -61,7 +67,9 @@ def main() -> None:
             k0, k1 = t[ctxs[0]]["kl_div_mean"], t[ctxs[-1]]["kl_div_mean"]
             r0, r1 = t[ctxs[0]]["ppl_ratio"], t[ctxs[-1]]["ppl_ratio"]
             print(f"- {lvl}: KL {k0:.4f} @ {ctxs[0]} -> {k1:.4f} @ {ctxs[-1]} (x{k1 / k0:.2f}); "
-                  f"ppl_ratio {r0:.4f} -> {r1:.4f}")
+                  f"ppl_ratio {r0:.4f} -> {r1:.4f}; late/early quarter of the window: "
+                  + ", ".join(f"{c}: x{t[c]['kl_div_late'] / t[c]['kl_div_early']:.2f}" for c in ctxs
+                              if c in t and t[c].get("kl_div_early")))
 
 
 if __name__ == "__main__":

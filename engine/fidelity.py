@@ -94,8 +94,11 @@ def fidelity(backend: Backend, windows: torch.Tensor, ref: ReferenceStats) -> di
         count += nll.numel()
     allkl = torch.cat(kls)
     cand_nll = nll_sum / count
+    quarter = max(1, kls[0].numel() // 4)  # positions per quarter window (all windows have one length)
     return {
         "kl_div_mean": float(allkl.mean()),
+        "kl_div_early": float(torch.cat([k[:quarter] for k in kls]).mean()),
+        "kl_div_late": float(torch.cat([k[-quarter:] for k in kls]).mean()),
         "kl_div_p99": float(torch.quantile(allkl, 0.99)),
         "top1_agreement": agree / count,
         "ppl": math.exp(cand_nll),

@@ -36,6 +36,9 @@ METRICS: dict[str, str] = {
     "nll_mean": "mean negative log-likelihood per predicted token (nats)",
     "kl_div_mean": "mean over positions of KL(reference || candidate) next-token distributions (nats; top-K + tail buckets)",
     "kl_div_p99": "99th percentile of the per-position KL divergence",
+    "kl_div_early": "mean KL over the first quarter of positions of each eval window (little context behind them)",
+    "kl_div_late": "mean KL over the last quarter of positions of each eval window (the most context behind them): "
+                   "late > early is the long-context trap within one window",
     "top1_agreement": "share of positions where candidate and reference rank the same token first",
     "ppl_ratio": "candidate perplexity / reference perplexity on the same windows",
     "fidelity_ref_cached": "1 when the reference statistics came from the on-disk cache, 0 when computed",
@@ -101,7 +104,7 @@ LABELS: dict[str, str] = {
 }
 
 # Metrics that must be bit-identical when a trial is re-run (reproduce compares them exactly).
-DETERMINISTIC = ("ppl", "nll_mean", "kl_div_mean", "kl_div_p99", "top1_agreement", "ppl_ratio",
+DETERMINISTIC = ("ppl", "nll_mean", "kl_div_mean", "kl_div_p99", "kl_div_early", "kl_div_late", "top1_agreement", "ppl_ratio",
                  "kv_cache_bytes", "kv_cache_used_bytes", "weights_bytes")
 
 PERCENTILES = (50, 90, 99)

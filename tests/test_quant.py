@@ -106,10 +106,12 @@ def test_mixed_precision_keeps_last_layers_and_skipped_modules():
 def test_fidelity_is_exact_for_reference_and_worse_for_4bit(fresh_cache):
     none = run_engine_trial(_trial("none")).metrics
     assert none["kl_div_mean"] == 0.0 and none["kl_div_p99"] == 0.0
+    assert none["kl_div_early"] == 0.0 and none["kl_div_late"] == 0.0
     assert none["top1_agreement"] == 1.0 and none["ppl_ratio"] == 1.0
     for lvl in ("bnb-nf4", "bnb-fp4"):
         m = run_engine_trial(_trial(lvl)).metrics
         assert m["kl_div_mean"] > 0 and m["kl_div_p99"] >= m["kl_div_mean"]
+        assert m["kl_div_early"] > 0 and m["kl_div_late"] > 0
         assert m["top1_agreement"] < 1.0
     w8 = run_engine_trial(_trial("int8-weight")).metrics
     nf4 = run_engine_trial(_trial("bnb-nf4")).metrics
