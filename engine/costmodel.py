@@ -343,7 +343,13 @@ def assess(pred: Prediction, measured: dict[str, float]) -> Assessment:
             t = w.batch * w.decode_steps / measured["decode_tok_s"]
             times["decode"] = t
             m["roofline_decode_efficiency"] = pred.decode_s / t
-            bw, comp, reg = _measured_regime(pred.decode, t, pk)
+            # speculative decoding emits tokens_per_step tokens per target pass: weights and KV were streamed
+            # that many times fewer; FLOPs stay per emitted token (a lower bound: rejected drafts and a
+            # draft model's own passes are not counted)
+            d = pred.decode
+            passes = 1.0 / measured["tokens_per_step"] if measured.get("tokens_per_step") else 1.0
+            moved = PhaseCost(d.flops, d.weight_bytes * passes, d.kv_bytes * passes, d.attn_score_bytes * passes)
+            bw, comp, reg = _measured_regime(moved, t, pk)
             m["decode_bw_util"], m["decode_compute_util"] = bw, comp
             labels["regime.decode.measured"] = reg
     if times:  # the phase that took the most measured time decides the trial's regime

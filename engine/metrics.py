@@ -88,7 +88,7 @@ METRICS: dict[str, str] = {
     "hw_balance": "machine balance hw_flops / hw_mem_bw, FLOP/byte: below it memory-bound, above compute-bound",
     "prefill_bw_util": "attained prefill bandwidth (predicted bytes / measured time) / hw_mem_bw",
     "prefill_compute_util": "attained prefill FLOP/s (predicted FLOPs / measured time) / hw_flops",
-    "decode_bw_util": "attained decode bandwidth / hw_mem_bw",
+    "decode_bw_util": "attained decode bandwidth / hw_mem_bw (bytes per target pass; speculative: tokens_per_step tokens per pass)",
     "decode_compute_util": "attained decode FLOP/s / hw_flops",
 }
 

@@ -24,11 +24,11 @@ from .results import (
     Selection,
     TrialRow,
     axes,
-    describe,
     is_opt_axis,
     load,
     opt_label,
     workload_key,
+    workload_labeler,
 )
 
 REPORTS_DIR = "reports"
@@ -109,10 +109,11 @@ class Line:
 
 def lines(rows: list[TrialRow], ax: list[str], baselines: dict[tuple, Optional[TrialRow]]) -> list[Line]:
     out = []
+    label = workload_labeler(workload_key(r, ax) for r in rows)
     for r in rows:
         key = workload_key(r, ax)
         base = baselines.get(key)
-        ln = Line(r, describe(key), opt_label(r, ax), base)
+        ln = Line(r, label(key), opt_label(r, ax), base)
         m, b = r.metrics, (base.metrics if base else {})
         v = ln.values
         for k in ("output_tok_s", "decode_tok_s", "prefill_tok_s", "ttft_ms_p50", "tpot_ms_p50", "roofline_tok_s",
@@ -412,7 +413,8 @@ def build(
     groups: dict[tuple, list[TrialRow]] = {}
     for r in sel.rows:
         groups.setdefault(workload_key(r, ax_keys), []).append(r)
-    advices = [a for k, rows in sorted(groups.items()) if (a := adv.advise(rows, ax_keys, describe(k)))]
+    label = workload_labeler(groups)
+    advices = [a for k, rows in sorted(groups.items()) if (a := adv.advise(rows, ax_keys, label(k)))]
     done("advice")
     want_claims = claims if claims is not None else sel.experiment == SEED_CLAIMS
     claim_rows = cl.evaluate(sel.rows) if want_claims else None

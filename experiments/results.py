@@ -10,7 +10,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterable, Optional
+from typing import Any, Callable, Iterable, Optional
 
 from .tracking import PARENT_TAG
 
@@ -223,6 +223,32 @@ def workload_key(row: TrialRow, ax: list[str]) -> tuple[tuple[str, str], ...]:
 
 def describe(key: tuple[tuple[str, str], ...]) -> str:
     return " ".join(f"{k}={v}" for k, v in key) or "all trials"
+
+
+# workload axes a label keeps longest (the ones a reader thinks in)
+LABEL_PREFERENCE = ("workload.context_len", "workload.name", "workload.prompt_style", "workload.batch_size",
+                    "workload.rate", "workload.num_requests", "workload.max_new_tokens")
+
+
+def workload_labeler(keys: Iterable[tuple[tuple[str, str], ...]]) -> Callable[[tuple[tuple[str, str], ...]], str]:
+    """key -> a short label naming only the axes needed to tell this sweep's workloads apart.
+
+    Claim-point sweeps vary many workload keys together (a serving workload changes kind, arrival, lengths
+    and eval at once); every axis whose value follows from the others is dropped, least familiar first."""
+    keys = sorted(set(keys))
+    cols = list(dict.fromkeys(k for key in keys for k, _ in key))
+    rank = {c: (LABEL_PREFERENCE.index(c) if c in LABEL_PREFERENCE else len(LABEL_PREFERENCE)) for c in cols}
+    keep = list(cols)
+
+    def project(key, cs):
+        d = dict(key)
+        return tuple((c, d.get(c, "")) for c in cs)
+
+    for c in sorted(cols, key=lambda c: (-rank[c], -cols.index(c))):
+        rest = [k for k in keep if k != c]
+        if len({project(k, rest) for k in keys}) == len(keys):
+            keep = rest
+    return lambda key: describe(project(key, [c for c in cols if c in keep]))
 
 
 def opt_label(row: TrialRow, ax: list[str]) -> str:

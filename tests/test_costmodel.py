@@ -120,6 +120,16 @@ def test_assess_measured_regime_and_efficiency():
     assert a.labels["regime.phase"] == "decode" and a.labels["regime"] == MEMORY
 
 
+def test_speculative_decode_streams_the_weights_once_per_target_pass():
+    wl = Workload(batch=1, context=128, new_tokens=9)
+    p = predict(SMOL, FP32, wl, CPU)
+    plain = assess(p, {"decode_tok_s": p.decode_tok_s})
+    spec = assess(p, {"decode_tok_s": p.decode_tok_s, "tokens_per_step": 2.5})
+    # same tokens per second, but each weight pass emitted 2.5 tokens: 1/2.5 of the bytes moved
+    assert spec.metrics["decode_bw_util"] == pytest.approx(plain.metrics["decode_bw_util"] / 2.5)
+    assert spec.metrics["decode_compute_util"] == pytest.approx(plain.metrics["decode_compute_util"])
+
+
 def test_gpu_table_matches_specific_names_first():
     assert gpu_spec("NVIDIA H200").mem_bw == 4.8e12
     assert gpu_spec("NVIDIA H100 80GB HBM3").mem_bw == 3.35e12
