@@ -6,9 +6,9 @@ Levels
   picks the matmul: `dequant` (default: cast the int8 weight to the activation dtype, float GEMM, scale
   the output; under torch.compile on a GPU the cast fuses into the GEMM's prologue, gpt-fast style) or
   `int8pack` (torch's `_weight_int8pack_mm`, CPU/MPS). On the pinned torch 2.13 CPU wheel int8pack is
-  2.6x slower than dequant at one row and ~30x slower at 128 rows (it scales linearly in rows, an
-  unblocked loop), so a weight-only trial with it prefills at 1/20 of fp32's speed; BENCHMARKS.md has
-  the micro-benchmark.
+  1.6-2.3x slower than dequant at one row and ~40x slower at 128 rows (its time grows linearly in rows,
+  an unblocked loop), so a weight-only trial with it prefilled at 1/24 of fp32's speed; BENCHMARKS.md
+  has the micro-benchmark.
 - `int8-dynamic`: INT8 weights + INT8 activations (W8A8): per-token dynamic activation scales, an int8 x
   int8 -> int32 matmul (`torch._int_mm`), rescaled by both scales. No outlier handling: this is the
   "naive activation quantization" the seed warns about.
