@@ -16,7 +16,7 @@ The engine imports nothing of Hydra, Ray or MLflow here either: plain numbers in
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Optional
 
 from .config import EngineError
@@ -346,9 +346,8 @@ def assess(pred: Prediction, measured: dict[str, float]) -> Assessment:
             # speculative decoding emits tokens_per_step tokens per target pass: weights and KV were streamed
             # that many times fewer; FLOPs stay per emitted token (a lower bound: rejected drafts and a
             # draft model's own passes are not counted)
-            d = pred.decode
             passes = 1.0 / measured["tokens_per_step"] if measured.get("tokens_per_step") else 1.0
-            moved = PhaseCost(d.flops, d.weight_bytes * passes, d.kv_bytes * passes, d.attn_score_bytes * passes)
+            moved = replace(pred.decode.scaled(passes), flops=pred.decode.flops)
             bw, comp, reg = _measured_regime(moved, t, pk)
             m["decode_bw_util"], m["decode_compute_util"] = bw, comp
             labels["regime.decode.measured"] = reg

@@ -111,20 +111,23 @@ class DynamicInt8Linear(nn.Module):
         return y.to(x.dtype).reshape(*shape[:-1], self.out_features)
 
 
-SWAPS = {"int8-weight": WeightOnlyInt8Linear, "int8-dynamic": DynamicInt8Linear}
+# level -> the module that replaces one nn.Linear, built from it and the level's spec
+SWAPS = {
+    "int8-weight": lambda lin, spec: WeightOnlyInt8Linear(lin, spec.kernel),
+    "int8-dynamic": lambda lin, spec: DynamicInt8Linear(lin),
+}
 
 
 def quantize_model(model: nn.Module, spec: QuantSpec, num_layers: int) -> int:
     """Swap every eligible nn.Linear of `model` in place for our level; returns how many were swapped."""
     if spec.level not in OWN_LEVELS:
         raise EngineError(f"quantize_model handles {OWN_LEVELS}, not {spec.level!r}")
-    cls = SWAPS[spec.level]
-    make = (lambda lin: cls(lin, spec.kernel)) if spec.level == "int8-weight" else cls
+    swap = SWAPS[spec.level]
     targets = [(n, m) for n, m in model.named_modules() if type(m) is nn.Linear and not skipped(n, spec, num_layers)]
     for name, lin in targets:
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
-        setattr(parent, child, make(lin))
+        setattr(parent, child, swap(lin, spec))
     return len(targets)
 
 

@@ -15,7 +15,7 @@ import io
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 from . import advice as adv
 from . import claims as cl
@@ -107,9 +107,10 @@ class Line:
         return self.baseline is not None and self.baseline.run_id == self.row.run_id
 
 
-def lines(rows: list[TrialRow], ax: list[str], baselines: dict[tuple, Optional[TrialRow]]) -> list[Line]:
+def lines(rows: list[TrialRow], ax: list[str], baselines: dict[tuple, Optional[TrialRow]],
+          label: Callable[[tuple], str]) -> list[Line]:
+    """`label`: workload key -> its name in the report (`workload_labeler` over the sweep's keys)."""
     out = []
-    label = workload_labeler(workload_key(r, ax) for r in rows)
     for r in rows:
         key = workload_key(r, ax)
         base = baselines.get(key)
@@ -407,13 +408,13 @@ def build(
     ax_keys = axes(sel.finished) if len(sel.finished) > 1 else []
     spec = parse_baseline(baseline)
     baselines = choose_baselines(sel.rows, ax_keys, spec)
-    ls = lines(sel.rows, ax_keys, baselines)
-    ls.sort(key=lambda ln: (ln.workload, adv.chain_order(ln.row)))
-    done("table")
     groups: dict[tuple, list[TrialRow]] = {}
     for r in sel.rows:
         groups.setdefault(workload_key(r, ax_keys), []).append(r)
     label = workload_labeler(groups)
+    ls = lines(sel.rows, ax_keys, baselines, label)
+    ls.sort(key=lambda ln: (ln.workload, adv.chain_order(ln.row)))
+    done("table")
     advices = [a for k, rows in sorted(groups.items()) if (a := adv.advise(rows, ax_keys, label(k)))]
     done("advice")
     want_claims = claims if claims is not None else sel.experiment == SEED_CLAIMS
