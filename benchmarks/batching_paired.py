@@ -5,26 +5,27 @@ CPU-second of this process is the ratio that survives a shared, noisy machine.
 
     flock /tmp/infersweep-bench.lock python benchmarks/batching_paired.py
 """
+import dataclasses
 import time
 
 import torch
 
-from engine import EngineTrial, ModelSpec, OptimizationSpec
-from engine.config import BatchingSpec, LengthSpec, ServingSpec, TextSource
+from engine import TrialConfig, ModelConfig
+from engine.config import BatchingConfig, LengthConfig, WorkloadConfig, TextConfig
 from engine.models import load_model
 from engine.backends import make_backend
 from engine.serving.run import ServingSetup, warmup_requests
 from engine.serving.workload import make_requests
 from engine.workload import corpus_ids
 torch.set_num_threads(1)
-spec_m = ModelSpec(name="smol", path="prepared://smollm2-135m-instruct")
+spec_m = ModelConfig(name="smol", path="prepared://smollm2-135m-instruct")
 loaded = load_model(spec_m, attention="sdpa")
-sv = ServingSpec(num_requests=32, input_len=LengthSpec("uniform", 0, 32, 256), output_len=LengthSpec("uniform", 0, 16, 64),
+sv = WorkloadConfig(kind="serving", num_requests=32, input_len=LengthConfig("uniform", 0, 32, 256), output_len=LengthConfig("uniform", 0, 16, 64),
                  arrival="all-at-once", prefix_len=64)
-reqs = make_requests(sv, corpus_ids(loaded.tokenizer, TextSource()), 0)
-opt = OptimizationSpec(backend="native", kv_cache="paged", kv_block_size=16)
-be = make_backend(loaded, opt)
-setups = {m: ServingSetup(EngineTrial(model=spec_m, optimization=opt, serving=sv, batching=BatchingSpec(m, max_batch_size=8)), be)
+reqs = make_requests(sv, corpus_ids(loaded.tokenizer, TextConfig()), 0)
+base = TrialConfig(model=spec_m, engine=EngineConfig(backend="native"), kv_cache=KVCacheConfig(mode="paged", block_size=16), workload=sv)
+be = make_backend(loaded, base)
+setups = {m: ServingSetup(dataclasses.replace(base, batching=BatchingConfig(m, max_batch_size=8)), be)
           for m in ("static", "continuous")}
 for s in setups.values():
     s.run(warmup_requests(reqs))

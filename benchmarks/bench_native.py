@@ -28,11 +28,11 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from engine import EngineTrial, EvalSpec, ModelSpec, OptimizationSpec, WorkloadSpec, load_model, run_engine_trial  # noqa: E402
+from engine import AttentionConfig, EngineConfig, EvalConfig, KVCacheConfig, ModelConfig, TrialConfig, WorkloadConfig, load_model, run_engine_trial  # noqa: E402
 from engine.runner import device_info  # noqa: E402
 
 SECTION = "## Native engine vs hf"
-MODEL = ModelSpec(name="smollm2-135m-instruct", path="prepared://smollm2-135m-instruct")
+MODEL = ModelConfig(name="smollm2-135m-instruct", path="prepared://smollm2-135m-instruct")
 
 
 def read_bandwidth_gbs(nbytes: int = 1 << 30, repeats: int = 7) -> float:
@@ -87,13 +87,14 @@ class Runner:
               compile=False) -> dict:
         a = self.args
         n = new_tokens or a.new_tokens
-        spec = EngineTrial(
+        spec = TrialConfig(
             model=MODEL,
-            optimization=OptimizationSpec(backend=backend, attention=attn, kv_cache=kv, compile=compile),
-            workload=WorkloadSpec(context_len=ctx, max_new_tokens=n, batch_size=batch, warmup=a.warmup,
-                                  repeats=a.repeats),
-            eval=EvalSpec(enabled=False),
-            threads=a.threads,
+            engine=EngineConfig(backend=backend, compile=compile, threads=a.threads),
+            attention=AttentionConfig(impl=attn),
+            kv_cache=KVCacheConfig(mode=kv),
+            workload=WorkloadConfig(context_len=ctx, max_new_tokens=n, batch_size=batch, warmup=a.warmup,
+                                    repeats=a.repeats),
+            eval=EvalConfig(enabled=False),
         )
         for attempt in range(a.retries + 1):
             wait_until_quiet(a.max_foreign / 2, a.max_wait)

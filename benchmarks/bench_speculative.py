@@ -29,7 +29,7 @@ from engine import load_model, run_engine_trial  # noqa: E402
 from engine.runner import device_info  # noqa: E402
 from experiments.compose import expand  # noqa: E402
 from experiments.results import TrialRow  # noqa: E402
-from experiments.spec import to_engine_trial  # noqa: E402
+from experiments.spec import build_trial  # noqa: E402
 from experiments.speculative import speculative_speedups  # noqa: E402
 
 SECTION = "## Speculative decoding"
@@ -95,9 +95,9 @@ def main(argv=None) -> int:
     a = p.parse_args(argv)
     command = "python benchmarks/bench_speculative.py" + (" " + shlex.join(a.overrides) if a.overrides else "")
     specs = expand(["experiment=speculative", *a.overrides])
-    first = to_engine_trial(specs[0].config)
+    first = build_trial(specs[0].config)
     print(f"{len(specs)} trials; loading {first.model.name}", flush=True)
-    loaded = load_model(first.model, attention=first.optimization.attention, quant=first.quant)
+    loaded = load_model(first.model, attention=first.attention.impl, quant=first.quant)
     t0, load0 = time.perf_counter(), os.getloadavg()[0]
     styles = list(dict.fromkeys(s.config["workload"]["prompt_style"] for s in specs))
     rows: list[TrialRow] = []
@@ -108,7 +108,7 @@ def main(argv=None) -> int:
         order = offs + [s for s in block if s not in offs] + offs  # off first and last: drift shows
         off_runs: dict[str, list] = {}
         for s in order:
-            m, toks = measure(to_engine_trial(s.config), loaded, a)
+            m, toks = measure(build_trial(s.config), loaded, a)
             method, depth, k = label(s.config)
             print(f"[{time.perf_counter() - t0:5.0f}s] {style:6s} {method:13s} {depth:>2s} k={k:>1s}: "
                   f"tpot {m['tpot_ms_mean']:6.1f} ms, tok/step {m.get('tokens_per_step', 1):.2f}, "

@@ -1,38 +1,57 @@
 """infersweep engine: a plain-Python library (no Hydra, Ray or MLflow) that loads a model, applies the
 chosen optimizations, runs a workload and returns plain results.
 
-    from engine import EngineTrial, ModelSpec, WorkloadSpec, run_engine_trial
-    r = run_engine_trial(EngineTrial(model=ModelSpec(name="tiny", path="tiny://llama")))
+    from engine import KVCacheConfig, ModelConfig, TrialConfig, run_engine_trial
+    r = run_engine_trial(TrialConfig(model=ModelConfig(name="tiny", path="tiny://llama"),
+                                     kv_cache=KVCacheConfig(mode="off")))
     r.metrics["output_tok_s"]
 """
+from . import axes
 from .config import (
+    AttentionConfig,
+    BatchingConfig,
+    DraftModelConfig,
+    EngineConfig,
     EngineError,
-    EngineTrial,
-    EvalSpec,
-    ModelSpec,
-    OptimizationSpec,
-    SamplingSpec,
-    TextSource,
-    TinyModelSpec,
-    WorkloadSpec,
+    EvalConfig,
+    KVCacheConfig,
+    LengthConfig,
+    ModelConfig,
+    QuantConfig,
+    SamplingConfig,
+    SLOConfig,
+    SpeculativeConfig,
+    TextConfig,
+    TinyModelConfig,
+    TrialConfig,
+    WorkloadConfig,
 )
 from .metrics import METRICS
 from .models import LoadedModel, load_model, prepare_model
 from .runner import EngineResult, run_engine_trial
 
 __all__ = [
+    "AttentionConfig",
+    "BatchingConfig",
+    "DraftModelConfig",
+    "EngineConfig",
     "EngineError",
     "EngineResult",
-    "EngineTrial",
-    "EvalSpec",
+    "EvalConfig",
+    "KVCacheConfig",
+    "LengthConfig",
     "LoadedModel",
     "METRICS",
-    "ModelSpec",
-    "OptimizationSpec",
-    "SamplingSpec",
-    "TextSource",
-    "TinyModelSpec",
-    "WorkloadSpec",
+    "ModelConfig",
+    "QuantConfig",
+    "SamplingConfig",
+    "SLOConfig",
+    "SpeculativeConfig",
+    "TextConfig",
+    "TinyModelConfig",
+    "TrialConfig",
+    "WorkloadConfig",
+    "axes",
     "load_model",
     "prepare_model",
     "run_engine_trial",

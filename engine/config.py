@@ -1,13 +1,21 @@
-"""Plain dataclasses that describe one engine run.
+"""The trial config: one set of plain dataclasses, shaped exactly like the config users write.
 
-The engine knows nothing of Hydra, Ray or MLflow: callers (a notebook, `experiments/`) build these
-objects and call `engine.run_trial_engine`. Validation of user input lives in `experiments/`; the engine
-only asserts its own invariants and raises `EngineError` with a clear message when asked the impossible.
+A field path here is the key a user types: `trial.kv_cache.mode` is `kv_cache.mode`, `trial.engine.backend`
+is `engine.backend`. The same classes are the engine's input (a notebook builds them by hand) and the Hydra
+schema (`experiments.config.schema` registers them in the ConfigStore), so every default lives here and
+nowhere else, and validation messages name config keys with no translation table.
+
+The engine knows nothing of Hydra, Ray or MLflow: the classes are plain and mutable (OmegaConf merges into
+them); treat an instance as a value. `TrialConfig.from_dict` builds one from plain containers (a resolved
+config, a stored run) and rejects unknown keys.
 """
 from __future__ import annotations
 
+import dataclasses
+import functools
+import typing
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Any, Optional
 
 ATTENTION_IMPLS = ("eager", "sdpa", "flash")
 KV_CACHE_MODES = ("off", "contiguous", "paged")
@@ -23,14 +31,15 @@ ARRIVALS = ("all-at-once", "fixed-rate", "poisson")
 LENGTH_DISTS = ("fixed", "uniform")
 SPECULATIVE_METHODS = ("off", "draft", "self-draft", "prompt-lookup")
 PROMPT_STYLES = ("window", "repeat")
+TEXT_KINDS = ("pydoc", "file", "datasets")
 
 
 class EngineError(RuntimeError):
     """A request the engine cannot honour (bad path, unsupported backend on this device, ...)."""
 
 
-@dataclass(frozen=True)
-class TinyModelSpec:
+@dataclass
+class TinyModelConfig:
     """A seeded random-weight Llama for fast tests (built from a transformers `LlamaConfig`)."""
 
     num_layers: int = 2
@@ -44,66 +53,67 @@ class TinyModelSpec:
     seed: int = 0
 
 
-@dataclass(frozen=True)
-class ModelSpec:
-    """Which model to load.
-
-    `path` is a local HF checkpoint directory, a hub id, `prepared://NAME` (a model that
-    `engine.prepare` converts once into a local checkpoint) or `tiny://NAME` (random weights from `tiny`).
-    """
+@dataclass
+class ModelConfig:
+    """Which model to load. `path`: a local HF checkpoint directory, a hub id, `prepared://NAME` (a model
+    `engine.prepare_model` converts once into a local checkpoint) or `tiny://NAME` (random weights from
+    `tiny`)."""
 
     name: str
     path: str
     dtype: str = "float32"
     revision: Optional[str] = None
     trust_remote_code: bool = False
-    tiny: TinyModelSpec = field(default_factory=TinyModelSpec)
+    tiny: TinyModelConfig = field(default_factory=TinyModelConfig)
 
 
-@dataclass(frozen=True)
-class OptimizationSpec:
-    """The switchable parts of the optimization chain."""
-
-    backend: str = "hf"
-    attention: str = "sdpa"
-    kv_cache: str = "contiguous"
-    kv_block_size: int = 16
-    compile: bool = False
-    prefix_caching: bool = False  # serving: reuse computed full blocks of a shared prompt prefix (paged cache)
-    kv_num_blocks: int = 0  # serving: blocks in the shared pool; 0 = enough for max_batch_size longest requests
+@dataclass
+class AttentionConfig:
+    impl: str = "sdpa"  # eager | sdpa | flash
 
 
-@dataclass(frozen=True)
-class QuantSpec:
-    """Quantization level (see engine/quant.py for what each does) and mixed-precision exceptions."""
+@dataclass
+class KVCacheConfig:
+    mode: str = "contiguous"  # off | contiguous | paged
+    block_size: int = 16  # tokens per block (paged)
+    prefix_caching: bool = False  # serving: reuse computed full blocks of a shared prompt prefix (paged)
+    num_blocks: int = 0  # serving: blocks in the shared pool; 0 = max_batch_size x the longest request
 
-    level: str = "none"
+
+@dataclass
+class EngineConfig:
+    """Which runtime executes the trial and how it is driven."""
+
+    backend: str = "hf"  # hf (transformers forward, our decode loop) | native (engine/native)
+    compile: bool = False  # torch.compile the forward
+    threads: int = 0  # torch intra-op threads; 0 = the CPUs the trial was given
+
+
+@dataclass
+class QuantConfig:
+    """Quantization level (engine/quant.py says what each does) and mixed-precision exceptions."""
+
+    level: str = "none"  # none | int8-weight | int8-dynamic | bnb-int8 | bnb-nf4 | bnb-fp4
     compute_dtype: str = "float32"  # bnb 4-bit compute dtype (bfloat16/float16 on GPUs)
-    skip_modules: tuple[str, ...] = ("lm_head",)  # fnmatch patterns of module names kept in full precision
+    skip_modules: list[str] = field(default_factory=lambda: ["lm_head"])  # kept in full precision (fnmatch)
     keep_last_layers: int = 0  # mixed precision: the last N decoder layers stay unquantized
-    kernel: str = "dequant"  # int8-weight matmul, one of INT8_KERNELS (see engine/quant.py)
-
-    def __post_init__(self):
-        object.__setattr__(self, "skip_modules", tuple(self.skip_modules))
+    kernel: str = "dequant"  # int8-weight matmul, one of INT8_KERNELS
 
 
-@dataclass(frozen=True)
-class SamplingSpec:
-    """Greedy when `temperature == 0`; otherwise seeded multinomial sampling with optional top-k/top-p."""
+@dataclass
+class SamplingConfig:
+    """Greedy when `temperature == 0`; otherwise multinomial sampling (seeded by the trial's `seed`) with
+    optional top-k/top-p."""
 
     temperature: float = 0.0
     top_k: int = 0
     top_p: float = 1.0
-    seed: int = 0
 
 
-@dataclass(frozen=True)
-class TextSource:
-    """Where prompt and evaluation text comes from.
-
-    `kind`: `pydoc` (the Python reference manual that ships with CPython, offline), `file` (`path`),
-    or `datasets` (`name`, `split`, `column`; needs the `datasets` package and the data locally).
-    """
+@dataclass(unsafe_hash=True)  # a cache key of the tokenized text (engine/workload.py)
+class TextConfig:
+    """Where prompt and evaluation text comes from: `pydoc` (the Python reference manual that ships with
+    CPython, offline), `file` (`path`), or `datasets` (`name`, `split`, `column`; data available locally)."""
 
     kind: str = "pydoc"
     path: Optional[str] = None
@@ -113,47 +123,8 @@ class TextSource:
     column: str = "text"
 
 
-@dataclass(frozen=True)
-class WorkloadSpec:
-    """A static batch: `batch_size` prompts of exactly `context_len` tokens, `max_new_tokens` each.
-
-    `prompt_style`: `window` (a window of the text, which the model continues: free generation) or
-    `repeat` (an instruction to repeat a passage + the passage, both cut to context_len tokens in all:
-    the output copies its context, which is what prompt-lookup decoding exploits)."""
-
-    context_len: int = 128
-    max_new_tokens: int = 32
-    batch_size: int = 1
-    warmup: int = 1
-    repeats: int = 1
-    sampling: SamplingSpec = field(default_factory=SamplingSpec)
-    text: TextSource = field(default_factory=TextSource)
-    prompt_style: str = "window"
-
-
-@dataclass(frozen=True)
-class SpeculativeSpec:
-    """Speculative decoding: a drafter proposes `k` tokens, the target verifies them in one forward.
-
-    `method`: `off`; `draft` (a separate model sharing the tokenizer, `draft_model`, its own KV cache);
-    `self-draft` (the target's first `draft_layers` blocks + its final norm and LM head, weights shared);
-    `prompt-lookup` (the tokens that followed the latest earlier occurrence of the context's last n-gram,
-    n from `prompt_lookup_max` down to `prompt_lookup_min`; no model). Batch size 1 only."""
-
-    method: str = "off"
-    k: int = 4
-    draft_layers: int = 1
-    draft_model: Optional[ModelSpec] = None
-    prompt_lookup_min: int = 1
-    prompt_lookup_max: int = 3
-
-    @property
-    def enabled(self) -> bool:
-        return self.method != "off"
-
-
-@dataclass(frozen=True)
-class LengthSpec:
+@dataclass
+class LengthConfig:
     """A token-length distribution: `fixed` (always `value`) or `uniform` over [min, max] (inclusive)."""
 
     dist: str = "fixed"
@@ -162,32 +133,49 @@ class LengthSpec:
     max: int = 256
 
 
-@dataclass(frozen=True)
-class ServingSpec:
-    """A serving workload: `num_requests` requests with seeded input/output lengths arriving over time.
+@dataclass
+class WorkloadConfig:
+    """What is asked of the model.
 
-    Each prompt is the shared system-prompt prefix (`prefix_len` tokens, the same for every request)
-    followed by `input_len` tokens of its own; it generates exactly `output_len` tokens. `length_trace`, a
-    JSONL file of {"input_len": .., "output_len": ..} lines, replaces both distributions (requests take
-    its lines in order, cycling). Arrivals: `all-at-once` (t=0), `fixed-rate` (every 1/rate s) or
-    `poisson` at `rate` requests/s with gamma-distributed gaps of shape `burstiness` (1 = Poisson,
-    < 1 burstier, > 1 more regular; vLLM's benchmark convention). `max_concurrency` (0 = unlimited) is a
-    client-side cap on requests in flight: a request beyond it is sent when one finishes, and its latency
-    counts from then. The same seed gives the same requests."""
+    kind=static: `batch_size` prompts of exactly `context_len` tokens, `max_new_tokens` each, `warmup`
+    untimed runs then `repeats` timed ones (medians reported). `prompt_style`: `window` (a window of the
+    text, continued: free generation) or `repeat` (an instruction to repeat a passage + the passage: the
+    output copies its context, which prompt-lookup decoding exploits).
 
+    kind=serving: `num_requests` requests, each the shared system-prompt prefix (`prefix_len` tokens) plus
+    `input_len` tokens of its own, generating exactly `output_len` tokens. `length_trace`, a JSONL file of
+    {"input_len", "output_len"} lines, replaces both distributions (cycled in order). Arrivals:
+    `all-at-once`, `fixed-rate` (every 1/rate s) or `poisson` at `rate` req/s with gamma gaps of shape
+    `burstiness` (1 = Poisson, < 1 burstier; vLLM's benchmark convention). `max_concurrency` (0 = no cap)
+    is a client-side cap on requests in flight. The same seed gives the same requests."""
+
+    name: str = "static"
+    kind: str = "static"  # static | serving
+    context_len: int = 128
+    max_new_tokens: int = 32
+    batch_size: int = 1
+    warmup: int = 1
+    repeats: int = 3
+    sampling: SamplingConfig = field(default_factory=SamplingConfig)
+    text: TextConfig = field(default_factory=TextConfig)
+    prompt_style: str = "window"  # window | repeat
     num_requests: int = 64
-    input_len: LengthSpec = field(default_factory=LengthSpec)
-    output_len: LengthSpec = field(default_factory=lambda: LengthSpec(value=32, min=16, max=64))
+    input_len: LengthConfig = field(default_factory=LengthConfig)
+    output_len: LengthConfig = field(default_factory=lambda: LengthConfig(value=32, min=16, max=64))
     length_trace: Optional[str] = None
-    arrival: str = "all-at-once"
-    rate: float = 4.0
+    arrival: str = "all-at-once"  # all-at-once | fixed-rate | poisson
+    rate: float = 4.0  # requests/s (fixed-rate, poisson)
     burstiness: float = 1.0
     prefix_len: int = 0
     max_concurrency: int = 0
 
+    @property
+    def serving(self) -> bool:
+        return self.kind == "serving"
 
-@dataclass(frozen=True)
-class BatchingSpec:
+
+@dataclass
+class BatchingConfig:
     """How a serving workload's requests share forward passes (engine/serving/scheduler.py).
 
     `static`: take up to `max_batch_size` waiting requests, run that batch until its longest request is
@@ -203,39 +191,137 @@ class BatchingSpec:
     chunked_prefill: bool = False
 
 
-@dataclass(frozen=True)
-class SLOSpec:
+@dataclass
+class SLOConfig:
     """Service-level objectives for goodput: a request counts when it meets both."""
 
     ttft_ms: float = 2000.0
     tpot_ms: float = 200.0
 
 
-@dataclass(frozen=True)
-class EvalSpec:
-    """Accuracy measurement over `num_windows` windows of `workload.context_len` tokens: perplexity, and
-    with `fidelity` also KL divergence / top-1 agreement against the unoptimized reference (the same model
-    in float32 on the hf backend, no quantization), whose top-`topk` log-probs are cached on disk."""
+@dataclass
+class DraftModelConfig:
+    """speculative=draft: the separate draft model. Unset fields follow the target."""
 
+    name: Optional[str] = None  # None: the path
+    path: Optional[str] = None  # local dir | hub id | prepared://NAME | tiny://NAME (the target's tiny shape)
+    dtype: Optional[str] = None  # None: the target's dtype
+    revision: Optional[str] = None
+
+    def resolve(self, target: ModelConfig) -> Optional[ModelConfig]:
+        """The draft as a full ModelConfig (None without a path)."""
+        if not self.path:
+            return None
+        return ModelConfig(name=self.name or self.path, path=self.path, dtype=self.dtype or target.dtype,
+                           revision=self.revision, tiny=target.tiny)
+
+
+# speculative keys each method reads; the others cannot change what such a trial measures
+SPECULATIVE_USES = {"off": (), "self-draft": ("k", "draft_layers"), "draft": ("k", "draft_model"),
+                    "prompt-lookup": ("k", "prompt_lookup_min", "prompt_lookup_max")}
+
+
+@dataclass
+class SpeculativeConfig:
+    """Speculative decoding: a drafter proposes `k` tokens, the target verifies them in one forward.
+
+    `method`: `off`; `draft` (a separate model sharing the tokenizer, `draft_model`, its own KV cache);
+    `self-draft` (the target's first `draft_layers` blocks + its final norm and LM head, weights shared);
+    `prompt-lookup` (the tokens that followed the latest earlier occurrence of the context's last n-gram,
+    n from `prompt_lookup_max` down to `prompt_lookup_min`; no model). Batch size 1 only."""
+
+    method: str = "off"
+    k: int = 4
+    draft_layers: int = 1
+    prompt_lookup_min: int = 1
+    prompt_lookup_max: int = 3
+    draft_model: DraftModelConfig = field(default_factory=DraftModelConfig)
+
+    @property
+    def enabled(self) -> bool:
+        return self.method != "off"
+
+
+@dataclass
+class EvalConfig:
+    """Accuracy over `num_windows` windows of `workload.context_len` tokens: perplexity, and with
+    `fidelity` also KL divergence / top-1 agreement against the unoptimized reference (the same model in
+    float32 on the hf backend, no quantization), whose top-`topk` log-probs are cached on disk."""
+
+    name: str = "ppl"
     enabled: bool = True
     num_windows: int = 2
     fidelity: bool = False
     topk: int = 256
-    text: TextSource = field(default_factory=TextSource)
+    text: TextConfig = field(default_factory=TextConfig)
 
 
-@dataclass(frozen=True)
-class EngineTrial:
-    """Everything the engine needs for one measured trial."""
+@dataclass
+class TrialConfig:
+    """Everything that changes what one trial measures."""
 
-    model: ModelSpec
-    optimization: OptimizationSpec = field(default_factory=OptimizationSpec)
-    quant: QuantSpec = field(default_factory=QuantSpec)
-    workload: WorkloadSpec = field(default_factory=WorkloadSpec)
-    eval: EvalSpec = field(default_factory=EvalSpec)
-    speculative: SpeculativeSpec = field(default_factory=SpeculativeSpec)
+    model: ModelConfig
+    attention: AttentionConfig = field(default_factory=AttentionConfig)
+    kv_cache: KVCacheConfig = field(default_factory=KVCacheConfig)
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    quant: QuantConfig = field(default_factory=QuantConfig)
+    workload: WorkloadConfig = field(default_factory=WorkloadConfig)
+    speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
+    batching: BatchingConfig = field(default_factory=BatchingConfig)
+    slo: SLOConfig = field(default_factory=SLOConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
     seed: int = 0
-    threads: int = 0  # torch intra-op threads; 0 leaves torch's default
-    serving: Optional[ServingSpec] = None  # a serving workload instead of `workload`'s static batch
-    batching: BatchingSpec = field(default_factory=BatchingSpec)
-    slo: SLOSpec = field(default_factory=SLOSpec)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any], ignore: tuple[str, ...] = ()) -> "TrialConfig":
+        """Build from plain containers (a resolved config); top-level keys in `ignore` (placement, tracking)
+        are skipped, any other unknown key raises `EngineError` naming it."""
+        return from_dict(cls, {k: v for k, v in data.items() if k not in ignore})
+
+
+def replace(obj, path: str, value):
+    """A copy of a config with the dotted `path` set: `replace(trial, "kv_cache.mode", "off")`."""
+    head, _, rest = path.partition(".")
+    return dataclasses.replace(obj, **{head: replace(getattr(obj, head), rest, value) if rest else value})
+
+
+@functools.lru_cache(maxsize=None)
+def _hints(cls) -> dict[str, Any]:
+    return typing.get_type_hints(cls)
+
+
+def _dataclass_of(tp) -> Optional[type]:
+    if dataclasses.is_dataclass(tp):
+        return tp
+    for arg in typing.get_args(tp):  # Optional[SomeConfig]
+        if dataclasses.is_dataclass(arg):
+            return arg
+    return None
+
+
+def from_dict(cls, data: dict[str, Any], where: str = ""):
+    if not isinstance(data, dict):
+        raise EngineError(f"{where or 'config'}: expected a mapping, got {type(data).__name__}")
+    names = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(data) - names)
+    if unknown:
+        raise EngineError(f"{where + '.' if where else ''}{unknown[0]}: unknown key; keys "
+                          f"{'in ' + where if where else 'at top level'}: {', '.join(sorted(names))}")
+    hints, kwargs = _hints(cls), {}
+    for name, value in data.items():
+        sub = _dataclass_of(hints[name])
+        key = f"{where}.{name}" if where else name
+        if sub is not None and isinstance(value, dict):
+            value = from_dict(sub, value, key)
+        elif isinstance(value, tuple):
+            value = list(value)
+        kwargs[name] = value
+    try:
+        return cls(**kwargs)
+    except TypeError as e:  # a required key (model.name, model.path) is missing
+        raise EngineError(f"{where or 'config'}: {e}") from None
+
+
+def to_dict(obj) -> dict[str, Any]:
+    """Plain containers of a config (the inverse of `from_dict`)."""
+    return dataclasses.asdict(obj)

@@ -19,6 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import Any, Optional
 
+from . import axes
 from .config import EngineError
 from .hardware import HardwarePeaks
 
@@ -101,8 +102,8 @@ def weight_bytes_per_param(dtype: str, quant: str = "none") -> float:
     """
     if dtype not in DTYPE_BYTES:
         raise EngineError(f"cost model: unknown dtype {dtype!r}; known: {sorted(DTYPE_BYTES)}")
-    q = (quant or "none").lower()
-    if q in ("none", "off", "null", ""):
+    q = (quant or axes.QUANT.off).lower()
+    if q in (axes.QUANT.off, ""):
         return float(DTYPE_BYTES[dtype])
     if "int8" in q or "8bit" in q:
         return 1.0
@@ -359,13 +360,13 @@ def assess(pred: Prediction, measured: dict[str, float]) -> Assessment:
 
 
 def assess_trial(trial, hf_config: Any, device, measured: dict[str, float]) -> Assessment:
-    """The cost model of an `EngineTrial` run on `device` (peaks from the table, the cache or a probe)."""
+    """The cost model of an `TrialConfig` run on `device` (peaks from the table, the cache or a probe)."""
     import torch
 
     from .hardware import node_peaks
 
-    opt, wl = trial.optimization, trial.workload
-    q = getattr(trial, "quant", None)  # QuantSpec: level, skip_modules, keep_last_layers
+    wl = trial.workload
+    q = getattr(trial, "quant", None)  # QuantConfig: level, skip_modules, keep_last_layers
     if q is not None and q.level != "none":
         prec = Precision.of(trial.model.dtype, q.level, "lm_head" in q.skip_modules, q.keep_last_layers)
     else:
@@ -375,8 +376,8 @@ def assess_trial(trial, hf_config: Any, device, measured: dict[str, float]) -> A
         batch=wl.batch_size,
         context=wl.context_len,
         new_tokens=wl.max_new_tokens,
-        kv_cache=opt.kv_cache != "off",
-        materialize_scores=opt.attention == "eager",
+        kv_cache=axes.KV_CACHE.applied({axes.KV_CACHE.key: trial.kv_cache.mode}),
+        materialize_scores=trial.attention.impl == "eager",  # eager materializes the score matrix
     )
     threads = torch.get_num_threads() if device.type == "cpu" else None
     peaks = node_peaks(device, trial.model.dtype, threads)

@@ -14,7 +14,7 @@ from typing import Callable, Iterator
 import torch
 
 from .backends.base import DecodeSession
-from .config import SamplingSpec
+from .config import SamplingConfig
 from .sampling import sample
 
 
@@ -49,7 +49,7 @@ def stream(
     session: DecodeSession,
     prompt: torch.Tensor,
     max_new_tokens: int,
-    sampling: SamplingSpec,
+    sampling: SamplingConfig,
     generator: torch.Generator | None,
     sync: Callable[[], None],
 ) -> Iterator[tuple[torch.Tensor, float]]:
@@ -68,7 +68,7 @@ def generate(
     session: DecodeSession,
     prompt: torch.Tensor,
     max_new_tokens: int,
-    sampling: SamplingSpec,
+    sampling: SamplingConfig,
     seed: int,
     sync: Callable[[], None],
 ) -> GenerationTrace:

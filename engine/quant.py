@@ -32,14 +32,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .config import INT8_KERNELS, QUANT_LEVELS, EngineError, QuantSpec  # noqa: F401  (re-exported)
+from .config import INT8_KERNELS, QUANT_LEVELS, EngineError, QuantConfig  # noqa: F401  (re-exported)
 
 BNB_LEVELS = ("bnb-int8", "bnb-nf4", "bnb-fp4")
 OWN_LEVELS = ("int8-weight", "int8-dynamic")
 _LAYER_RE = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 
 
-def skipped(name: str, spec: QuantSpec, num_layers: int) -> bool:
+def skipped(name: str, spec: QuantConfig, num_layers: int) -> bool:
     if any(fnmatch.fnmatch(name, pat) or fnmatch.fnmatch(name.split(".")[-1], pat) for pat in spec.skip_modules):
         return True
     m = _LAYER_RE.search(name)
@@ -118,7 +118,7 @@ SWAPS = {
 }
 
 
-def quantize_model(model: nn.Module, spec: QuantSpec, num_layers: int) -> int:
+def quantize_model(model: nn.Module, spec: QuantConfig, num_layers: int) -> int:
     """Swap every eligible nn.Linear of `model` in place for our level; returns how many were swapped."""
     if spec.level not in OWN_LEVELS:
         raise EngineError(f"quantize_model handles {OWN_LEVELS}, not {spec.level!r}")
@@ -131,7 +131,7 @@ def quantize_model(model: nn.Module, spec: QuantSpec, num_layers: int) -> int:
     return len(targets)
 
 
-def bnb_config(spec: QuantSpec, num_layers: int, module_names: list[str]):
+def bnb_config(spec: QuantConfig, num_layers: int, module_names: list[str]):
     """transformers' BitsAndBytesConfig for a bnb level (skip list expanded to concrete module names)."""
     try:
         import bitsandbytes  # noqa: F401

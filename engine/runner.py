@@ -12,7 +12,7 @@ from typing import Callable, Optional
 import torch
 
 from .backends import make_backend
-from .config import EngineError, EngineTrial, OptimizationSpec
+from .config import EngineError, TrialConfig, replace
 from .fidelity import ReferenceCache, compute_reference, fidelity, perplexity
 from .generate import device_synchronizer, generate
 from .memory import PeakMemory
@@ -63,7 +63,7 @@ def device_info(device: torch.device) -> dict[str, str]:
     return info
 
 
-def check_context(trial: EngineTrial, loaded: LoadedModel) -> None:
+def check_context(trial: TrialConfig, loaded: LoadedModel) -> None:
     need = trial.workload.context_len + trial.workload.max_new_tokens
     if loaded.max_positions and need > loaded.max_positions:
         raise EngineError(
@@ -71,19 +71,19 @@ def check_context(trial: EngineTrial, loaded: LoadedModel) -> None:
         )
 
 
-def reference_backend(trial: EngineTrial, loaded: LoadedModel):
+def reference_backend(trial: TrialConfig, loaded: LoadedModel):
     """The unoptimized reference of the same model: float32, hf backend, sdpa, no quantization.
     Reuses the trial's own model when the trial *is* the reference configuration."""
     from .backends.hf import HFBackend
 
-    ref_opt = OptimizationSpec(backend="hf", attention="sdpa")
-    if trial.model.dtype == "float32" and loaded.quant.level == "none" and trial.optimization.attention == "sdpa":
-        return HFBackend(loaded, ref_opt)
-    ref_model = load_model(dataclasses.replace(trial.model, dtype="float32"), attention="sdpa", device=str(loaded.device))
-    return HFBackend(ref_model, ref_opt)
+    ref = TrialConfig(model=dataclasses.replace(trial.model, dtype="float32"))  # defaults: hf, sdpa, no quant
+    if trial.model.dtype == "float32" and loaded.quant.level == "none" and trial.attention.impl == "sdpa":
+        return HFBackend(loaded, ref)
+    ref_model = load_model(ref.model, attention="sdpa", device=str(loaded.device))
+    return HFBackend(ref_model, ref)
 
 
-def evaluate_fidelity(trial: EngineTrial, backend, loaded: LoadedModel, evw: torch.Tensor) -> dict[str, float]:
+def evaluate_fidelity(trial: TrialConfig, backend, loaded: LoadedModel, evw: torch.Tensor) -> dict[str, float]:
     identity = {k: v for k, v in dataclasses.asdict(trial.model).items() if k != "dtype"}
     cache = ReferenceCache(cache_root() / "fidelity")
     key = cache.key(identity, evw.cpu(), trial.eval.topk)
@@ -95,7 +95,7 @@ def evaluate_fidelity(trial: EngineTrial, backend, loaded: LoadedModel, evw: tor
     return out
 
 
-def roofline(trial: EngineTrial, loaded: LoadedModel, metrics: dict[str, float]) -> dict[str, str]:
+def roofline(trial: TrialConfig, loaded: LoadedModel, metrics: dict[str, float]) -> dict[str, str]:
     """Add the cost model's roofline metrics to `metrics`; return its regime labels. A model the cost model
     cannot read (an unusual architecture) costs the trial nothing but these numbers."""
     from .costmodel import assess_trial
@@ -109,7 +109,7 @@ def roofline(trial: EngineTrial, loaded: LoadedModel, metrics: dict[str, float])
     return a.labels
 
 
-def evaluate(trial: EngineTrial, backend, loaded: LoadedModel, metrics: dict[str, float], say) -> None:
+def evaluate(trial: TrialConfig, backend, loaded: LoadedModel, metrics: dict[str, float], say) -> None:
     """Accuracy at `workload.context_len` (perplexity, or fidelity against the reference) into `metrics`."""
     if not (trial.eval.enabled and trial.eval.num_windows > 0):
         return
@@ -124,21 +124,21 @@ def evaluate(trial: EngineTrial, backend, loaded: LoadedModel, metrics: dict[str
 
 
 def run_engine_trial(
-    trial: EngineTrial,
+    trial: TrialConfig,
     loaded: Optional[LoadedModel] = None,
     progress: Optional[Callable[[str], None]] = None,
 ) -> EngineResult:
     """Measure one configuration. `loaded` lets a warm worker reuse a model (same spec and attention)."""
     say = progress or (lambda msg: log.info(msg))
-    if trial.threads > 0:
-        torch.set_num_threads(trial.threads)
+    if trial.engine.threads > 0:
+        torch.set_num_threads(trial.engine.threads)
     seed_everything(trial.seed)
     if loaded is None:
         say(f"loading {trial.model.name}")
-        loaded = load_model(trial.model, attention=trial.optimization.attention, quant=trial.quant)
-    backend = make_backend(loaded, trial.optimization)
+        loaded = load_model(trial.model, attention=trial.attention.impl, quant=trial.quant)
+    backend = make_backend(loaded, trial)
     device = loaded.device
-    if trial.serving is not None:  # requests arriving over time, scheduled (engine/serving)
+    if trial.workload.serving:  # requests arriving over time, scheduled (engine/serving)
         from .serving.run import run_serving
 
         metrics, token_ids = run_serving(trial, loaded, backend, say)

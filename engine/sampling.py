@@ -3,14 +3,14 @@ from __future__ import annotations
 
 import torch
 
-from .config import SamplingSpec
+from .config import SamplingConfig
 
 
-def is_greedy(spec: SamplingSpec) -> bool:
+def is_greedy(spec: SamplingConfig) -> bool:
     return spec.temperature <= 0.0
 
 
-def probabilities(logits: torch.Tensor, spec: SamplingSpec) -> torch.Tensor:
+def probabilities(logits: torch.Tensor, spec: SamplingConfig) -> torch.Tensor:
     """The distribution sampling draws from, after temperature, top-k and top-p. logits [..., V]."""
     logits = logits.float() / max(spec.temperature, 1e-8)
     if spec.top_k > 0:
@@ -27,7 +27,7 @@ def probabilities(logits: torch.Tensor, spec: SamplingSpec) -> torch.Tensor:
     return probs
 
 
-def sample(logits: torch.Tensor, spec: SamplingSpec, generator: torch.Generator | None) -> torch.Tensor:
+def sample(logits: torch.Tensor, spec: SamplingConfig, generator: torch.Generator | None) -> torch.Tensor:
     """logits [B, V] -> token ids [B]."""
     if is_greedy(spec):
         return logits.argmax(dim=-1)

@@ -3,11 +3,11 @@ from __future__ import annotations
 
 import functools
 
-from .config import EngineError, TextSource
+from .config import EngineError, TextConfig
 
 
 @functools.lru_cache(maxsize=8)
-def load_text(src: TextSource) -> str:
+def load_text(src: TextConfig) -> str:
     if src.kind == "pydoc":
         from pydoc_data.topics import topics
 

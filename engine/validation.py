@@ -1,7 +1,7 @@
-"""Static checks of an `EngineTrial`: everything the engine can tell is impossible without loading weights.
+"""Static checks of a `TrialConfig`: everything the engine can tell is impossible without loading weights.
 
-Returns (field, message) pairs keyed by the engine dataclass path (e.g. "workload.context_len"), so a
-caller can report every problem at once and map fields to its own config keys.
+Returns (config key, message) pairs (e.g. "workload.context_len": the config's field paths are the keys
+users type), so a caller can report every problem at once.
 """
 from __future__ import annotations
 
@@ -20,14 +20,14 @@ from .config import (
     LENGTH_DISTS,
     QUANT_LEVELS,
     EngineError,
-    EngineTrial,
-    LengthSpec,
-    TextSource,
+    TrialConfig,
+    TEXT_KINDS,
+    LengthConfig,
+    TextConfig,
 )
 from .models import PREPARED_MODELS, PREPARED_SCHEME, TINY_SCHEME, max_positions
 
 HF_KV_MODES = ("off", "contiguous")
-TEXT_KINDS = ("pydoc", "file", "datasets")
 
 
 def _choice(field: str, value, allowed) -> list[tuple[str, str]]:
@@ -36,7 +36,7 @@ def _choice(field: str, value, allowed) -> list[tuple[str, str]]:
     return []
 
 
-def _text(field: str, src: TextSource) -> list[tuple[str, str]]:
+def _text(field: str, src: TextConfig) -> list[tuple[str, str]]:
     out = _choice(f"{field}.kind", src.kind, TEXT_KINDS)
     if src.kind == "file":
         if not src.path:
@@ -64,7 +64,7 @@ def _num_layers(m) -> int | None:
         return None  # a hub id or a model not prepared yet: checked when it loads
 
 
-def _speculative(trial: EngineTrial) -> list[tuple[str, str]]:
+def _speculative(trial: TrialConfig) -> list[tuple[str, str]]:
     from .config import PROMPT_STYLES, SPECULATIVE_METHODS
 
     s, w = trial.speculative, trial.workload
@@ -86,7 +86,7 @@ def _speculative(trial: EngineTrial) -> list[tuple[str, str]]:
             p.append(("speculative.draft_layers", f"must be >= 1, got {s.draft_layers}"))
     if s.method == "draft":
         d = s.draft_model
-        if d is None or not d.path:
+        if not d.path:
             p.append(("speculative.draft_model.path", "speculative=draft needs a draft model: a local HF checkpoint, "
                                                       "hub id, prepared://NAME or tiny://NAME sharing the target's tokenizer"))
         elif d.path.startswith(PREPARED_SCHEME) and d.path[len(PREPARED_SCHEME):] not in PREPARED_MODELS:
@@ -94,7 +94,7 @@ def _speculative(trial: EngineTrial) -> list[tuple[str, str]]:
                                                       f"known: {', '.join(sorted(PREPARED_MODELS))}"))
         elif (os.path.sep in d.path or d.path.startswith(".")) and not os.path.isdir(d.path):
             p.append(("speculative.draft_model.path", f"{d.path!r} does not exist (expected a local HF checkpoint directory or a hub id)"))
-        if d is not None:
+        if d.dtype is not None:  # None follows the target
             p += _choice("speculative.draft_model.dtype", d.dtype, DTYPES)
     if s.method == "prompt-lookup":
         if s.prompt_lookup_min < 1:
@@ -105,15 +105,15 @@ def _speculative(trial: EngineTrial) -> list[tuple[str, str]]:
     return p
 
 
-def check_trial(trial: EngineTrial, gpu_available: bool) -> list[tuple[str, str]]:
+def check_trial(trial: TrialConfig, gpu_available: bool) -> list[tuple[str, str]]:
     p: list[tuple[str, str]] = []
-    m, o, w = trial.model, trial.optimization, trial.workload
+    m, w = trial.model, trial.workload
     p += _choice("model.dtype", m.dtype, DTYPES)
-    p += _choice("optimization.backend", o.backend, BACKENDS)
-    p += _choice("optimization.attention", o.attention, ATTENTION_IMPLS)
-    p += _choice("optimization.kv_cache", o.kv_cache, KV_CACHE_MODES)
-    if o.backend == "hf" and o.kv_cache not in HF_KV_MODES:
-        p.append(("optimization.kv_cache", f"backend hf supports {', '.join(HF_KV_MODES)}; paged needs backend native"))
+    p += _choice("engine.backend", trial.engine.backend, BACKENDS)
+    p += _choice("attention.impl", trial.attention.impl, ATTENTION_IMPLS)
+    p += _choice("kv_cache.mode", trial.kv_cache.mode, KV_CACHE_MODES)
+    if trial.engine.backend == "hf" and trial.kv_cache.mode not in HF_KV_MODES:
+        p.append(("kv_cache.mode", f"backend hf supports {', '.join(HF_KV_MODES)}; paged needs backend native"))
     q = trial.quant
     p += _choice("quant.level", q.level, QUANT_LEVELS)
     p += _choice("quant.compute_dtype", q.compute_dtype, DTYPES)
@@ -125,10 +125,10 @@ def check_trial(trial: EngineTrial, gpu_available: bool) -> list[tuple[str, str]
         p.append(("quant.keep_last_layers", f"must be >= 0, got {q.keep_last_layers}"))
     if q.level.startswith("bnb-") and m.dtype != "float32" and not gpu_available:
         p.append(("quant.level", f"{q.level} on CPU needs model.dtype=float32 (no fast half precision here)"))
-    if o.kv_block_size < 1:
-        p.append(("optimization.kv_block_size", f"must be >= 1, got {o.kv_block_size}"))
-    if o.attention == "flash" and not gpu_available:
-        p.append(("optimization.attention", "flash needs a CUDA GPU (none requested/available); use sdpa or eager"))
+    if trial.kv_cache.block_size < 1:
+        p.append(("kv_cache.block_size", f"must be >= 1, got {trial.kv_cache.block_size}"))
+    if trial.attention.impl == "flash" and not gpu_available:
+        p.append(("attention.impl", "flash needs a CUDA GPU (none requested/available); use sdpa or eager"))
     if m.path.startswith(PREPARED_SCHEME):
         name = m.path[len(PREPARED_SCHEME):]
         if name not in PREPARED_MODELS:
@@ -151,7 +151,7 @@ def check_trial(trial: EngineTrial, gpu_available: bool) -> list[tuple[str, str]
         ("workload.warmup", w.warmup, 0),
         ("eval.num_windows", trial.eval.num_windows, 0),
         ("eval.topk", trial.eval.topk, 1),
-        ("threads", trial.threads, 0),
+        ("engine.threads", trial.engine.threads, 0),
     ):
         if value < lo:
             p.append((field, f"must be >= {lo}, got {value}"))
@@ -175,7 +175,7 @@ def check_trial(trial: EngineTrial, gpu_available: bool) -> list[tuple[str, str]
     return p
 
 
-def _length(field: str, s: LengthSpec) -> list[tuple[str, str]]:
+def _length(field: str, s: LengthConfig) -> list[tuple[str, str]]:
     out = _choice(f"{field}.dist", s.dist, LENGTH_DISTS)
     if s.dist == "fixed" and s.value < 1:
         out.append((f"{field}.value", f"must be >= 1, got {s.value}"))
@@ -187,59 +187,59 @@ def _length(field: str, s: LengthSpec) -> list[tuple[str, str]]:
     return out
 
 
-def _batching(trial: EngineTrial) -> list[tuple[str, str]]:
+def _batching(trial: TrialConfig) -> list[tuple[str, str]]:
     """Batching, SLO, prefix-caching and serving-workload checks."""
     from .serving.workload import max_prompt_tokens, max_request_tokens, read_length_trace
 
     p: list[tuple[str, str]] = []
-    b, o, s = trial.batching, trial.optimization, trial.serving
+    b, s = trial.batching, trial.workload
+    serving = s.serving
     p += _choice("batching.mode", b.mode, BATCHING_MODES)
     for field, value, lo in (("batching.max_batch_size", b.max_batch_size, 1),
                              ("batching.max_batch_tokens", b.max_batch_tokens, 1),
-                             ("optimization.kv_num_blocks", o.kv_num_blocks, 0)):
+                             ("kv_cache.num_blocks", trial.kv_cache.num_blocks, 0)):
         if value < lo:
             p.append((field, f"must be >= {lo}, got {value}"))
     for field, value in (("slo.ttft_ms", trial.slo.ttft_ms), ("slo.tpot_ms", trial.slo.tpot_ms)):
         if not value > 0:
             p.append((field, f"must be > 0, got {value}"))
-    if (b.mode == "continuous" or s is not None) and o.backend != "native":
-        what = "serving workloads run" if s is not None else "batching=continuous runs"
-        p.append(("optimization.backend", f"{what} on engine=native (varlen batches over a paged KV pool); "
+    if (b.mode == "continuous" or serving) and trial.engine.backend != "native":
+        what = "serving workloads run" if serving else "batching=continuous runs"
+        p.append(("engine.backend", f"{what} on engine=native (varlen batches over a paged KV pool); "
                                           "backend hf runs one static batch only"))
-    if s is None:
+    if not serving:
         if b.mode == "continuous":
             p.append(("batching.mode", "continuous batching schedules requests arriving over time: use a serving "
                                        "workload (workload=serving-mixed, or workload.kind=serving)"))
-        if o.prefix_caching:
-            p.append(("optimization.prefix_caching", "prefix caching applies to serving workloads (workload.kind=serving)"))
+        if trial.kv_cache.prefix_caching:
+            p.append(("kv_cache.prefix_caching", "prefix caching applies to serving workloads (workload.kind=serving)"))
         return p
-    if o.kv_cache != "paged":
-        p.append(("optimization.kv_cache", "serving workloads need kv_cache=paged: the scheduler admits requests by free KV blocks"))
-    if o.attention == "flash":
-        p.append(("optimization.attention", "flash has no varlen (continuous batching) path yet; use sdpa or eager"))
-    if o.compile:
+    if trial.kv_cache.mode != "paged":
+        p.append(("kv_cache.mode", "serving workloads need kv_cache=paged: the scheduler admits requests by free KV blocks"))
+    if trial.attention.impl == "flash":
+        p.append(("attention.impl", "flash has no varlen (continuous batching) path yet; use sdpa or eager"))
+    if trial.engine.compile:
         p.append(("engine.compile", "torch.compile is not supported with serving workloads (shapes change every step)"))
-    spec = getattr(trial, "speculative", None)
-    if spec is not None and getattr(spec, "method", "off") not in ("off", "none"):
-        p.append(("speculative", "speculative decoding is not implemented for serving workloads"))
-    for field, value, lo in (("serving.num_requests", s.num_requests, 1), ("serving.prefix_len", s.prefix_len, 0),
-                             ("serving.max_concurrency", s.max_concurrency, 0)):
+    if trial.speculative.enabled:
+        p.append(("speculative.method", "speculative decoding is not implemented for serving workloads"))
+    for field, value, lo in (("workload.num_requests", s.num_requests, 1), ("workload.prefix_len", s.prefix_len, 0),
+                             ("workload.max_concurrency", s.max_concurrency, 0)):
         if value < lo:
             p.append((field, f"must be >= {lo}, got {value}"))
-    p += _choice("serving.arrival", s.arrival, ARRIVALS)
+    p += _choice("workload.arrival", s.arrival, ARRIVALS)
     if s.arrival != "all-at-once" and not s.rate > 0:
-        p.append(("serving.rate", f"must be > 0 requests/s for arrival={s.arrival}, got {s.rate}"))
+        p.append(("workload.rate", f"must be > 0 requests/s for arrival={s.arrival}, got {s.rate}"))
     if not s.burstiness > 0:
-        p.append(("serving.burstiness", f"must be > 0 (1 = Poisson), got {s.burstiness}"))
+        p.append(("workload.burstiness", f"must be > 0 (1 = Poisson), got {s.burstiness}"))
     lengths_ok = True
     if s.length_trace:
         try:
             read_length_trace(s.length_trace)
         except EngineError as e:
-            p.append(("serving.length_trace", str(e)))
+            p.append(("workload.length_trace", str(e)))
             lengths_ok = False
     else:
-        bad = _length("serving.input_len", s.input_len) + _length("serving.output_len", s.output_len)
+        bad = _length("workload.input_len", s.input_len) + _length("workload.output_len", s.output_len)
         p += bad
         lengths_ok = not bad
     if not lengths_ok or s.prefix_len < 0:
@@ -248,16 +248,16 @@ def _batching(trial: EngineTrial) -> list[tuple[str, str]]:
     if not any(f.startswith("model.path") for f, _ in p):
         limit = max_positions(trial.model)
         if limit and total > limit:
-            p.append(("serving.input_len", f"the longest request (prefix + input + output = {total} tokens) exceeds "
+            p.append(("workload.input_len", f"the longest request (prefix + input + output = {total} tokens) exceeds "
                                            f"the model's maximum of {limit} positions"))
-    blocks = -(-total // max(1, o.kv_block_size))
-    if o.kv_num_blocks and o.kv_num_blocks < blocks:
-        p.append(("optimization.kv_num_blocks", f"{o.kv_num_blocks} blocks of {o.kv_block_size} tokens cannot hold the "
+    blocks = -(-total // max(1, trial.kv_cache.block_size))
+    if trial.kv_cache.num_blocks and trial.kv_cache.num_blocks < blocks:
+        p.append(("kv_cache.num_blocks", f"{trial.kv_cache.num_blocks} blocks of {trial.kv_cache.block_size} tokens cannot hold the "
                                                 f"longest request ({total} tokens needs {blocks}); 0 sizes the pool automatically"))
     if b.mode == "continuous" and not b.chunked_prefill:
         # a preempted request is re-prefilled with its generated tokens in one step
-        need = total - 1 if o.kv_num_blocks else prompt
+        need = total - 1 if trial.kv_cache.num_blocks else prompt
         if b.max_batch_tokens < need:
-            p.append(("batching.max_batch_tokens", f"must be >= {need} (the longest {'prompt + output - 1' if o.kv_num_blocks else 'prompt'}) "
+            p.append(("batching.max_batch_tokens", f"must be >= {need} (the longest {'prompt + output - 1' if trial.kv_cache.num_blocks else 'prompt'}) "
                                                    f"unless batching.chunked_prefill=true, got {b.max_batch_tokens}"))
     return p

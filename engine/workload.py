@@ -5,17 +5,17 @@ import functools
 
 import torch
 
-from .config import PROMPT_STYLES, EngineError, TextSource, WorkloadSpec
+from .config import PROMPT_STYLES, EngineError, TextConfig, WorkloadConfig
 from .text import load_text
 from .tokenizer import Tokenizer
 
 
 @functools.lru_cache(maxsize=8)
-def _token_ids(tokenizer: Tokenizer, src: TextSource) -> tuple[int, ...]:
+def _token_ids(tokenizer: Tokenizer, src: TextConfig) -> tuple[int, ...]:
     return tuple(tokenizer.encode(load_text(src)))
 
 
-def corpus_ids(tokenizer: Tokenizer, src: TextSource) -> torch.Tensor:
+def corpus_ids(tokenizer: Tokenizer, src: TextConfig) -> torch.Tensor:
     ids = _token_ids(tokenizer, src)
     if len(ids) < 2:
         raise EngineError(f"text source {src} is empty after tokenization")
@@ -31,7 +31,7 @@ def windows(ids: torch.Tensor, length: int, count: int) -> torch.Tensor:
     return ids[:need].view(count, length).clone()
 
 
-def static_batch_prompts(tokenizer: Tokenizer, src: TextSource, context_len: int, batch_size: int) -> torch.Tensor:
+def static_batch_prompts(tokenizer: Tokenizer, src: TextConfig, context_len: int, batch_size: int) -> torch.Tensor:
     """`batch_size` different prompts of exactly `context_len` tokens: [B, context_len]."""
     return windows(corpus_ids(tokenizer, src), context_len, batch_size)
 
@@ -44,7 +44,7 @@ REPEAT_CUE = "\n\nThe same text, repeated exactly:\n"
 REPEAT_PRIMER = 8
 
 
-def repeat_prompts(tokenizer: Tokenizer, src: TextSource, context_len: int, batch_size: int) -> torch.Tensor:
+def repeat_prompts(tokenizer: Tokenizer, src: TextConfig, context_len: int, batch_size: int) -> torch.Tensor:
     """[B, context_len]: instruction + passage + cue + the passage's first REPEAT_PRIMER tokens, with the
     passage (a window of the text, a different one per sequence) sized so the whole is context_len tokens."""
     head, cue = tokenizer.encode(REPEAT_INSTRUCTION), tokenizer.encode(REPEAT_CUE)
@@ -60,7 +60,7 @@ def repeat_prompts(tokenizer: Tokenizer, src: TextSource, context_len: int, batc
     return out
 
 
-def workload_prompts(tokenizer: Tokenizer, wl: WorkloadSpec) -> torch.Tensor:
+def workload_prompts(tokenizer: Tokenizer, wl: WorkloadConfig) -> torch.Tensor:
     """The static batch's prompts [batch_size, context_len] in the workload's prompt style."""
     if wl.prompt_style == "window":
         return static_batch_prompts(tokenizer, wl.text, wl.context_len, wl.batch_size)

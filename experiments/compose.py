@@ -18,7 +18,7 @@ from omegaconf import OmegaConf, open_dict
 from engine.config import EngineError
 
 from . import schema
-from .spec import TrialSpec, config_key, normalize, to_engine_trial
+from .spec import TrialSpec, build_trial, normalize
 
 PROJECT_ROOT = Path(__file__).resolve().parents[1]
 
@@ -329,12 +329,11 @@ def validate(config: dict[str, Any], gpu_available: bool | None = None) -> list[
         out.append(f"cluster.max_retries: must be >= 0, got {cl['max_retries']}")
     out += _placement_problems(config)
     try:
-        trial = to_engine_trial(config)
+        trial = build_trial(config)
     except (TypeError, ValueError, EngineError) as e:
-        return out + [f"config: {e}"]
+        return out + [str(e)]
     gpu = cl["num_gpus_per_trial"] > 0 if gpu_available is None else gpu_available
-    for field, msg in check_trial(trial, gpu_available=gpu):
-        out.append(f"{config_key(field)}: {msg}")
+    out += [f"{key}: {msg}" for key, msg in check_trial(trial, gpu_available=gpu)]
     return out
 
 

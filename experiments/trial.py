@@ -14,7 +14,7 @@ import traceback
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from .spec import TrialSpec, model_key, to_engine_trial
+from .spec import TrialSpec, model_key
 
 FINISHED, FAILED = "FINISHED", "FAILED"
 
@@ -83,12 +83,12 @@ def execute_trial(spec: TrialSpec) -> TrialOutcome:
     key = model_key(spec.config) if spec.config["cluster"].get("warm_workers", True) else None
     reused = False
     try:
-        trial = to_engine_trial(spec.config)
+        trial = spec.trial
         if key is not None and key in _WARM:
             loaded, reused = _WARM[key], True
         else:
             release_models()  # before loading the next one: never two models in memory
-            loaded = load_model(trial.model, attention=trial.optimization.attention, quant=trial.quant)
+            loaded = load_model(trial.model, attention=trial.attention.impl, quant=trial.quant)
             if key is not None:
                 _WARM[key] = loaded
         _reset_between_trials(loaded.device)

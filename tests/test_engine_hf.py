@@ -6,17 +6,18 @@ import math
 import pytest
 import torch
 
-from engine import EngineError, EngineTrial, ModelSpec, OptimizationSpec, SamplingSpec, WorkloadSpec, load_model, run_engine_trial
+from support import make_trial
+from engine import EngineError, TrialConfig, ModelConfig, SamplingConfig, WorkloadConfig, load_model, run_engine_trial
 from engine.backends import make_backend
 from engine.fidelity import perplexity
 
-TINY = ModelSpec(name="tiny", path="tiny://llama")
+TINY = ModelConfig(name="tiny", path="tiny://llama")
 
 
 def _trial(kv="contiguous", attn="sdpa", **wl):
     w = dict(context_len=40, max_new_tokens=12, batch_size=2, warmup=0, repeats=1)
     w.update(wl)
-    return EngineTrial(model=TINY, optimization=OptimizationSpec(kv_cache=kv, attention=attn), workload=WorkloadSpec(**w))
+    return make_trial(TINY, kv_cache=kv, attention=attn, workload=WorkloadConfig(**w))
 
 
 @pytest.fixture(scope="module")
@@ -37,15 +38,15 @@ def test_greedy_matches_transformers_generate():
     lm = load_model(TINY, "sdpa")
     r = run_engine_trial(_trial(batch_size=1), loaded=lm)
     from engine.workload import static_batch_prompts
-    from engine.config import TextSource
+    from engine.config import TextConfig
 
-    prompt = static_batch_prompts(lm.tokenizer, TextSource(), 40, 1)
+    prompt = static_batch_prompts(lm.tokenizer, TextConfig(), 40, 1)
     ref = lm.model.generate(prompt, max_new_tokens=12, do_sample=False, min_new_tokens=12, pad_token_id=0)
     assert r.token_ids[0] == ref[0, 40:].tolist()
 
 
 def test_seeded_sampling_is_reproducible_and_differs_from_greedy(greedy_reference):
-    s = dict(sampling=SamplingSpec(temperature=1.0, top_k=50, seed=3))
+    s = dict(sampling=SamplingConfig(temperature=1.0, top_k=50))
     a = run_engine_trial(_trial(**s)).token_ids
     b = run_engine_trial(_trial(repeats=2, **s)).token_ids  # repeats are checked for equality inside
     assert a == b and a != greedy_reference
@@ -72,13 +73,13 @@ def test_kv_cache_bytes_are_exact():
 
 def test_weights_bytes_counts_parameters():
     lm = load_model(TINY, "sdpa")
-    backend = make_backend(lm, OptimizationSpec())
+    backend = make_backend(lm, make_trial(lm.spec))
     assert backend.weights_bytes() == sum(p.numel() * 4 for p in lm.model.parameters())
 
 
 def test_session_rollback_restores_logits():
     lm = load_model(TINY, "sdpa")
-    backend = make_backend(lm, OptimizationSpec())
+    backend = make_backend(lm, make_trial(lm.spec))
     ids = torch.randint(3, 200, (1, 20), generator=torch.Generator().manual_seed(0))
     s = backend.new_session(1, 64)
     s.forward(ids[:, :15])
@@ -92,7 +93,7 @@ def test_session_rollback_restores_logits():
 
 def test_perplexity_equals_transformers_loss():
     lm = load_model(TINY, "eager")
-    backend = make_backend(lm, OptimizationSpec(attention="eager"))
+    backend = make_backend(lm, make_trial(lm.spec, attention="eager"))
     w = torch.randint(3, 259, (2, 32), generator=torch.Generator().manual_seed(1))
     ours = perplexity(backend, w)
     with torch.no_grad():
@@ -110,7 +111,7 @@ def test_flash_attention_is_a_clear_error_on_cpu():
 
 def test_missing_model_path_is_a_clear_error(tmp_path):
     with pytest.raises(EngineError, match="does not exist"):
-        load_model(ModelSpec(name="x", path=str(tmp_path / "nope")))
+        load_model(ModelConfig(name="x", path=str(tmp_path / "nope")))
 
 
 def test_context_beyond_model_maximum_is_an_engine_error():

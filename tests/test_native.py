@@ -10,7 +10,8 @@ import sys
 import pytest
 import torch
 
-from engine import EngineTrial, EvalSpec, ModelSpec, OptimizationSpec, SamplingSpec, WorkloadSpec
+from support import make_trial
+from engine import TrialConfig, EvalConfig, ModelConfig, SamplingConfig, WorkloadConfig
 from engine.backends import make_backend
 from engine.config import EngineError
 from engine.generate import generate
@@ -60,12 +61,12 @@ def hf_tiny(kind: str, attn: str = "sdpa", seed: int = 0):
             for layer in model.model.layers:
                 for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
                     torch.nn.init.normal_(proj.bias, std=0.5)
-    return LoadedModel(model=model.eval(), tokenizer=ByteTokenizer(), spec=ModelSpec(name=kind, path="tiny://" + kind),
+    return LoadedModel(model=model.eval(), tokenizer=ByteTokenizer(), spec=ModelConfig(name=kind, path="tiny://" + kind),
                        load_s=0.0)
 
 
 def native(loaded, attn="sdpa", kv="contiguous", block=16, compile=False):
-    return make_backend(loaded, OptimizationSpec(backend="native", attention=attn, kv_cache=kv, kv_block_size=block,
+    return make_backend(loaded, make_trial(loaded.spec, backend="native", attention=attn, kv_cache=kv, kv_block_size=block,
                                                  compile=compile))
 
 
@@ -151,25 +152,24 @@ def test_greedy_tokens_identical_to_hf_backend_for_every_combination():
     prompt = torch.randint(3, 300, (2, 24), generator=torch.Generator().manual_seed(3))
     ref_tokens = None
     for attn in ATTN:
-        loaded = load_model(ModelSpec(name="tiny", path="tiny://llama"), attention=attn)
-        hf = make_backend(loaded, OptimizationSpec(backend="hf", attention=attn, kv_cache="contiguous"))
-        ref = generate(hf.new_session(2, 40), prompt, 16, SamplingSpec(), 0, lambda: None).tokens
+        loaded = load_model(ModelConfig(name="tiny", path="tiny://llama"), attention=attn)
+        hf = make_backend(loaded, make_trial(loaded.spec, backend="hf", attention=attn, kv_cache="contiguous"))
+        ref = generate(hf.new_session(2, 40), prompt, 16, SamplingConfig(), 0, lambda: None).tokens
         if ref_tokens is None:
             ref_tokens = ref
         assert torch.equal(ref, ref_tokens)
         for kv in KV:
             be = native(loaded, attn=attn, kv=kv, block=7)  # 7 divides neither 24 nor 40
-            got = generate(be.new_session(2, 40), prompt, 16, SamplingSpec(), 0, lambda: None).tokens
+            got = generate(be.new_session(2, 40), prompt, 16, SamplingConfig(), 0, lambda: None).tokens
             assert torch.equal(got, ref), (attn, kv)
     assert len(set(ref_tokens[0].tolist())) > 1  # not a degenerate repetition of one token
 
 
 def test_run_engine_trial_native_reports_attention_memory():
     def trial(backend, attn):
-        return EngineTrial(model=ModelSpec(name="tiny", path="tiny://llama"),
-                           optimization=OptimizationSpec(backend=backend, attention=attn, kv_cache="contiguous"),
-                           workload=WorkloadSpec(context_len=32, max_new_tokens=6, batch_size=2, warmup=1, repeats=2),
-                           eval=EvalSpec(enabled=True, num_windows=1))
+        return make_trial(ModelConfig(name="tiny", path="tiny://llama"), backend=backend, attention=attn, kv_cache="contiguous",
+                           workload=WorkloadConfig(context_len=32, max_new_tokens=6, batch_size=2, warmup=1, repeats=2),
+                           eval=EvalConfig(enabled=True, num_windows=1))
     hf = run_engine_trial(trial("hf", "sdpa"))
     eager = run_engine_trial(trial("native", "eager"))
     sdpa = run_engine_trial(trial("native", "sdpa"))
@@ -328,7 +328,7 @@ def test_unsupported_architecture_names_hf_backend():
 
     cfg = tf.GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=100, n_positions=64)
     loaded = LoadedModel(model=tf.GPT2LMHeadModel(cfg).eval(), tokenizer=ByteTokenizer(),
-                         spec=ModelSpec(name="gpt2", path="tiny://gpt2"), load_s=0.0)
+                         spec=ModelConfig(name="gpt2", path="tiny://gpt2"), load_s=0.0)
     with pytest.raises(EngineError, match=r"model_type 'gpt2'.*backend hf"):
         native(loaded)
 
@@ -338,7 +338,7 @@ def test_unsupported_rope_type_is_an_error():
 
     rope = dict(rope_type="yarn", rope_theta=10000.0, factor=4.0, original_max_position_embeddings=64)
     model = tf.LlamaForCausalLM(tf.LlamaConfig(**SMALL, rope_parameters=rope))
-    loaded = LoadedModel(model=model.eval(), tokenizer=ByteTokenizer(), spec=ModelSpec(name="y", path="tiny://y"),
+    loaded = LoadedModel(model=model.eval(), tokenizer=ByteTokenizer(), spec=ModelConfig(name="y", path="tiny://y"),
                          load_s=0.0)
     with pytest.raises(EngineError, match="rope type 'yarn'.*backend hf"):
         native(loaded)
@@ -348,7 +348,7 @@ def test_sliding_window_beyond_window_is_refused():
     import transformers as tf
 
     model = tf.MistralForCausalLM(tf.MistralConfig(**SMALL, sliding_window=16)).eval()
-    loaded = LoadedModel(model=model, tokenizer=ByteTokenizer(), spec=ModelSpec(name="m", path="tiny://m"), load_s=0.0)
+    loaded = LoadedModel(model=model, tokenizer=ByteTokenizer(), spec=ModelConfig(name="m", path="tiny://m"), load_s=0.0)
     be = native(loaded)
     be.new_session(1, 16)  # within the window: exact
     with pytest.raises(EngineError, match="sliding window"):
@@ -362,9 +362,9 @@ def test_sliding_window_beyond_window_is_refused():
 def test_compile_decode_step_keeps_logits_and_tokens(variants, ids):
     loaded = variants["llama"]
     prompt = ids[:, :12]
-    ref = generate(native(loaded).new_session(2, 32), prompt, 10, SamplingSpec(), 0, lambda: None).tokens
+    ref = generate(native(loaded).new_session(2, 32), prompt, 10, SamplingConfig(), 0, lambda: None).tokens
     be = native(loaded, compile=True)
-    got = generate(be.new_session(2, 32), prompt, 10, SamplingSpec(), 0, lambda: None).tokens
+    got = generate(be.new_session(2, 32), prompt, 10, SamplingConfig(), 0, lambda: None).tokens
     assert torch.equal(got, ref)
     logits = incremental_logits(be.new_session(2, 32), ids, prefill=12)
     assert (logits - hf_logits(loaded, ids)).abs().max() <= TOL
@@ -372,15 +372,15 @@ def test_compile_decode_step_keeps_logits_and_tokens(variants, ids):
 
 @pytest.fixture(scope="module")
 def smol():
-    return load_model(ModelSpec(name="smollm2", path="prepared://smollm2-135m-instruct"), attention="sdpa")
+    return load_model(ModelConfig(name="smollm2", path="prepared://smollm2-135m-instruct"), attention="sdpa")
 
 
 @pytest.fixture(scope="module")
 def smol_ids(smol):
-    from engine.config import TextSource
+    from engine.config import TextConfig
     from engine.workload import static_batch_prompts
 
-    return static_batch_prompts(smol.tokenizer, TextSource(), 96, 2)
+    return static_batch_prompts(smol.tokenizer, TextConfig(), 96, 2)
 
 
 @pytest.mark.slow
@@ -398,10 +398,10 @@ def test_smollm2_logits_match_transformers(smol, smol_ids):
 @pytest.mark.slow
 def test_smollm2_greedy_tokens_identical_to_hf(smol, smol_ids):
     prompt = smol_ids[:, :64]
-    hf = make_backend(smol, OptimizationSpec(backend="hf", kv_cache="contiguous"))
-    ref = generate(hf.new_session(2, 88), prompt, 24, SamplingSpec(), 0, lambda: None).tokens
+    hf = make_backend(smol, make_trial(smol.spec, backend="hf", kv_cache="contiguous"))
+    ref = generate(hf.new_session(2, 88), prompt, 24, SamplingConfig(), 0, lambda: None).tokens
     for attn in ATTN:
         for kv in KV:
             be = native(smol, attn=attn, kv=kv, block=10)
-            got = generate(be.new_session(2, 88), prompt, 24, SamplingSpec(), 0, lambda: None).tokens
+            got = generate(be.new_session(2, 88), prompt, 24, SamplingConfig(), 0, lambda: None).tokens
             assert torch.equal(got, ref), (attn, kv)

@@ -5,13 +5,13 @@ import pytest
 import torch
 from torch import nn
 
-from engine import EngineTrial, EvalSpec, ModelSpec, WorkloadSpec, load_model, run_engine_trial
-from engine.config import EngineError, QuantSpec
+from engine import TrialConfig, EvalConfig, ModelConfig, WorkloadConfig, load_model, run_engine_trial
+from engine.config import EngineError, QuantConfig
 from engine.fidelity import ReferenceCache
 from engine.models import cache_root, weights_bytes
 from engine.quant import DynamicInt8Linear, WeightOnlyInt8Linear, quantize_per_channel
 
-TINY = ModelSpec(name="tiny", path="tiny://llama")
+TINY = ModelConfig(name="tiny", path="tiny://llama")
 LEVELS = ["none", "int8-weight", "int8-dynamic", "bnb-int8", "bnb-nf4", "bnb-fp4"]
 
 
@@ -24,8 +24,8 @@ def fresh_cache(tmp_path, monkeypatch):
 def _trial(level, fid=True, **wl):
     w = dict(context_len=48, max_new_tokens=6, warmup=0, repeats=1)
     w.update(wl)
-    return EngineTrial(model=TINY, quant=QuantSpec(level=level), workload=WorkloadSpec(**w),
-                       eval=EvalSpec(fidelity=fid, num_windows=2))
+    return TrialConfig(model=TINY, quant=QuantConfig(level=level), workload=WorkloadConfig(**w),
+                       eval=EvalConfig(fidelity=fid, num_windows=2))
 
 
 @pytest.mark.parametrize("level", LEVELS)
@@ -46,18 +46,18 @@ def test_quantized_weights_really_are_low_bit():
     emb = fp.model.model.embed_tokens.weight.numel()
     other = full - 4 * n_lin
     # ours: int8 weights + one fp32 scale per output channel
-    w8 = load_model(TINY, quant=QuantSpec(level="int8-weight"))
+    w8 = load_model(TINY, quant=QuantConfig(level="int8-weight"))
     assert isinstance(_proj(w8), WeightOnlyInt8Linear) and _proj(w8).weight.dtype == torch.int8
     scales = sum(m.scales.numel() for m in w8.model.modules() if isinstance(m, WeightOnlyInt8Linear))
     assert weights_bytes(w8.model) == other + n_lin + 4 * scales
-    dyn = load_model(TINY, quant=QuantSpec(level="int8-dynamic"))
+    dyn = load_model(TINY, quant=QuantConfig(level="int8-dynamic"))
     assert isinstance(_proj(dyn), DynamicInt8Linear) and _proj(dyn).weight_t.dtype == torch.int8
     # bitsandbytes: int8 (LLM.int8) and packed 4-bit (two weights per byte)
-    b8 = load_model(TINY, quant=QuantSpec(level="bnb-int8"))
+    b8 = load_model(TINY, quant=QuantConfig(level="bnb-int8"))
     assert _proj(b8).weight.dtype == torch.int8
     assert weights_bytes(b8.model) < other + 1.1 * n_lin
     for lvl in ("bnb-nf4", "bnb-fp4"):
-        b4 = load_model(TINY, quant=QuantSpec(level=lvl))
+        b4 = load_model(TINY, quant=QuantConfig(level=lvl))
         w = _proj(b4).weight
         assert w.dtype == torch.uint8 and w.numel() == _proj(fp).weight.numel() // 2
         assert weights_bytes(b4.model) < other + 0.6 * n_lin
@@ -93,12 +93,12 @@ def test_dynamic_int8_kernel_matches_simulated_w8a8():
 
 
 def test_mixed_precision_keeps_last_layers_and_skipped_modules():
-    lm = load_model(TINY, quant=QuantSpec(level="int8-weight", keep_last_layers=1, skip_modules=("lm_head", "down_proj")))
+    lm = load_model(TINY, quant=QuantConfig(level="int8-weight", keep_last_layers=1, skip_modules=("lm_head", "down_proj")))
     layers = lm.model.model.layers
     assert isinstance(layers[0].self_attn.q_proj, WeightOnlyInt8Linear)
     assert type(layers[0].mlp.down_proj) is nn.Linear
     assert all(type(m) is nn.Linear for m in layers[-1].modules() if isinstance(m, (nn.Linear, WeightOnlyInt8Linear)))
-    b = load_model(TINY, quant=QuantSpec(level="bnb-int8", keep_last_layers=1))
+    b = load_model(TINY, quant=QuantConfig(level="bnb-int8", keep_last_layers=1))
     assert type(b.model.model.layers[-1].mlp.up_proj) is nn.Linear
     assert type(b.model.model.layers[0].mlp.up_proj) is not nn.Linear
 
@@ -150,12 +150,11 @@ def test_quant_levels_are_config_options():
 
 @pytest.mark.parametrize("level", ["int8-weight", "int8-dynamic", "bnb-int8", "bnb-nf4"])
 def test_native_backend_inherits_every_quantization_level(level):
-    from engine import OptimizationSpec
+    from support import make_trial
 
     def run(backend):
-        return run_engine_trial(EngineTrial(
-            model=TINY, optimization=OptimizationSpec(backend=backend), quant=QuantSpec(level=level),
-            workload=WorkloadSpec(context_len=32, max_new_tokens=8, warmup=0, repeats=1)))
+        return run_engine_trial(make_trial(TINY, backend=backend, quant=QuantConfig(level=level),
+            workload=WorkloadConfig(context_len=32, max_new_tokens=8, warmup=0, repeats=1)))
 
     hf, native = run("hf"), run("native")
     assert native.token_ids == hf.token_ids
@@ -177,8 +176,8 @@ def test_int8_kernel_is_a_validated_config_option():
 
 
 def test_both_int8_kernels_generate_the_same_greedy_tokens():
-    a = load_model(TINY, quant=QuantSpec(level="int8-weight", kernel="dequant"))
-    b = load_model(TINY, quant=QuantSpec(level="int8-weight", kernel="int8pack"))
+    a = load_model(TINY, quant=QuantConfig(level="int8-weight", kernel="dequant"))
+    b = load_model(TINY, quant=QuantConfig(level="int8-weight", kernel="int8pack"))
     ids = torch.arange(3, 19)[None]
     la, lb = a.model(ids).logits, b.model(ids).logits
     torch.testing.assert_close(la, lb, atol=1e-4, rtol=1e-4)

@@ -4,10 +4,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine import EngineTrial, ModelSpec, OptimizationSpec, WorkloadSpec, load_model, run_engine_trial
+from support import make_trial
+from engine import TrialConfig, ModelConfig, WorkloadConfig, load_model, run_engine_trial
 
 pytestmark = pytest.mark.slow
-SMOL = ModelSpec(name="smollm2-135m-instruct", path="prepared://smollm2-135m-instruct")
+SMOL = ModelConfig(name="smollm2-135m-instruct", path="prepared://smollm2-135m-instruct")
 
 
 @pytest.fixture(scope="module")
@@ -27,8 +28,8 @@ def test_prepared_model_answers_paris(smol):
 @pytest.mark.parametrize("kv,attn", [("off", "sdpa"), ("contiguous", "eager"), ("contiguous", "sdpa")])
 def test_kv_cache_and_attention_keep_greedy_tokens(kv, attn):
     def trial(kv, attn):
-        return EngineTrial(model=SMOL, optimization=OptimizationSpec(kv_cache=kv, attention=attn),
-                           workload=WorkloadSpec(context_len=64, max_new_tokens=8, warmup=0, repeats=1))
+        return make_trial(SMOL, kv_cache=kv, attention=attn,
+                           workload=WorkloadConfig(context_len=64, max_new_tokens=8, warmup=0, repeats=1))
     ref = run_engine_trial(trial("off", "eager"))
     got = run_engine_trial(trial(kv, attn))
     assert got.token_ids == ref.token_ids
@@ -47,14 +48,14 @@ def test_weights_footprint_of_fp32_checkpoint(smol):
 
 @pytest.mark.parametrize("level", ["bnb-nf4", "int8-weight"])
 def test_quantized_real_model_loads_generates_and_shrinks(level):
-    from engine.config import QuantSpec
+    from engine.config import QuantConfig
     from engine.models import weights_bytes
 
-    lm = load_model(SMOL, "sdpa", quant=QuantSpec(level=level))
+    lm = load_model(SMOL, "sdpa", quant=QuantConfig(level=level))
     assert weights_bytes(lm.model) < 0.45 * 538e6
-    wl = WorkloadSpec(context_len=32, max_new_tokens=4, warmup=0, repeats=1)
-    r = run_engine_trial(EngineTrial(model=SMOL, quant=QuantSpec(level=level), workload=wl), loaded=lm)
-    ref = run_engine_trial(EngineTrial(model=SMOL, workload=wl))
+    wl = WorkloadConfig(context_len=32, max_new_tokens=4, warmup=0, repeats=1)
+    r = run_engine_trial(TrialConfig(model=SMOL, quant=QuantConfig(level=level), workload=wl), loaded=lm)
+    ref = run_engine_trial(TrialConfig(model=SMOL, workload=wl))
     assert len(r.token_ids[0]) == 4
     # close to full precision, and stays so after metrics were read (bnb 4-bit state_dict corrupts CPU weights)
     assert r.metrics["ppl"] / ref.metrics["ppl"] < 1.5

@@ -12,9 +12,10 @@ import json
 import pytest
 import torch
 
-from engine import EngineTrial, EvalSpec, ModelSpec, OptimizationSpec, WorkloadSpec
+from support import make_trial
+from engine import TrialConfig, EvalConfig, ModelConfig, WorkloadConfig
 from engine.backends import make_backend
-from engine.config import BatchingSpec, EngineError, LengthSpec, SamplingSpec, ServingSpec, SLOSpec
+from engine.config import BatchingConfig, EngineError, LengthConfig, SamplingConfig, WorkloadConfig, SLOConfig
 from engine.generate import generate
 from engine.metrics import METRICS
 from engine.models import load_model
@@ -26,12 +27,12 @@ from engine.serving.scheduler import ContinuousScheduler, StaticScheduler
 from engine.serving.sequence import Sequence, Status
 from engine.serving.workload import Request, arrival_times, make_requests
 
-TINY = ModelSpec(name="tiny", path="tiny://llama")
+TINY = ModelConfig(name="tiny", path="tiny://llama")
 CORPUS = torch.arange(3, 3 + 5000) % 300 + 3  # deterministic "text"
 
 
-def serving(n=8, inp=(4, 40), out=(2, 12), prefix=0, arrival="all-at-once", rate=50.0, **kw) -> ServingSpec:
-    return ServingSpec(num_requests=n, input_len=LengthSpec("uniform", 0, *inp), output_len=LengthSpec("uniform", 0, *out),
+def serving(n=8, inp=(4, 40), out=(2, 12), prefix=0, arrival="all-at-once", rate=50.0, **kw) -> WorkloadConfig:
+    return WorkloadConfig(num_requests=n, input_len=LengthConfig("uniform", 0, *inp), output_len=LengthConfig("uniform", 0, *out),
                        prefix_len=prefix, arrival=arrival, rate=rate, **kw)
 
 
@@ -70,7 +71,7 @@ def test_arrival_processes():
 def test_length_trace(tmp_path):
     path = tmp_path / "trace.jsonl"
     path.write_text("\n".join(json.dumps({"input_len": i, "output_len": o}) for i, o in [(5, 2), (9, 3)]) + "\n")
-    reqs = make_requests(ServingSpec(num_requests=3, length_trace=str(path), prefix_len=2), CORPUS, 0)
+    reqs = make_requests(WorkloadConfig(num_requests=3, length_trace=str(path), prefix_len=2), CORPUS, 0)
     assert [(r.prompt_len, r.max_new_tokens) for r in reqs] == [(7, 2), (11, 3), (7, 2)]
 
 
@@ -210,22 +211,22 @@ def tiny():
 
 def alone(loaded, requests, attn="sdpa"):
     """Greedy output of each request run alone: a one-sequence static session (contiguous cache)."""
-    be = make_backend(loaded, OptimizationSpec(backend="native", attention=attn, kv_cache="contiguous"))
+    be = make_backend(loaded, make_trial(loaded.spec, backend="native", attention=attn, kv_cache="contiguous"))
     out = []
     for r in requests:
         prompt = torch.tensor([r.prompt])
         out.append(generate(be.new_session(1, r.prompt_len + r.max_new_tokens), prompt, r.max_new_tokens,
-                            SamplingSpec(), 0, lambda: None).tokens[0].tolist())
+                            SamplingConfig(), 0, lambda: None).tokens[0].tolist())
     return out
 
 
 def serve(loaded, spec, mode="continuous", attn="sdpa", block=4, num_blocks=0, prefix=False, chunked=False,
           max_batch_size=4, max_batch_tokens=2048):
-    trial = EngineTrial(model=TINY, optimization=OptimizationSpec(backend="native", attention=attn, kv_cache="paged",
+    trial = make_trial(TINY, backend="native", attention=attn, kv_cache="paged",
                                                                   kv_block_size=block, prefix_caching=prefix,
-                                                                  kv_num_blocks=num_blocks),
-                        serving=spec, batching=BatchingSpec(mode, max_batch_size, max_batch_tokens, chunked))
-    be = make_backend(loaded, trial.optimization)
+                                                                  kv_num_blocks=num_blocks,
+                        serving=spec, batching=BatchingConfig(mode, max_batch_size, max_batch_tokens, chunked))
+    be = make_backend(loaded, trial)
     setup = ServingSetup(trial, be, check_invariants=True)
     requests = make_requests(spec, CORPUS, 0)
     return requests, setup.run(requests)
@@ -287,10 +288,10 @@ def test_sampling_is_per_request_so_scheduling_does_not_change_it(tiny):
     hot = dataclasses.replace(spec)
     trials = {}
     for mode in ("static", "continuous"):
-        trial = EngineTrial(model=TINY, optimization=OptimizationSpec(backend="native", kv_cache="paged", kv_block_size=4),
-                            workload=WorkloadSpec(sampling=SamplingSpec(temperature=1.0, top_k=50)), serving=hot,
-                            batching=BatchingSpec(mode, max_batch_size=3), seed=5)
-        setup = ServingSetup(trial, make_backend(tiny, trial.optimization))
+        trial = make_trial(TINY, backend="native", kv_cache="paged", kv_block_size=4,
+                            workload=WorkloadConfig(sampling=SamplingConfig(temperature=1.0, top_k=50)), serving=hot,
+                            batching=BatchingConfig(mode, max_batch_size=3), seed=5)
+        setup = ServingSetup(trial, make_backend(tiny, trial))
         trials[mode] = [list(r.output) for r in setup.run(make_requests(spec, CORPUS, 0)).requests]
     assert trials["static"] == trials["continuous"]
     assert trials["static"] != alone(tiny, make_requests(spec, CORPUS, 0))  # really sampled, not greedy
@@ -298,8 +299,8 @@ def test_sampling_is_per_request_so_scheduling_does_not_change_it(tiny):
 
 def test_pool_sizing():
     spec = serving(n=4, inp=(10, 10), out=(6, 6), prefix=4)  # 20 tokens -> 5 blocks of 4
-    assert pool_blocks(spec, BatchingSpec(max_batch_size=3), 4, 0) == 15 + 1
-    assert pool_blocks(spec, BatchingSpec(max_batch_size=3), 4, 7) == 7
+    assert pool_blocks(spec, BatchingConfig(max_batch_size=3), 4, 0) == 15 + 1
+    assert pool_blocks(spec, BatchingConfig(max_batch_size=3), 4, 7) == 7
 
 
 # ---------------------------------------------------------------- the trial path and metrics
@@ -307,10 +308,10 @@ def test_pool_sizing():
 
 def test_run_engine_trial_serving_metrics_consistent():
     spec = serving(n=6, inp=(4, 20), out=(2, 8), prefix=8, arrival="poisson", rate=40.0)
-    trial = EngineTrial(model=TINY, optimization=OptimizationSpec(backend="native", kv_cache="paged", kv_block_size=4,
-                                                                  prefix_caching=True),
-                        workload=WorkloadSpec(warmup=1, repeats=1), eval=EvalSpec(enabled=False), serving=spec,
-                        batching=BatchingSpec("continuous", max_batch_size=4), slo=SLOSpec(ttft_ms=1e6, tpot_ms=1e6))
+    trial = make_trial(TINY, backend="native", kv_cache="paged", kv_block_size=4,
+                                                                  prefix_caching=True,
+                        workload=WorkloadConfig(warmup=1, repeats=1), eval=EvalConfig(enabled=False), serving=spec,
+                        batching=BatchingConfig("continuous", max_batch_size=4), slo=SLOConfig(ttft_ms=1e6, tpot_ms=1e6))
     r = run_engine_trial(trial)
     m = r.metrics
     for k in ("ttft_ms", "tpot_ms", "itl_ms", "e2e_s"):
@@ -326,13 +327,13 @@ def test_run_engine_trial_serving_metrics_consistent():
     assert m["e2e_s_p99"] <= m["duration_s"]
     assert m["duration_s"] >= make_requests(spec, torch.zeros(1), 0)[-1].arrival_s  # arrivals are waited for
     assert [len(t) for t in r.token_ids] == [q.max_new_tokens for q in make_requests(spec, torch.zeros(1), 0)]
-    strict = run_engine_trial(dataclasses.replace(trial, slo=SLOSpec(ttft_ms=1e-3, tpot_ms=1e-3)))
+    strict = run_engine_trial(dataclasses.replace(trial, slo=SLOConfig(ttft_ms=1e-3, tpot_ms=1e-3)))
     assert strict.metrics["goodput"] == 0 <= strict.metrics["request_s"]
 
 
 def test_serving_with_hf_backend_is_refused():
-    trial = EngineTrial(model=TINY, optimization=OptimizationSpec(backend="hf"), serving=serving(n=2),
-                        batching=BatchingSpec("continuous"))
+    trial = make_trial(TINY, backend="hf", serving=serving(n=2),
+                        batching=BatchingConfig("continuous"))
     with pytest.raises(EngineError, match="native"):
         run_engine_trial(trial)
 
@@ -376,18 +377,18 @@ def test_config_validation_names_the_keys():
 
 @pytest.mark.slow
 def test_smollm2_continuous_with_preemption_and_prefix_cache_equals_alone():
-    smol = load_model(ModelSpec(name="smollm2", path="prepared://smollm2-135m-instruct"), attention="sdpa")
+    smol = load_model(ModelConfig(name="smollm2", path="prepared://smollm2-135m-instruct"), attention="sdpa")
     from engine.workload import corpus_ids
-    from engine.config import TextSource
+    from engine.config import TextConfig
 
-    spec = ServingSpec(num_requests=6, input_len=LengthSpec("uniform", 0, 8, 40), output_len=LengthSpec("uniform", 0, 4, 12),
+    spec = WorkloadConfig(num_requests=6, input_len=LengthConfig("uniform", 0, 8, 40), output_len=LengthConfig("uniform", 0, 4, 12),
                        prefix_len=32)
-    corpus = corpus_ids(smol.tokenizer, TextSource())
+    corpus = corpus_ids(smol.tokenizer, TextConfig())
     requests = make_requests(spec, corpus, 0)
     ref = alone(smol, requests)
-    trial = EngineTrial(model=smol.spec, optimization=OptimizationSpec(backend="native", kv_cache="paged", kv_block_size=16,
-                                                                       prefix_caching=True, kv_num_blocks=10),
-                        serving=spec, batching=BatchingSpec("continuous", max_batch_size=4))
-    trace = ServingSetup(trial, make_backend(smol, trial.optimization), check_invariants=True).run(requests)
+    trial = make_trial(smol.spec, backend="native", kv_cache="paged", kv_block_size=16,
+                                                                       prefix_caching=True, kv_num_blocks=10,
+                        serving=spec, batching=BatchingConfig("continuous", max_batch_size=4))
+    trace = ServingSetup(trial, make_backend(smol, trial), check_invariants=True).run(requests)
     assert trace.stats.prefix_hit_rate > 0
     assert [list(r.output) for r in trace.requests] == ref

@@ -13,9 +13,11 @@ import dataclasses
 import pytest
 import torch
 
-from engine import EngineTrial, EvalSpec, ModelSpec, OptimizationSpec, SamplingSpec, TinyModelSpec, WorkloadSpec
+from engine.config import DraftModelConfig, replace
+from support import make_trial
+from engine import TrialConfig, EvalConfig, ModelConfig, SamplingConfig, TinyModelConfig, WorkloadConfig
 from engine.backends import make_backend
-from engine.config import EngineError, SpeculativeSpec
+from engine.config import EngineError, SpeculativeConfig
 from engine.generate import generate
 from engine.metrics import METRICS, expected_tokens_per_step, speculative_metrics
 from engine.models import LoadedModel
@@ -29,7 +31,7 @@ from engine.speculative.self_draft import self_draft_backend
 from engine.tokenizer import ByteTokenizer
 
 CPU = torch.device("cpu")
-GREEDY = SamplingSpec()
+GREEDY = SamplingConfig()
 NO_SYNC = lambda: None  # noqa: E731
 SIGNIFICANCE = 1e-3  # statistical tests reject "same distribution" below this p-value (seeded: deterministic)
 SMALL = dict(vocab_size=320, hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
@@ -50,7 +52,7 @@ def one_thread():
 
 
 def _loaded(model, name: str) -> LoadedModel:
-    return LoadedModel(model=model.eval(), tokenizer=ByteTokenizer(), spec=ModelSpec(name=name, path="tiny://" + name),
+    return LoadedModel(model=model.eval(), tokenizer=ByteTokenizer(), spec=ModelConfig(name=name, path="tiny://" + name),
                        load_s=0.0)
 
 
@@ -87,16 +89,17 @@ def prompt() -> torch.Tensor:
     return torch.cat([x, x, x[:, :4]], dim=1)  # [1, 36]: repeats, for prompt lookup
 
 
-def opt(backend: str, kv: str) -> OptimizationSpec:
-    return OptimizationSpec(backend=backend, attention="sdpa", kv_cache=kv, kv_block_size=4)
+def opt(backend: str, kv: str) -> TrialConfig:
+    return make_trial(ModelConfig(name="tiny", path="tiny://llama"), backend=backend, attention="sdpa", kv_cache=kv,
+                 kv_block_size=4)
 
 
-def drafter(method: str, target: LoadedModel, draft: LoadedModel, o: OptimizationSpec, max_len: int):
+def drafter(method: str, target: LoadedModel, draft: LoadedModel, o: TrialConfig, max_len: int):
     if method == "self-draft":
         return SessionDrafter(self_draft_backend(target, o, 1).new_session(1, max_len), CPU)
     if method == "draft":
-        kv = "contiguous" if o.kv_cache == "off" else o.kv_cache
-        return SessionDrafter(make_backend(draft, dataclasses.replace(o, kv_cache=kv)).new_session(1, max_len), CPU)
+        kv = "contiguous" if o.kv_cache.mode == "off" else o.kv_cache.mode
+        return SessionDrafter(make_backend(draft, replace(o, "kv_cache.mode", kv)).new_session(1, max_len), CPU)
     return PromptLookupDrafter(1, 3, CPU)
 
 
@@ -111,7 +114,7 @@ def test_greedy_speculative_equals_greedy_decoding(target, draft, prompt, backen
     ref = generate(be.new_session(1, max_len), prompt, n, GREEDY, 0, NO_SYNC).tokens
     accepted = rejections = 0
     for k in (1, 3, 6):
-        tr = generate_speculative(be.new_session(1, max_len), drafter(method, target, draft, be.opt, max_len), prompt,
+        tr = generate_speculative(be.new_session(1, max_len), drafter(method, target, draft, be.trial, max_len), prompt,
                                   n, k, GREEDY, 0, NO_SYNC)
         assert torch.equal(tr.tokens, ref), (backend, kv, method, k)
         st = tr.extra["speculative"]
@@ -238,7 +241,7 @@ def test_rejection_sampling_reproduces_the_target_distribution(deterministic_dra
     p = _dirichlet(g, (k + 1, v))
     q = _dirichlet(g, (k, v))
     logits = p.log()
-    spec = SamplingSpec(temperature=1.0)
+    spec = SamplingConfig(temperature=1.0)
     first = torch.zeros(v, dtype=torch.long)
     second = torch.zeros(v, dtype=torch.long)
     for _ in range(rounds):
@@ -270,7 +273,7 @@ def test_tokens_per_step_follow_the_formula():
     lengths = []
     for _ in range(rounds):
         drafts = torch.multinomial(q.expand(k, v), 1, generator=g).squeeze(1)
-        out = verify(drafts, q.expand(k, v), logits, SamplingSpec(temperature=1.0), g)
+        out = verify(drafts, q.expand(k, v), logits, SamplingConfig(temperature=1.0), g)
         stats.steps += 1
         stats.step_tokens += out.accepted + 1
         stats.drafted += k
@@ -299,7 +302,7 @@ def test_sampled_speculation_on_a_tiny_model_matches_the_target(target, prompt):
     """2,000 speculative steps (self-draft, k=2) after a fixed prompt, sampling at temperature 1 with top-k 8:
     the first token of each step follows the target's distribution there (chi-square at 0.1%). Each round
     rolls the target back to the prompt, so this also exercises rollback and the drafter's resync."""
-    spec = SamplingSpec(temperature=1.0, top_k=8)
+    spec = SamplingConfig(temperature=1.0, top_k=8)
     o = opt("native", "contiguous")
     be = make_backend(target, o)
     ctx = prompt[0].tolist()
@@ -332,24 +335,22 @@ def test_draft_model_must_share_the_tokenizer(target, draft):
     other = dataclasses.replace(draft, tokenizer=OtherTok())
     with pytest.raises(EngineError, match="does not share the target's tokenizer"):
         check_compatible(target, other)
-    trial = EngineTrial(model=ModelSpec(name="t", path="tiny://llama"),
-                        speculative=SpeculativeSpec(method="draft", draft_model=ModelSpec(
-                            name="d", path="tiny://llama", tiny=TinyModelSpec(vocab_size=400))))
     from engine.models import load_model
 
+    wider = load_model(ModelConfig(name="d", path="tiny://llama", tiny=TinyModelConfig(vocab_size=400)))
     with pytest.raises(EngineError, match="output logits"):
-        make_draft_source(trial, load_model(trial.model))
+        check_compatible(load_model(ModelConfig(name="t", path="tiny://llama")), wider)
 
 
 def test_run_engine_trial_speculative_metrics_and_tokens():
     from engine.runner import run_engine_trial
 
-    base = EngineTrial(model=ModelSpec(name="t", path="tiny://llama"), optimization=OptimizationSpec(backend="native"),
-                       workload=WorkloadSpec(context_len=112, max_new_tokens=12, prompt_style="repeat", repeats=2),
-                       eval=EvalSpec(enabled=False))
+    base = make_trial(ModelConfig(name="t", path="tiny://llama"), backend="native",
+                       workload=WorkloadConfig(context_len=112, max_new_tokens=12, prompt_style="repeat", repeats=2),
+                       eval=EvalConfig(enabled=False))
     off = run_engine_trial(base)
-    for sp in (SpeculativeSpec(method="prompt-lookup", k=3),
-               SpeculativeSpec(method="draft", k=2, draft_model=ModelSpec(name="d", path="tiny://llama"))):
+    for sp in (SpeculativeConfig(method="prompt-lookup", k=3),
+               SpeculativeConfig(method="draft", k=2, draft_model=DraftModelConfig(name="d", path="tiny://llama"))):
         r = run_engine_trial(dataclasses.replace(base, speculative=sp))
         assert r.token_ids == off.token_ids, sp.method
         for name in ("tokens_per_step", "draft_tokens_per_step", "verify_forward_ms", "draft_prefill_ms"):
@@ -403,10 +404,10 @@ def test_smollm2_greedy_speculation_equals_greedy_decoding():
     from engine.models import load_model
     from engine.workload import workload_prompts
 
-    smol = load_model(ModelSpec(name="smollm2-135m-instruct", path="prepared://smollm2-135m-instruct"))
-    o = OptimizationSpec(backend="native", kv_cache="paged", kv_block_size=16)
+    smol = load_model(ModelConfig(name="smollm2-135m-instruct", path="prepared://smollm2-135m-instruct"))
+    o = make_trial(ModelConfig(name="smol", path="prepared://smollm2-135m"), backend="native", kv_cache="paged", kv_block_size=16)
     be = make_backend(smol, o)
-    prompt = workload_prompts(smol.tokenizer, WorkloadSpec(context_len=160, prompt_style="repeat"))
+    prompt = workload_prompts(smol.tokenizer, WorkloadConfig(context_len=160, prompt_style="repeat"))
     n, max_len = 24, 160 + 24
     ref = generate(be.new_session(1, max_len), prompt, n, GREEDY, 0, NO_SYNC).tokens
     for d, k in ((PromptLookupDrafter(1, 3, CPU), 4), (SessionDrafter(self_draft_backend(smol, o, 24).new_session(1, max_len), CPU), 3)):

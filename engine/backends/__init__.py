@@ -1,23 +1,22 @@
-"""Backend registry: `make_backend(loaded, opt)` picks the implementation named by `opt.backend`."""
+"""Backend registry: `make_backend(loaded, trial)` picks the implementation named by `engine.backend`."""
 from __future__ import annotations
 
-from ..config import EngineError, OptimizationSpec
+from ..config import EngineError, TrialConfig
 from ..models import LoadedModel
 from .base import Backend, DecodeSession
 
 
-def make_backend(loaded: LoadedModel, opt: OptimizationSpec) -> Backend:
-    if opt.backend == "hf":
+def make_backend(loaded: LoadedModel, trial: TrialConfig) -> Backend:
+    name = trial.engine.backend
+    if name == "hf":
         from .hf import HFBackend
 
-        return HFBackend(loaded, opt)
-    if opt.backend == "native":
-        try:
-            from ..native.backend import NativeBackend
-        except ImportError as e:  # pragma: no cover - until the native engine lands
-            raise EngineError(f"backend native is not available: {e}") from e
-        return NativeBackend(loaded, opt)
-    raise EngineError(f"unknown backend {opt.backend!r}; choose hf or native")
+        return HFBackend(loaded, trial)
+    if name == "native":
+        from ..native.backend import NativeBackend
+
+        return NativeBackend(loaded, trial)
+    raise EngineError(f"engine.backend: unknown backend {name!r}; choose hf or native")
 
 
 __all__ = ["Backend", "DecodeSession", "make_backend"]

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from ..config import EngineError, OptimizationSpec
+from ..config import EngineError, TrialConfig
 from ..models import LoadedModel, weights_bytes
 
 SUPPORTED_KV = ("off", "contiguous")
@@ -73,19 +73,19 @@ class HFSession:
 class HFBackend:
     name = "hf"
 
-    def __init__(self, loaded: LoadedModel, opt: OptimizationSpec):
-        if opt.kv_cache not in SUPPORTED_KV:
+    def __init__(self, loaded: LoadedModel, trial: TrialConfig):
+        if trial.kv_cache.mode not in SUPPORTED_KV:
             raise EngineError(
-                f"backend hf supports kv_cache {SUPPORTED_KV}, not {opt.kv_cache!r} (use engine.backend=native)"
+                f"backend hf supports kv_cache {SUPPORTED_KV}, not {trial.kv_cache.mode!r} (use engine.backend=native)"
             )
         self.loaded = loaded
-        self.opt = opt
+        self.trial = trial
         self._model = loaded.model
-        if opt.compile:
+        if trial.engine.compile:
             self._model.forward = torch.compile(self._model.forward, dynamic=True)
 
     def new_session(self, batch_size: int, max_len: int) -> HFSession:
-        return HFSession(self._model, batch_size, max_len, use_cache=self.opt.kv_cache != "off")
+        return HFSession(self._model, batch_size, max_len, use_cache=self.trial.kv_cache.mode != "off")
 
     def score(self, input_ids: torch.Tensor) -> torch.Tensor:
         with torch.inference_mode():

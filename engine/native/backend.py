@@ -1,15 +1,15 @@
 """Backend `native`: the engine's Backend protocol on the native Llama-family runtime.
 
-Switchable parts (engine.config.OptimizationSpec):
-  attention  eager | sdpa | flash          (attention.py)
-  kv_cache   off | contiguous | paged       (kv_cache.py; `kv_block_size` tokens per paged block)
-  compile    torch.compile of the decode step (one new token per sequence); prefill stays eager
+Switchable parts (config keys):
+  attention.impl  eager | sdpa | flash      (attention.py)
+  kv_cache.mode   off | contiguous | paged  (kv_cache.py; `kv_cache.block_size` tokens per paged block)
+  engine.compile  torch.compile of the decode step (one new token per sequence); prefill stays eager
 """
 from __future__ import annotations
 
 import torch
 
-from ..config import KV_CACHE_MODES, EngineError, OptimizationSpec
+from ..config import KV_CACHE_MODES, EngineError, TrialConfig
 from ..models import LoadedModel, weights_bytes
 from .attention import make_attention
 from .kv_cache import ContiguousKVCache, PagedKVCache
@@ -24,13 +24,13 @@ class NativeSession:
         self._batch_size = batch_size
         self._max_len = max_len
         self._tokens: torch.Tensor | None = None  # [B, L] kept only when caching is off (full recompute)
-        args, mode = backend.model.args, backend.opt.kv_cache
+        args, mode = backend.model.args, backend.trial.kv_cache.mode
         dims = (args.num_layers, batch_size, max_len, args.num_kv_heads, args.head_dim)
         dtype, device = backend.dtype, backend.device
         if mode == "contiguous":
             self.cache = ContiguousKVCache(*dims, dtype=dtype, device=device)
         elif mode == "paged":
-            self.cache = PagedKVCache(*dims, block_size=backend.opt.kv_block_size, dtype=dtype, device=device)
+            self.cache = PagedKVCache(*dims, block_size=backend.trial.kv_cache.block_size, dtype=dtype, device=device)
         else:
             self.cache = None
 
@@ -72,18 +72,19 @@ class NativeSession:
 class NativeBackend:
     name = "native"
 
-    def __init__(self, loaded: LoadedModel, opt: OptimizationSpec, num_layers: int | None = None):
+    def __init__(self, loaded: LoadedModel, trial: TrialConfig, num_layers: int | None = None):
         """`num_layers`: run only the first blocks + final norm + LM head (weights shared with `loaded`;
         sessions get their own, smaller KV caches): the self-speculative draft."""
-        if opt.kv_cache not in KV_CACHE_MODES:
-            raise EngineError(f"kv_cache {opt.kv_cache!r} unknown; choose one of {KV_CACHE_MODES}")
-        self.loaded, self.opt = loaded, opt
+        mode = trial.kv_cache.mode
+        if mode not in KV_CACHE_MODES:
+            raise EngineError(f"kv_cache.mode {mode!r} unknown; choose one of {KV_CACHE_MODES}")
+        self.loaded, self.trial = loaded, trial
         self.device = loaded.device
         self.model = Transformer.from_hf(loaded.model, num_layers=num_layers).eval()
         self.dtype = self.model.embed_tokens.weight.dtype
-        self.kernel = make_attention(opt.attention, self.device)
+        self.kernel = make_attention(trial.attention.impl, self.device)
         self.decode_step = self.model
-        if opt.compile:
+        if trial.engine.compile:
             self.decode_step = compile_decode_step(self.model, self.device)
         self._sessions = 0
 

@@ -13,7 +13,7 @@ from .scheduler import ScheduledBatch
 
 class ModelRunner:
     def __init__(self, backend: NativeBackend, num_blocks: int, block_size: int):
-        if backend.opt.compile:
+        if backend.trial.engine.compile:
             raise EngineError("engine.compile is not supported with serving workloads (shapes change every step)")
         self.backend = backend
         args = backend.model.args

@@ -1,10 +1,10 @@
-"""One serving trial: build the requests, the KV pool and the scheduler from an `EngineTrial`, warm up,
+"""One serving trial: build the requests, the KV pool and the scheduler from a `TrialConfig`, warm up,
 run the timed repeats, and turn the traces into metrics."""
 from __future__ import annotations
 
 from typing import Callable
 
-from ..config import BatchingSpec, EngineError, EngineTrial, ServingSpec
+from ..config import BatchingConfig, EngineError, TrialConfig, WorkloadConfig
 from ..generate import device_synchronizer
 from ..memory import PeakMemory
 from ..metrics import median_metrics, serving_metrics
@@ -20,7 +20,7 @@ from .scheduler import ContinuousScheduler, Scheduler, StaticScheduler
 from .workload import Request, make_requests, max_request_tokens
 
 
-def pool_blocks(spec: ServingSpec, batching: BatchingSpec, block_size: int, num_blocks: int) -> int:
+def pool_blocks(spec: WorkloadConfig, batching: BatchingConfig, block_size: int, num_blocks: int) -> int:
     """`num_blocks` when set; otherwise enough for `max_batch_size` of the longest possible requests (so
     neither scheduler ever preempts), plus the continuous scheduler's 1% watermark."""
     if num_blocks:
@@ -30,7 +30,7 @@ def pool_blocks(spec: ServingSpec, batching: BatchingSpec, block_size: int, num_
     return n + max(1, n // 100)
 
 
-def make_scheduler(batching: BatchingSpec, space: BlockSpace) -> Scheduler:
+def make_scheduler(batching: BatchingConfig, space: BlockSpace) -> Scheduler:
     cls = {"static": StaticScheduler, "continuous": ContinuousScheduler}.get(batching.mode)
     if cls is None:
         raise EngineError(f"batching mode {batching.mode!r} unknown; choose static or continuous")
@@ -42,22 +42,22 @@ class ServingSetup:
     fresh block manager (so no prefix-cache content leaks from one run into the next), scheduler and
     sampler."""
 
-    def __init__(self, trial: EngineTrial, backend: NativeBackend, check_invariants: bool = False):
-        assert trial.serving is not None
+    def __init__(self, trial: TrialConfig, backend: NativeBackend, check_invariants: bool = False):
+        assert trial.workload.serving, "a serving setup needs workload.kind=serving"
         self.trial = trial
-        opt = trial.optimization
-        self.num_blocks = pool_blocks(trial.serving, trial.batching, opt.kv_block_size, opt.kv_num_blocks)
-        self.runner = ModelRunner(backend, self.num_blocks, opt.kv_block_size)
+        kv = trial.kv_cache
+        self.num_blocks = pool_blocks(trial.workload, trial.batching, kv.block_size, kv.num_blocks)
+        self.runner = ModelRunner(backend, self.num_blocks, kv.block_size)
         self.sync = device_synchronizer(backend.device)
         self.check_invariants = check_invariants
 
     def run(self, requests: list[Request]) -> ServingTrace:
         t = self.trial
-        space = BlockSpace(BlockManager(self.num_blocks, t.optimization.kv_block_size), t.optimization.prefix_caching)
+        space = BlockSpace(BlockManager(self.num_blocks, t.kv_cache.block_size), t.kv_cache.prefix_caching)
         engine = ServingEngine(self.runner, make_scheduler(t.batching, space),
                                Sampler(t.workload.sampling, t.seed, self.runner.backend.device), self.sync,
                                check_invariants=self.check_invariants)
-        return engine.run(requests, t.serving.max_concurrency)
+        return engine.run(requests, t.workload.max_concurrency)
 
 
 def warmup_requests(requests: list[Request]) -> list[Request]:
@@ -65,12 +65,12 @@ def warmup_requests(requests: list[Request]) -> list[Request]:
     return [Request(i, r.prompt, min(2, r.max_new_tokens), 0.0) for i, r in enumerate(requests[:2])]
 
 
-def run_serving(trial: EngineTrial, loaded: LoadedModel, backend, say: Callable[[str], None]
+def run_serving(trial: TrialConfig, loaded: LoadedModel, backend, say: Callable[[str], None]
                 ) -> tuple[dict[str, float], list[list[int]]]:
     """(metrics, generated token ids per request in request order) of a serving trial."""
     if not isinstance(backend, NativeBackend):
         raise EngineError("serving workloads run on the native backend (engine=native)")
-    spec = trial.serving
+    spec = trial.workload
     need = max_request_tokens(spec)
     if loaded.max_positions and need > loaded.max_positions:
         raise EngineError(f"the longest request ({need} tokens) exceeds the model's maximum of {loaded.max_positions} positions")

@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import torch
 
-from ..config import SamplingSpec
+from ..config import SamplingConfig
 from ..sampling import is_greedy, sample
 
 
 class Sampler:
-    def __init__(self, spec: SamplingSpec, seed: int, device: torch.device):
+    def __init__(self, spec: SamplingConfig, seed: int, device: torch.device):
         self.spec, self.seed, self.device = spec, seed, device
         self._generators: dict[int, torch.Generator] = {}  # the only RNG state, one per live request
 

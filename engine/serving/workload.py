@@ -1,6 +1,6 @@
 """Serving workloads: `num_requests` seeded requests with input/output lengths and arrival times.
 
-The same `ServingSpec` and seed always give the same requests (lengths, arrivals and prompt tokens), so
+The same `WorkloadConfig` and seed always give the same requests (lengths, arrivals and prompt tokens), so
 static and continuous batching, or prefix caching on and off, serve exactly the same traffic.
 Prompt tokens are real text: the shared prefix is the first `prefix_len` tokens of the corpus (a
 "system prompt"), and each request's own `input_len` tokens are the next consecutive slice of it.
@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..config import EngineError, LengthSpec, ServingSpec
+from ..config import EngineError, LengthConfig, WorkloadConfig
 
 
 @dataclass(frozen=True)
@@ -28,7 +28,7 @@ class Request:
         return len(self.prompt)
 
 
-def _draw(rng: random.Random, spec: LengthSpec) -> int:
+def _draw(rng: random.Random, spec: LengthConfig) -> int:
     if spec.dist == "fixed":
         return spec.value
     if spec.dist == "uniform":
@@ -60,7 +60,7 @@ def read_length_trace(path: str) -> list[tuple[int, int]]:
     return rows
 
 
-def lengths(spec: ServingSpec, seed: int) -> list[tuple[int, int]]:
+def lengths(spec: WorkloadConfig, seed: int) -> list[tuple[int, int]]:
     """(input_len, output_len) of each request; input_len excludes the shared prefix."""
     if spec.length_trace:
         rows = read_length_trace(spec.length_trace)
@@ -69,7 +69,7 @@ def lengths(spec: ServingSpec, seed: int) -> list[tuple[int, int]]:
     return [(_draw(rng, spec.input_len), _draw(rng, spec.output_len)) for _ in range(spec.num_requests)]
 
 
-def arrival_times(spec: ServingSpec, seed: int) -> list[float]:
+def arrival_times(spec: WorkloadConfig, seed: int) -> list[float]:
     """Arrival time of each request, seconds from the start; the first arrives at 0."""
     n = spec.num_requests
     if spec.arrival == "all-at-once":
@@ -88,7 +88,7 @@ def arrival_times(spec: ServingSpec, seed: int) -> list[float]:
     raise EngineError(f"arrival {spec.arrival!r} unknown; choose all-at-once, fixed-rate or poisson")
 
 
-def make_requests(spec: ServingSpec, corpus: torch.Tensor, seed: int) -> list[Request]:
+def make_requests(spec: WorkloadConfig, corpus: torch.Tensor, seed: int) -> list[Request]:
     """The workload's requests in arrival order. corpus: [L] token ids (repeated when too short)."""
     lens = lengths(spec, seed)
     arrivals = arrival_times(spec, seed)
@@ -106,19 +106,19 @@ def make_requests(spec: ServingSpec, corpus: torch.Tensor, seed: int) -> list[Re
     return out
 
 
-def max_request_tokens(spec: ServingSpec) -> int:
+def max_request_tokens(spec: WorkloadConfig) -> int:
     """The longest prompt + output any request of this spec can have (for pool sizing and validation)."""
     if spec.length_trace:
         rows = read_length_trace(spec.length_trace)
         return spec.prefix_len + max(i + o for i, o in rows)
 
-    def hi(s: LengthSpec) -> int:
+    def hi(s: LengthConfig) -> int:
         return s.value if s.dist == "fixed" else s.max
 
     return spec.prefix_len + hi(spec.input_len) + hi(spec.output_len)
 
 
-def max_prompt_tokens(spec: ServingSpec) -> int:
+def max_prompt_tokens(spec: WorkloadConfig) -> int:
     if spec.length_trace:
         return spec.prefix_len + max(i for i, _ in read_length_trace(spec.length_trace))
     s = spec.input_len

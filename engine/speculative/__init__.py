@@ -44,7 +44,7 @@ def make_draft_source(trial, loaded) -> DraftSource:
     if spec.method == "self-draft":
         from .self_draft import self_draft_backend
 
-        draft = self_draft_backend(loaded, trial.optimization, spec.draft_layers)
+        draft = self_draft_backend(loaded, trial, spec.draft_layers)
         return DraftSource(lambda max_len: SessionDrafter(draft.new_session(1, max_len), device))  # shares weights
     if spec.method == "draft":
         from .draft_model import load_draft_backend

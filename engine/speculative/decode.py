@@ -18,7 +18,7 @@ from typing import Callable
 import torch
 
 from ..backends.base import DecodeSession
-from ..config import SamplingSpec
+from ..config import SamplingConfig
 from ..generate import GenerationTrace
 from ..sampling import sample
 from .drafter import Drafter, Proposal
@@ -63,7 +63,7 @@ def step(
     drafter: Drafter,
     committed: list[int],
     lookahead: int,
-    sampling: SamplingSpec,
+    sampling: SamplingConfig,
     generator: torch.Generator | None,
     sync: Callable[[], None],
     device: torch.device,
@@ -92,7 +92,7 @@ def generate_speculative(
     prompt: torch.Tensor,
     max_new_tokens: int,
     k: int,
-    sampling: SamplingSpec,
+    sampling: SamplingConfig,
     seed: int,
     sync: Callable[[], None],
 ) -> GenerationTrace:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 
 from ..backends import make_backend
-from ..config import EngineError, EngineTrial
+from ..config import EngineError, TrialConfig, replace
 from ..models import LoadedModel, load_model
 
 
@@ -40,13 +40,12 @@ def check_compatible(target: LoadedModel, draft: LoadedModel) -> None:
         raise EngineError(f"draft model {draft.spec.name!r} has {d_v} output logits, the target {t_v}; they must match")
 
 
-def load_draft_backend(trial: EngineTrial, target: LoadedModel):
+def load_draft_backend(trial: TrialConfig, target: LoadedModel):
     """(backend, loaded draft) for trial.speculative.draft_model."""
-    spec = trial.speculative.draft_model
+    spec = trial.speculative.draft_model.resolve(trial.model)
     if spec is None:
         raise EngineError("speculative.method=draft needs speculative.draft_model.path")
-    opt = trial.optimization
-    draft = load_model(spec, attention=opt.attention, device=str(target.device))
+    draft = load_model(spec, attention=trial.attention.impl, device=str(target.device))
     check_compatible(target, draft)
-    kv = "contiguous" if opt.kv_cache == "off" else opt.kv_cache
-    return make_backend(draft, dataclasses.replace(opt, kv_cache=kv)), draft
+    kv = "contiguous" if trial.kv_cache.mode == "off" else trial.kv_cache.mode
+    return make_backend(draft, replace(trial, "kv_cache.mode", kv)), draft

@@ -12,7 +12,7 @@ from typing import Optional, Protocol
 
 import torch
 
-from ..config import SamplingSpec
+from ..config import SamplingConfig
 from ..sampling import is_greedy, probabilities
 
 
@@ -31,7 +31,7 @@ class Drafter(Protocol):
         """Take in the prompt (called once, after the target's prefill)."""
         ...
 
-    def propose(self, context: list[int], k: int, sampling: SamplingSpec,
+    def propose(self, context: list[int], k: int, sampling: SamplingConfig,
                 generator: Optional[torch.Generator]) -> Proposal:
         """Up to `k` tokens that may follow `context` (every committed token: prompt + generated)."""
         ...

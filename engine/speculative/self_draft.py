@@ -8,13 +8,11 @@ blocks already hold, which an untrained exit does not promise.
 """
 from __future__ import annotations
 
-import dataclasses
-
-from ..config import EngineError, OptimizationSpec
+from ..config import EngineError, TrialConfig, replace
 from ..models import LoadedModel
 
 
-def self_draft_backend(loaded: LoadedModel, opt: OptimizationSpec, num_layers: int):
+def self_draft_backend(loaded: LoadedModel, trial: TrialConfig, num_layers: int):
     """A native backend over the first `num_layers` blocks of `loaded` (weights shared with the target).
     The draft's cache follows the target's native layout (contiguous or paged); contiguous otherwise."""
     from ..native.backend import NativeBackend
@@ -22,6 +20,7 @@ def self_draft_backend(loaded: LoadedModel, opt: OptimizationSpec, num_layers: i
     total = int(getattr(loaded.config, "num_hidden_layers", 0) or 0)
     if not 1 <= num_layers < total:
         raise EngineError(f"speculative.draft_layers must be in [1, {total}) for this {total}-layer model, got {num_layers}")
-    kv = opt.kv_cache if (opt.backend == "native" and opt.kv_cache in ("contiguous", "paged")) else "contiguous"
-    draft_opt = dataclasses.replace(opt, backend="native", kv_cache=kv)
-    return NativeBackend(loaded, draft_opt, num_layers=num_layers)
+    mode = trial.kv_cache.mode
+    kv = mode if (trial.engine.backend == "native" and mode in ("contiguous", "paged")) else "contiguous"
+    draft = replace(replace(trial, "engine.backend", "native"), "kv_cache.mode", kv)
+    return NativeBackend(loaded, draft, num_layers=num_layers)

@@ -16,7 +16,7 @@ from typing import Optional
 
 import torch
 
-from ..config import SamplingSpec
+from ..config import SamplingConfig
 from ..sampling import is_greedy, probabilities
 
 
@@ -35,7 +35,7 @@ def verify(
     draft_tokens: torch.Tensor,
     draft_probs: Optional[torch.Tensor],
     target_logits: torch.Tensor,
-    sampling: SamplingSpec,
+    sampling: SamplingConfig,
     generator: Optional[torch.Generator],
 ) -> Verdict:
     """draft_tokens [k]; draft_probs [k, V] or None (deterministic drafter); target_logits [k+1, V]."""
