@@ -16,7 +16,7 @@ from typing import Any, Optional
 from .compose import expand
 from .spec import TrialSpec, model_key
 from .summary import table
-from .trial import FAILED, FINISHED, TrialOutcome, execute_trial, release_models
+from .trial import FAILED, FINISHED, TrialOutcome, WarmModels, execute_trial
 
 log = logging.getLogger(__name__)
 
@@ -120,16 +120,17 @@ def run_specs(
             elif in_process:
                 from tqdm.auto import tqdm
 
+                warm = WarmModels()  # the driver is the only worker here
                 try:
                     for spec in tqdm(todo, desc=sweep_name, unit="trial", disable=len(todo) == 1):
                         try:
-                            outcome = execute_trial(spec)
+                            outcome = execute_trial(spec, warm)
                         except KeyboardInterrupt:
                             record(spec, _outcome_from_failure(spec, "interrupted (KeyboardInterrupt)", KILLED))
                             raise
                         record(spec, outcome)
                 finally:
-                    release_models()
+                    warm.release()
             else:
                 from cluster import ensure_ray, placement, run_on_ray
 
@@ -143,6 +144,7 @@ def run_specs(
                     desc=sweep_name,
                     placement_timeout_s=float(first["cluster"].get("placement_timeout_s", 600)),
                     on_start=(lambda s, meta: on_start(s, meta)) if on_start else None,
+                    worker_state=WarmModels,  # each worker keeps its own last model
                 )
         except KeyboardInterrupt:
             status = KILLED

@@ -47,15 +47,29 @@ def _quiet_libraries() -> None:
         pass
 
 
-# The model of the last trial run in this process (a warm Ray actor, or the driver for --in-process),
-# keyed by `model_key`: at most one, so a worker never holds two models.
-_WARM: dict[str, Any] = {}
+class WarmModels:
+    """The model of the last trial one worker ran (a Ray actor, or the driver for --in-process), with its
+    `model_key`: only one, so a worker never holds two models. The worker owns it and hands it to every
+    `execute_trial` call; a new worker starts with an empty one."""
 
+    def __init__(self) -> None:
+        self._key: Optional[str] = None
+        self._loaded: Any = None
 
-def release_models() -> None:
-    """Drop the warm model (frees its memory)."""
-    _WARM.clear()
-    gc.collect()
+    def get(self, key: str) -> Optional[Any]:
+        return self._loaded if key == self._key else None
+
+    def keep(self, key: str, loaded: Any) -> None:
+        self._key, self._loaded = key, loaded
+
+    def discard(self, key: Optional[str]) -> None:
+        if key is not None and key == self._key:
+            self._key = self._loaded = None
+
+    def release(self) -> None:
+        """Drop the warm model (frees its memory)."""
+        self._key = self._loaded = None
+        gc.collect()
 
 
 def _reset_between_trials(device) -> None:
@@ -70,7 +84,9 @@ def _reset_between_trials(device) -> None:
         torch.cuda.reset_peak_memory_stats(device)
 
 
-def execute_trial(spec: TrialSpec) -> TrialOutcome:
+def execute_trial(spec: TrialSpec, warm: Optional[WarmModels] = None) -> TrialOutcome:
+    """Run one trial, reusing `warm`'s model when it has this trial's; without `warm` the model is loaded
+    for this call only."""
     from engine import run_engine_trial
     from engine.models import load_model
 
@@ -81,20 +97,22 @@ def execute_trial(spec: TrialSpec) -> TrialOutcome:
     if os.environ.get("CUDA_VISIBLE_DEVICES") is not None:
         proc["cuda_visible_devices"] = os.environ["CUDA_VISIBLE_DEVICES"]
     key = model_key(spec.config) if spec.config["cluster"].get("warm_workers", True) else None
+    warm = WarmModels() if warm is None else warm
     reused = False
     try:
         trial = spec.trial
-        if key is not None and key in _WARM:
-            loaded, reused = _WARM[key], True
+        loaded = warm.get(key) if key is not None else None
+        if loaded is not None:
+            reused = True
         else:
-            release_models()  # before loading the next one: never two models in memory
+            warm.release()  # before loading the next one: never two models in memory
             loaded = load_model(trial.model, attention=trial.attention.impl, quant=trial.quant)
             if key is not None:
-                _WARM[key] = loaded
+                warm.keep(key, loaded)
         _reset_between_trials(loaded.device)
         result = run_engine_trial(trial, loaded=loaded)
     except Exception as e:
-        _WARM.pop(key, None)  # a model that saw a failure is not trusted for the next trial
+        warm.discard(key)  # a model that saw a failure is not trusted for the next trial
         return TrialOutcome(
             status=FAILED,
             error=f"{type(e).__name__}: {e}\n\n{traceback.format_exc()}",

@@ -113,6 +113,15 @@ def test_run_command_runs_one_trial_in_process(tiny_overrides, capsys):
     assert main(["run", *tiny_overrides, "attention=eager,sdpa"]) == 2
 
 
+def test_in_process_sweep_keeps_one_warm_model_between_trials(tiny_overrides):
+    res = run_sweep(tiny_overrides + ["sweep_name=t-warm-in-process", "seed=1,2", "kv_cache=off,contiguous"],
+                    in_process=True, echo=lambda *_: None)
+    outcomes = [r["outcome"] for r in res.rows]
+    assert [o.status for o in outcomes] == ["FINISHED"] * 4
+    assert [o.info["model_cache"] for o in outcomes] == ["miss", "hit", "hit", "hit"]
+    assert [o.metrics["model_load_s"] > 0 for o in outcomes] == [True, False, False, False]
+
+
 def test_help_explains_commands():
     out = subprocess.run([sys.executable, "-m", "experiments.cli", "--help"], capture_output=True, text=True).stdout
     for word in ("sweep", "run", "reproduce", "ui", "prepare", "experiment=quickstart"):
