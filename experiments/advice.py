@@ -1,15 +1,18 @@
 """Next optimization: for the best configuration so far, the first step of the seed's chain it does not yet
 apply, and whether the measured regime says that step should pay off.
 
-The seed's order: KV cache -> continuous batching (with concurrent requests) -> flash/fused attention ->
-quantization -> speculative decoding -> right-size the model. A step is read from the trial's params
-(`kv_cache.mode`, `batching.*`, `attention.impl`, `quant.level`, `speculative.*`); a step whose config group
-no trial has is "not measured (feature missing)", so the advice works before every feature exists.
+The seed's order and each step's config key and "off" value come from the axis registry (engine/axes.py):
+KV cache -> continuous batching (with concurrent requests) -> flash/fused attention -> quantization ->
+speculative decoding -> right-size the model. A step whose key no trial has is "not measured (feature
+missing)", so the advice works on sweeps recorded before a feature existed.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Optional
+
+from engine import axes
+from engine.axes import RIGHT_SIZE, Axis
 
 from .results import TrialRow, counterpart, describe
 
@@ -17,36 +20,16 @@ APPLIED, NEXT, LATER, NO_GAIN, NOT_APPLICABLE, MISSING = (
     "applied", "next", "later", "measured: no gain", "not applicable", "not measured (feature missing)")
 
 
-@dataclass(frozen=True)
-class ChainStep:
-    group: str  # config group
-    title: str
-    fields: tuple[str, ...]  # leaf keys that name the setting; the first present wins
-    off: tuple[str, ...]  # values that mean "not applied"
+CHAIN: tuple[Axis, ...] = axes.CHAIN
 
 
-CHAIN: tuple[ChainStep, ...] = (
-    ChainStep("kv_cache", "KV cache", ("mode",), ("off",)),
-    ChainStep("batching", "continuous batching", ("mode", "name", "scheduler", "policy"), ("static", "off", "none")),
-    ChainStep("attention", "fused (flash) attention", ("impl",), ("eager",)),
-    ChainStep("quant", "quantization", ("level", "name", "method"), ("none", "off")),
-    ChainStep("speculative", "speculative decoding", ("mode", "method", "name", "kind"), ("off", "none")),
-)
-RIGHT_SIZE = "right-size the model"
+def step_value(row: TrialRow, step: Axis) -> Optional[str]:
+    return step.value(row.params)
 
 
-def step_value(row: TrialRow, step: ChainStep) -> Optional[str]:
-    for f in step.fields:
-        key = f"{step.group}.{f}"
-        if key in row.params:
-            return row.params[key]
-    return None
-
-
-def applied(row: TrialRow, step: ChainStep) -> Optional[bool]:
-    """True/False, or None when the trial has no such config group (the feature did not exist)."""
-    v = step_value(row, step)
-    return None if v is None else v not in step.off
+def applied(row: TrialRow, step: Axis) -> Optional[bool]:
+    """True/False, or None when the trial has no such key (the feature did not exist)."""
+    return step.applied(row.params)
 
 
 def n_applied(row: TrialRow) -> int:
@@ -59,7 +42,7 @@ def chain_order(row: TrialRow) -> tuple:
 
 
 def chain_label(row: TrialRow) -> str:
-    on = [s.title for s in CHAIN if applied(row, s)]
+    on = [s.label for s in CHAIN if applied(row, s)]
     return " + ".join(on) if on else "baseline (nothing applied)"
 
 
@@ -98,7 +81,7 @@ class StepAdvice:
     pays_off: Optional[bool] = None
 
 
-def judge(step: ChainStep, best: TrialRow) -> tuple[bool, Optional[bool], str]:
+def judge(step: Axis, best: TrialRow) -> tuple[bool, Optional[bool], str]:
     """(applicable, pays off?, why) of applying `step` on top of `best`, from its measured regime."""
     dreg, _ = regime(best, "decode")
     phase, overall = best.tags.get("regime.phase"), best.tags.get("regime")
@@ -174,25 +157,24 @@ def advise(rows: list[TrialRow], ax: list[str], workload: str = "") -> Optional[
     for step in CHAIN:
         value = step_value(best, step)
         ok, pays, why = judge(step, best)
-        if value is not None and value not in step.off:
-            adv.steps.append(StepAdvice(step.title, value, APPLIED, "applied", True))
+        if step.applied(best.params):
+            adv.steps.append(StepAdvice(step.label, value, APPLIED, "applied", True))
             continue
         if value is None:
-            adv.steps.append(StepAdvice(step.title, None, MISSING if ok else NOT_APPLICABLE, why, pays))
+            adv.steps.append(StepAdvice(step.label, None, MISSING if ok else NOT_APPLICABLE, why, pays))
             continue
         # measured in this sweep on top of the same settings, and slower (or it would be the best)
-        key = next(f"{step.group}.{f}" for f in step.fields if f"{step.group}.{f}" in best.params)
-        tried = counterpart(rows, best, {key: lambda v, off=step.off: v is not None and v not in off}, ax)
+        tried = counterpart(rows, best, {step.key: lambda v, off=step.off: v is not None and v != off}, ax)
         if tried is not None:
             r = tried.num("output_tok_s") / best.num("output_tok_s")
-            adv.steps.append(StepAdvice(step.title, value, NO_GAIN,
+            adv.steps.append(StepAdvice(step.label, value, NO_GAIN,
                                         f"measured here: {step_value(tried, step)} runs at x{r:.2f} of this trial's "
                                         "throughput -- on this workload and hardware it does not pay off", False))
             continue
         if not ok:
-            adv.steps.append(StepAdvice(step.title, value, NOT_APPLICABLE, why, pays))
+            adv.steps.append(StepAdvice(step.label, value, NOT_APPLICABLE, why, pays))
             continue
-        adv.steps.append(StepAdvice(step.title, value, LATER if have_next else NEXT, why, pays))
+        adv.steps.append(StepAdvice(step.label, value, LATER if have_next else NEXT, why, pays))
         have_next = True
     adv.steps.append(StepAdvice(RIGHT_SIZE, best.params.get("model.name"), LATER if have_next else NEXT,
                                 "often worth more than all of the above: sweep a smaller model (model=...) and "

@@ -17,7 +17,9 @@ from typing import Callable, Optional
 
 from engine.costmodel import ModelShape
 
-from .results import CONTEXT, TrialRow, axes, counterpart
+from engine.axes import ATTENTION, BACKEND, BATCHING, KV_CACHE, QUANT, SPECULATIVE
+
+from .results import CONTEXT, TrialRow, axes, counterpart, speedup
 
 YES, PARTLY, NO = "yes", "partly", "no"
 MISSING = "not measured yet (feature missing)"
@@ -61,16 +63,12 @@ class Trials:
         Prefers the hf backend (the reference implementation) and fused attention (the stack the seed
         assumes) when several pairs exist."""
         cands = self.find(**base_where)
-        cands.sort(key=lambda r: (r.params.get("engine.backend") != "hf", r.params.get("attention.impl") == "eager"))
+        cands.sort(key=lambda r: (r.params.get(BACKEND.key) != BACKEND.off, r.params.get(ATTENTION.key) == ATTENTION.off))
         for a in cands:
             b = counterpart(self.rows, a, change, self.ax)
             if b is not None:
                 return a, b
         return None
-
-
-def _ratio(a: Optional[float], b: Optional[float]) -> Optional[float]:
-    return b / a if a and b is not None else None
 
 
 def _range_verdict(r: float, lo: float, partly_above: float = 1.1) -> str:
@@ -86,11 +84,11 @@ def _mb(x: Optional[float]) -> str:
 # --- measured claims ----------------------------------------------------------------------------------
 def kv_speedup(t: Trials) -> Optional[Finding]:
     ctx = t.context_near(2048)
-    p = t.pair({CONTEXT: ctx, "kv_cache.mode": "off"}, {"kv_cache.mode": lambda v: v in ("contiguous", "paged")})
+    p = t.pair({CONTEXT: ctx, KV_CACHE.key: KV_CACHE.off}, {KV_CACHE.key: lambda v: v in ("contiguous", "paged")})
     if p is None:
         return None
     off, on = p
-    r = _ratio(off.num("decode_tok_s"), on.num("decode_tok_s"))
+    r = speedup(off.num("decode_tok_s"), on.num("decode_tok_s"))
     measured = (f"x{r:.1f} decode at context {ctx} ({off.num('decode_tok_s'):.2f} -> {on.num('decode_tok_s'):.2f} tok/s, "
                 f"{on.params.get('engine.backend')}/{on.params.get('attention.impl')})")
     return Finding(measured, _range_verdict(r, 10, 2), [off, on])
@@ -98,7 +96,7 @@ def kv_speedup(t: Trials) -> Optional[Finding]:
 
 def kv_regime(t: Trials) -> Optional[Finding]:
     ctx = t.context_near(2048)
-    p = t.pair({CONTEXT: ctx, "kv_cache.mode": "off"}, {"kv_cache.mode": lambda v: v in ("contiguous", "paged")})
+    p = t.pair({CONTEXT: ctx, KV_CACHE.key: KV_CACHE.off}, {KV_CACHE.key: lambda v: v in ("contiguous", "paged")})
     if p is None:
         return None
     off, on = p
@@ -117,10 +115,10 @@ def kv_regime(t: Trials) -> Optional[Finding]:
 def _attention_pair(t: Trials, ctx: int, kv: str = "cached") -> Optional[tuple[TrialRow, TrialRow]]:
     """(eager, fused) at `ctx`, with (`cached`) or without (`off`) KV cache; the hf backend preferred."""
     is_cached = (lambda v: v != "off") if kv == "cached" else (lambda v: v == "off")
-    cands = [a for a in t.find(**{CONTEXT: ctx, "attention.impl": "eager"}) if is_cached(a.params.get("kv_cache.mode"))]
-    cands.sort(key=lambda r: r.params.get("engine.backend") != "hf")
+    cands = [a for a in t.find(**{CONTEXT: ctx, ATTENTION.key: ATTENTION.off}) if is_cached(KV_CACHE.value(a.params))]
+    cands.sort(key=lambda r: r.params.get(BACKEND.key) != BACKEND.off)
     for a in cands:
-        p = counterpart(t.rows, a, {"attention.impl": lambda v: v in ("sdpa", "flash")}, t.ax)
+        p = counterpart(t.rows, a, {ATTENTION.key: lambda v: v in ("sdpa", "flash")}, t.ax)
         if p is not None:
             return a, p
     return None
@@ -132,8 +130,8 @@ def flash_speedup(t: Trials) -> Optional[Finding]:
     if p is None:
         return None
     eager, fused = p
-    r = _ratio(eager.num("output_tok_s"), fused.num("output_tok_s"))
-    rp = _ratio(eager.num("prefill_tok_s"), fused.num("prefill_tok_s"))
+    r = speedup(eager.num("output_tok_s"), fused.num("output_tok_s"))
+    rp = speedup(eager.num("prefill_tok_s"), fused.num("prefill_tok_s"))
     measured = (f"x{r:.2f} end-to-end at context {ctx} ({fused.params.get('attention.impl')} vs eager, "
                 f"{fused.params.get('engine.backend')}; prefill x{rp:.2f})")
     return Finding(measured, _range_verdict(r, 2), [eager, fused])
@@ -146,8 +144,8 @@ def flash_memory(t: Trials) -> Optional[Finding]:
     # the attention scratch itself (native records it), and the whole process's peak (hf)
     attn, peak = None, None
     for backend in ("native", "hf"):
-        for a in t.find(**{CONTEXT: ctx, "attention.impl": "eager", "engine.backend": backend}):
-            b = counterpart(t.rows, a, {"attention.impl": lambda v: v in ("sdpa", "flash")}, t.ax)
+        for a in t.find(**{CONTEXT: ctx, ATTENTION.key: ATTENTION.off, BACKEND.key: backend}):
+            b = counterpart(t.rows, a, {ATTENTION.key: lambda v: v in ("sdpa", "flash")}, t.ax)
             if b is None:
                 continue
             if attn is None and a.num("attn_peak_bytes") and b.num("attn_peak_bytes"):
@@ -181,7 +179,7 @@ def flash_short(t: Trials) -> Optional[Finding]:
     if p is None:
         return None
     eager, fused = p
-    r = _ratio(eager.num("output_tok_s"), fused.num("output_tok_s"))
+    r = speedup(eager.num("output_tok_s"), fused.num("output_tok_s"))
     measured = f"x{r:.2f} end-to-end at context {ctx}, batch {eager.batch_size}" + (" (fused slower here)" if r < 0.9 else "")
     return Finding(measured, YES if r < 1.2 else (PARTLY if r < 1.5 else NO), [eager, fused])
 
@@ -193,8 +191,8 @@ def flash_needs_kv(t: Trials) -> Optional[Finding]:
     on, off = _attention_pair(t, ctx, "cached"), _attention_pair(t, ctx, "off")
     if on is None or off is None:
         return None
-    r_on = _ratio(on[0].num("output_tok_s"), on[1].num("output_tok_s"))
-    r_off = _ratio(off[0].num("output_tok_s"), off[1].num("output_tok_s"))
+    r_on = speedup(on[0].num("output_tok_s"), on[1].num("output_tok_s"))
+    r_off = speedup(off[0].num("output_tok_s"), off[1].num("output_tok_s"))
     measured = f"fused vs eager at context {ctx}: x{r_off:.2f} without KV cache, x{r_on:.2f} with it"
     # "won't be visible": the gain without a cache is no larger than with it (within noise)
     return Finding(measured, YES if r_off <= r_on * 1.05 else NO, [*off, *on])
@@ -203,11 +201,11 @@ def flash_needs_kv(t: Trials) -> Optional[Finding]:
 def _quant_claim(levels: tuple[str, ...], speed: tuple[float, float], drop_pct: tuple[float, float]):
     def measure(t: Trials) -> Optional[Finding]:
         for level in levels:
-            for q in t.find(**{"quant.level": level}):
-                base = counterpart(t.rows, q, {"quant.level": "none"}, t.ax)
+            for q in t.find(**{QUANT.key: level}):
+                base = counterpart(t.rows, q, {QUANT.key: QUANT.off}, t.ax)
                 if base is None:
                     continue
-                r = _ratio(base.num("output_tok_s"), q.num("output_tok_s"))
+                r = speedup(base.num("output_tok_s"), q.num("output_tok_s"))
                 if base.num("ppl") and q.num("ppl"):
                     drop = 100 * (q.num("ppl") / base.num("ppl") - 1)
                     acc = f", ppl {base.num('ppl'):.3f} -> {q.num('ppl'):.3f} ({drop:+.1f}%)"
@@ -224,8 +222,8 @@ def _quant_claim(levels: tuple[str, ...], speed: tuple[float, float], drop_pct: 
 
 
 def naive_w8a8(t: Trials) -> Optional[Finding]:
-    for q in t.find(**{"quant.level": "int8-dynamic"}):
-        base = counterpart(t.rows, q, {"quant.level": "none"}, t.ax)
+    for q in t.find(**{QUANT.key: "int8-dynamic"}):
+        base = counterpart(t.rows, q, {QUANT.key: QUANT.off}, t.ax)
         if base is None or not base.num("ppl") or not q.num("ppl"):
             continue
         drop = 100 * (q.num("ppl") / base.num("ppl") - 1)
@@ -238,10 +236,10 @@ def quant_long_context(t: Trials) -> Optional[Finding]:
     """The ppl increase of one quantization level at its shortest and longest measured context."""
     by_level: dict[str, dict[int, tuple[float, TrialRow, TrialRow]]] = {}
     for q in t.rows:
-        lv = q.params.get("quant.level")
-        if lv in (None, "none") or not q.num("ppl"):
+        lv = QUANT.value(q.params)
+        if lv in (None, QUANT.off) or not q.num("ppl"):
             continue
-        base = counterpart(t.rows, q, {"quant.level": "none"}, t.ax)
+        base = counterpart(t.rows, q, {QUANT.key: QUANT.off}, t.ax)
         if base is None or not base.num("ppl"):
             continue
         by_level.setdefault(lv, {})[q.context_len or 0] = (100 * (q.num("ppl") / base.num("ppl") - 1), base, q)
@@ -267,39 +265,37 @@ def speculative_formula(t: Trials) -> Optional[Finding]:
 
 
 def _speculative_on(v: Optional[str]) -> bool:
-    return v not in (None, "off", "none")
+    return v is not None and v != SPECULATIVE.off
 
 
 def _spec_desc(r: TrialRow) -> str:
     """`prompt-lookup k=4, repeat workload, context 256`: what a speculative number was measured on."""
-    method = r.params.get("speculative.method", "?")
+    method = (SPECULATIVE.value(r.params) or "?")
     extra = f" ({r.params.get('speculative.draft_layers')} layers)" if method == "self-draft" else ""
     return (f"{method}{extra} k={r.params.get('speculative.k', '?')}, "
             f"{r.params.get('workload.prompt_style', 'window')} workload, context {r.context_len}")
 
 
 def speculative_speedup(t: Trials) -> Optional[Finding]:
-    for key in ("speculative.mode", "speculative.method", "speculative.name"):
-        for base in t.find(**{key: "off"}):
-            s = counterpart(t.rows, base, {key: _speculative_on}, t.ax)
-            if s is None:
-                continue
-            r = _ratio(base.num("output_tok_s"), s.num("output_tok_s"))
-            measured = (f"x{r:.2f} output tok/s ({_spec_desc(s)}: {base.num('output_tok_s'):.1f} -> "
-                        f"{s.num('output_tok_s'):.1f} tok/s, alpha={s.num('acceptance_rate') or 0:.2f})")
-            return Finding(measured, _range_verdict(r, 2), [base, s])
+    for base in t.find(**{SPECULATIVE.key: SPECULATIVE.off}):
+        s = counterpart(t.rows, base, {SPECULATIVE.key: _speculative_on}, t.ax)
+        if s is None:
+            continue
+        r = speedup(base.num("output_tok_s"), s.num("output_tok_s"))
+        measured = (f"x{r:.2f} output tok/s ({_spec_desc(s)}: {base.num('output_tok_s'):.1f} -> "
+                    f"{s.num('output_tok_s'):.1f} tok/s, alpha={s.num('acceptance_rate') or 0:.2f})")
+        return Finding(measured, _range_verdict(r, 2), [base, s])
     return None
 
 
 def continuous_batching(t: Trials) -> Optional[Finding]:
-    for key in ("batching.mode", "batching.name", "batching.scheduler"):
-        for base in t.find(**{key: "static"}):
-            c = counterpart(t.rows, base, {key: "continuous"}, t.ax)
-            if c is None:
-                continue
-            r = _ratio(base.num("output_tok_s"), c.num("output_tok_s"))
-            return Finding(f"continuous vs static: x{r:.2f} output tok/s (static = {100 / r:.0f}% of continuous)",
-                           _range_verdict(r, 1 / 0.7), [base, c])
+    for base in t.find(**{BATCHING.key: BATCHING.off}):
+        c = counterpart(t.rows, base, {BATCHING.key: "continuous"}, t.ax)
+        if c is None:
+            continue
+        r = speedup(base.num("output_tok_s"), c.num("output_tok_s"))
+        return Finding(f"continuous vs static: x{r:.2f} output tok/s (static = {100 / r:.0f}% of continuous)",
+                       _range_verdict(r, 1 / 0.7), [base, c])
     return None
 
 

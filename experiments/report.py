@@ -17,6 +17,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Optional
 
+from engine import axes as axis_registry
+from engine.axes import BACKEND
+
 from . import advice as adv
 from . import claims as cl
 from .results import (
@@ -27,6 +30,7 @@ from .results import (
     is_opt_axis,
     load,
     opt_label,
+    speedup,
     workload_key,
     workload_labeler,
 )
@@ -34,7 +38,6 @@ from .results import (
 REPORTS_DIR = "reports"
 ARTIFACT_DIR = "report"
 SEED_CLAIMS = "seed-claims"
-LEAVES = ("mode", "impl", "level", "backend", "name", "method")
 
 
 # --- baseline -------------------------------------------------------------------------------------------
@@ -61,8 +64,8 @@ def _matches(row: TrialRow, spec: dict[str, str]) -> bool:
             if row.params[k] != v:
                 return False
             continue
-        leaf = next((f"{k}.{leaf}" for leaf in LEAVES if f"{k}.{leaf}" in row.params), None)
-        if leaf is None or row.params[leaf] != v:
+        key = axis_registry.resolve_key(k)  # `kv_cache=off` names the axis' key, kv_cache.mode
+        if row.params.get(key) != v:
             return False
     return True
 
@@ -83,15 +86,11 @@ def choose_baselines(rows: list[TrialRow], ax: list[str], spec: Optional[dict[st
         if spec:
             out[key] = next((r for r in members if _matches(r, spec)), None)
         else:
-            out[key] = min(members, key=lambda r: (adv.n_applied(r), r.params.get("engine.backend", "hf") != "hf"))
+            out[key] = min(members, key=lambda r: (adv.n_applied(r), r.params.get(BACKEND.key, BACKEND.off) != BACKEND.off))
     return out
 
 
 # --- table ----------------------------------------------------------------------------------------------
-def _ratio(a: Optional[float], b: Optional[float]) -> Optional[float]:
-    return a / b if a is not None and b else None
-
-
 @dataclass
 class Line:
     """One trial with its comparisons to the baseline of its workload."""
@@ -121,9 +120,9 @@ def lines(rows: list[TrialRow], ax: list[str], baselines: dict[tuple, Optional[T
                   "roofline_efficiency", "ppl", "kl_div_mean", "top1_agreement", "peak_mem_bytes", "attn_peak_bytes",
                   "weights_bytes", "decode_bw_util", "decode_compute_util", "prefill_bw_util", "prefill_compute_util"):
             v[k] = m.get(k)
-        v["speedup"] = _ratio(m.get("output_tok_s"), b.get("output_tok_s"))
-        v["decode_speedup"] = _ratio(m.get("decode_tok_s"), b.get("decode_tok_s"))
-        v["prefill_speedup"] = _ratio(m.get("prefill_tok_s"), b.get("prefill_tok_s"))
+        v["speedup"] = speedup(b.get("output_tok_s"), m.get("output_tok_s"))
+        v["decode_speedup"] = speedup(b.get("decode_tok_s"), m.get("decode_tok_s"))
+        v["prefill_speedup"] = speedup(b.get("prefill_tok_s"), m.get("prefill_tok_s"))
         if m.get("ppl") is not None and b.get("ppl"):
             v["ppl_delta"] = m["ppl"] - b["ppl"]
             v["ppl_delta_pct"] = 100 * (m["ppl"] / b["ppl"] - 1)

@@ -12,10 +12,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterable, Optional
 
+from engine import axes as axis_registry
+
 from .tracking import PARENT_TAG
 
-# Config groups that are optimizations (the rest of a trial -- model, workload, eval -- is "the workload").
-OPT_GROUPS = ("kv_cache", "attention", "quant", "speculative", "batching", "engine")
 CONTEXT = "workload.context_len"
 # Params that differ between trials without being a measured axis.
 IGNORED_PARAMS = ("sweep_name",)
@@ -209,11 +209,17 @@ def axes(rows: list[TrialRow]) -> list[str]:
     for r in rows:
         keys += [k for k in r.params if k not in keys]
     out = [k for k in keys if k not in IGNORED_PARAMS and len({r.params.get(k) for r in rows}) > 1]
-    return sorted(out, key=lambda k: (k.split(".")[0] not in OPT_GROUPS, k))
+    return sorted(out, key=lambda k: (not is_opt_axis(k), k))
 
 
 def is_opt_axis(key: str) -> bool:
-    return key.split(".")[0] in OPT_GROUPS
+    """An optimization's key (the rest of a trial -- model, workload, eval -- is "the workload")."""
+    return axis_registry.is_optimization_key(key)
+
+
+def speedup(base: Optional[float], new: Optional[float]) -> Optional[float]:
+    """new / base: how many times faster `new` is (None when either is missing or base is 0)."""
+    return new / base if base and new is not None else None
 
 
 def workload_key(row: TrialRow, ax: list[str]) -> tuple[tuple[str, str], ...]:
@@ -253,13 +259,8 @@ def workload_labeler(keys: Iterable[tuple[tuple[str, str], ...]]) -> Callable[[t
 
 def opt_label(row: TrialRow, ax: list[str]) -> str:
     """The row's optimization settings on the swept optimization axes (short keys)."""
-    parts = [f"{_short(k)}={row.params.get(k, '')}" for k in ax if is_opt_axis(k)]
+    parts = [f"{axis_registry.short_key(k)}={row.params.get(k, '')}" for k in ax if is_opt_axis(k)]
     return " ".join(parts) or row.name
-
-
-def _short(key: str) -> str:
-    group, _, leaf = key.partition(".")
-    return group if leaf in ("mode", "impl", "level", "backend", "name") else key
 
 
 def counterpart(rows: list[TrialRow], row: TrialRow, changes: dict[str, Any], ax: Optional[list[str]] = None) -> Optional[TrialRow]:

@@ -10,21 +10,23 @@ from __future__ import annotations
 
 from typing import Optional
 
+from engine.axes import SPECULATIVE
+
 from .results import TrialRow, axes, counterpart
 
-METHOD = "speculative.method"
+METHOD = SPECULATIVE.key
 SPEEDUP = "speculative_speedup"  # engine.metrics.METRICS documents it
 
 
 def is_speculative(row: TrialRow) -> bool:
-    return row.params.get(METHOD, "off") not in ("off", "none", "")
+    return bool(SPECULATIVE.applied(row.params))
 
 
 def off_twin(rows: list[TrialRow], row: TrialRow, ax: Optional[list[str]] = None) -> Optional[TrialRow]:
     """The finished speculative=off trial at `row`'s other settings, or None when the sweep has none."""
     ax = ax if ax is not None else axes(rows)
     changes: dict = {k: (lambda _v: True) for k in ax if k.startswith("speculative.") and k != METHOD}
-    changes[METHOD] = "off"
+    changes[METHOD] = SPECULATIVE.off
     return counterpart(rows, row, changes, ax)
 
 
