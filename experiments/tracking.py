@@ -123,13 +123,16 @@ class Tracker:
 
         self.uri = resolve_uri(tracking["uri"])
         self.artifact_root = resolve_artifact_root(tracking["artifact_root"])
+        self.http_env: dict[str, str] = {}
         if is_http(self.uri):
             # fail fast to the spool instead of MLflow's default of minutes of retries per request
-            os.environ["MLFLOW_HTTP_REQUEST_MAX_RETRIES"] = str(int(tracking.get("request_retries", 2)))
-            os.environ["MLFLOW_HTTP_REQUEST_TIMEOUT"] = str(int(max(1, tracking.get("request_timeout_s", 10))))
-            os.environ.setdefault("MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR", "1")
-            os.environ.setdefault("MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT", "true")  # no line per run on stdout
-        self.client = MlflowClient(tracking_uri=self.uri)
+            self.http_env = {
+                "MLFLOW_HTTP_REQUEST_MAX_RETRIES": str(int(tracking.get("request_retries", 2))),
+                "MLFLOW_HTTP_REQUEST_TIMEOUT": str(int(max(1, tracking.get("request_timeout_s", 10)))),
+                "MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR": os.environ.get("MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR", "1"),
+                "MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT": "true",  # no line per run on stdout
+            }
+        self.client = _ScopedClient(MlflowClient(tracking_uri=self.uri), self.http_env)
         self._exp_ids: dict[str, str] = {}
         self._exp_lock = threading.Lock()
 
@@ -200,7 +203,7 @@ class Tracker:
         token = None
         # Small pages: a server answers a 1,000-run page (params + metrics + tags of each) slower than
         # its request timeout; 200 at a time stays well inside it.
-        with _read_timeout(self.uri, 60):
+        with mlflow_http_env(dict(self.http_env, MLFLOW_HTTP_REQUEST_TIMEOUT="60") if self.http_env else {}):
             while True:
                 page = self.client.search_runs(
                     [exp.experiment_id], filter_string="attributes.status = 'FINISHED' and tags.kind = 'trial'",
@@ -297,27 +300,60 @@ class Tracker:
         import mlflow.artifacts
 
         with tempfile.TemporaryDirectory() as tmp:
-            local = mlflow.artifacts.download_artifacts(
-                run_id=run_id, artifact_path=path, dst_path=tmp, tracking_uri=self.uri
-            )
+            with mlflow_http_env(self.http_env):
+                local = mlflow.artifacts.download_artifacts(run_id=run_id, artifact_path=path, dst_path=tmp,
+                                                            tracking_uri=self.uri)
             return Path(local).read_text()
 
 
+# MLflow reads its HTTP timeouts and retries from the environment at each request and takes no per-client
+# setting. A Tracker sets them only while one of its own calls runs (the outermost call sets, the last one
+# out restores), so the process -- and any other MLflow client in it -- keeps its environment otherwise.
+_ENV_LOCK = threading.Lock()
+_ENV_DEPTH = 0
+_ENV_SAVED: dict[str, Optional[str]] = {}
+
+
 @contextlib.contextmanager
-def _read_timeout(uri: str, seconds: int):
-    """A longer HTTP timeout for one bulk read (before any writer thread runs)."""
-    if not is_http(uri):
+def mlflow_http_env(values: dict[str, str]):
+    global _ENV_DEPTH, _ENV_SAVED
+    if not values:
         yield
         return
-    old = os.environ.get("MLFLOW_HTTP_REQUEST_TIMEOUT")
-    os.environ["MLFLOW_HTTP_REQUEST_TIMEOUT"] = str(max(seconds, int(old or 0)))
+    with _ENV_LOCK:
+        if _ENV_DEPTH == 0:
+            _ENV_SAVED = {k: os.environ.get(k) for k in values}
+            os.environ.update(values)
+        _ENV_DEPTH += 1
     try:
         yield
     finally:
-        if old is None:
-            os.environ.pop("MLFLOW_HTTP_REQUEST_TIMEOUT", None)
-        else:
-            os.environ["MLFLOW_HTTP_REQUEST_TIMEOUT"] = old
+        with _ENV_LOCK:
+            _ENV_DEPTH -= 1
+            if _ENV_DEPTH == 0:
+                for k, old in _ENV_SAVED.items():
+                    if old is None:
+                        os.environ.pop(k, None)
+                    else:
+                        os.environ[k] = old
+
+
+class _ScopedClient:
+    """An MlflowClient whose every call runs inside `mlflow_http_env(env)`."""
+
+    def __init__(self, client, env: dict[str, str]):
+        self._client, self._env = client, env
+
+    def __getattr__(self, name: str):
+        attr = getattr(self._client, name)
+        if not callable(attr) or not self._env:
+            return attr
+
+        def call(*args, **kwargs):
+            with mlflow_http_env(self._env):
+                return attr(*args, **kwargs)
+
+        return call
 
 
 def redact(text: str) -> str:

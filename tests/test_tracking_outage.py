@@ -233,3 +233,32 @@ def test_cluster_definitions_parse():
     job = yaml.safe_load((root / "kuberay" / "rayjob.yaml").read_text())
     assert job["kind"] == "RayJob" and job["spec"]["entrypoint"].startswith("infersweep sweep")
     assert "cluster=existing" in job["spec"]["entrypoint"]
+
+
+def test_tracker_sets_mlflow_http_settings_only_during_its_own_calls(tmp_path):
+    """The HTTP timeout/retry settings a Tracker needs are in the environment while its request runs, and the
+    process environment is what it was before and after."""
+    import os
+    import socket
+
+    from experiments.tracking import Tracker
+
+    keys = ("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "MLFLOW_HTTP_REQUEST_TIMEOUT")
+    before = {k: os.environ.get(k) for k in keys}
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    t = Tracker({"uri": f"http://127.0.0.1:{port}", "artifact_root": str(tmp_path), "request_retries": 0,
+                 "request_timeout_s": 3})
+    assert {k: os.environ.get(k) for k in keys} == before
+    seen = {}
+
+    def probe(*_a, **_k):
+        seen.update({k: os.environ.get(k) for k in keys})
+        raise ConnectionError("probe")
+
+    t.client._client.search_experiments = probe
+    with pytest.raises(ConnectionError):
+        t.client.search_experiments()
+    assert seen == {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "0", "MLFLOW_HTTP_REQUEST_TIMEOUT": "3"}
+    assert {k: os.environ.get(k) for k in keys} == before
