@@ -319,6 +319,8 @@ def assess(pred: Prediction, measured: dict[str, float]) -> Assessment:
         "hw_flops": pk.flops,
         "hw_balance": pk.balance,
     }
+    if pk.gemv_bw:
+        m["hw_gemv_bw"] = pk.gemv_bw
     labels = {"regime.prefill": pred.prefill_regime, "hw.source": pk.source}
     times: dict[str, float] = {}
     if measured.get("output_tok_s"):
@@ -351,6 +353,8 @@ def assess(pred: Prediction, measured: dict[str, float]) -> Assessment:
             moved = replace(pred.decode.scaled(passes), flops=pred.decode.flops)
             bw, comp, reg = _measured_regime(moved, t, pk)
             m["decode_bw_util"], m["decode_compute_util"] = bw, comp
+            if pk.gemv_bw:  # how near the dtype's own batch-1 GEMV rate: ~1 = the matmul kernel is the limit
+                m["decode_gemv_util"] = moved.bytes / t / pk.gemv_bw
             labels["regime.decode.measured"] = reg
     if times:  # the phase that took the most measured time decides the trial's regime
         phase = max(times, key=times.get)
@@ -380,5 +384,6 @@ def assess_trial(trial, hf_config: Any, device, measured: dict[str, float]) -> A
         materialize_scores=trial.attention.impl == "eager",  # eager materializes the score matrix
     )
     threads = torch.get_num_threads() if device.type == "cpu" else None
+    # the roofs of the trial's own dtype: a CPU without bf16 units runs bf16 matmuls 100x+ slower than fp32
     peaks = node_peaks(device, trial.model.dtype, threads)
     return assess(predict(shape, prec, workload, peaks), measured)

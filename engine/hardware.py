@@ -1,10 +1,19 @@
-"""Hardware peaks for the roofline: memory bandwidth (bytes/s) and matmul FLOP/s per dtype.
+"""Hardware peaks for the roofline: memory bandwidth (bytes/s) and matmul FLOP/s per dtype, and which
+number formats this machine computes fast.
 
 Known GPUs come from a table of datasheet numbers (dense, no sparsity). Anything else (every CPU, an
-unknown GPU) is measured once per node by a short probe -- a streaming read of a large tensor and square
-matmuls of growing size, best of a few repeats -- and cached in
-`cache_root()/hardware/<host>.json`, keyed by device, thread count and dtype, so each trial after the
-first pays nothing. The probe runs outside every timed region.
+unknown GPU) is measured once per node by a short probe and cached in `cache_root()/hardware/<host>.json`,
+keyed by device and thread count, so each trial after the first pays nothing. The probe runs outside
+every timed region. It measures
+
+- a streaming read of a large tensor (the memory roof),
+- per dtype (float32, bfloat16, float16): square GEMMs of growing size (prefill's kernel) and a
+  batch-1 GEMV over a weight matrix larger than the caches (decode's kernel).
+
+CPUs differ most in the 16-bit formats: without bf16 units (no avx512_bf16 / amx_bf16) a bf16 matmul ran
+at ~0.3 GFLOP/s against ~85 GFLOP/s in fp32; an EPYC with avx512_bf16 ran bf16 GEMM 1.6x and GEMV 1.5x
+faster than fp32, and fp16 at 0.2 GFLOP/s. `preferred_dtype` reads the CPU flags (no benchmark);
+the probe's per-dtype numbers say what the formats actually cost.
 """
 from __future__ import annotations
 
@@ -12,6 +21,7 @@ import fcntl
 import json
 import logging
 import os
+import platform
 import socket
 import time
 from dataclasses import asdict, dataclass
@@ -19,21 +29,33 @@ from pathlib import Path
 from typing import Callable, Optional
 
 import torch
+import torch.nn.functional as F
 
+from .config import EngineError
 from .models import TORCH_DTYPES, cache_root
 
 log = logging.getLogger(__name__)
 
-PROBE_VERSION = 1
+PROBE_VERSION = 2  # 2: one entry per node with GEMM and GEMV rates of every dtype
+PROBE_DTYPES = ("float32", "bfloat16", "float16")
+CPU_BF16_ENV = "INFERSWEEP_CPU_BF16"
+# /proc/cpuinfo flags of bf16 arithmetic units: x86 AVX512-BF16 and AMX-BF16; aarch64 FEAT_BF16 (Features
+# line "bf16") and its SVE form. avx_ne_convert only converts, so it does not count.
+BF16_CPU_FLAGS = frozenset({"avx512_bf16", "amx_bf16", "bf16", "svebf16"})
 
 
 @dataclass(frozen=True)
 class HardwarePeaks:
+    """The roofs of one dtype on one device. `mem_bw` and `flops` are the best rates any probe kernel
+    reached at this dtype (so the roofline stays an upper bound whichever kernel a backend uses);
+    `gemv_bw` is what a batch-1 GEMV -- decode's kernel -- attains on its own (None: not measured)."""
+
     name: str  # device name as torch reports it
     mem_bw: float  # bytes/s the device reads from its main memory (HBM, DRAM)
     flops: float  # matmul FLOP/s at the trial's compute dtype
     dtype: str
     source: str  # "table" | "probe" | "cache"
+    gemv_bw: Optional[float] = None  # weight bytes/s of a batch-1 matrix-vector product at `dtype`
 
     @property
     def balance(self) -> float:
@@ -73,22 +95,77 @@ def gpu_spec(name: str) -> Optional[GPUSpec]:
     return None
 
 
+def _cpuinfo_text() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return f.read()
+    except OSError:
+        return ""
+
+
 def device_name(device: torch.device) -> str:
     if device.type == "cuda":
         return torch.cuda.get_device_name(device)
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    import platform
-
+    for line in _cpuinfo_text().splitlines():
+        if line.startswith("model name"):
+            return line.split(":", 1)[1].strip()
     return platform.processor() or platform.machine() or "cpu"
 
 
-# --- probe ---------------------------------------------------------------------------------------------
+# --- number formats --------------------------------------------------------------------------------------
+def cpu_flags(cpuinfo: str) -> frozenset[str]:
+    """The feature flags of the first processor in /proc/cpuinfo text: the `flags` line on x86, the
+    `Features` line on aarch64 (every core of a machine lists the same)."""
+    for line in cpuinfo.splitlines():
+        key, sep, value = line.partition(":")
+        if sep and key.strip().lower() in ("flags", "features"):
+            return frozenset(value.split())
+    return frozenset()
+
+
+def _env_bool(name: str) -> Optional[bool]:
+    raw = os.environ.get(name)
+    if raw is None or raw.strip() == "":
+        return None
+    v = raw.strip().lower()
+    if v in ("1", "true", "yes", "on"):
+        return True
+    if v in ("0", "false", "no", "off"):
+        return False
+    raise EngineError(f"environment variable {name}={raw!r}: expected 0 or 1 (or true/false)")
+
+
+def cpu_bf16_support(cpuinfo: Optional[str] = None) -> bool:
+    """Whether this CPU has bf16 arithmetic units, from its /proc/cpuinfo flags (no benchmark).
+    `INFERSWEEP_CPU_BF16=0|1` overrides the detection (a CPU that hides its flags, or a test of both
+    branches on any machine)."""
+    forced = _env_bool(CPU_BF16_ENV)
+    if forced is not None:
+        return forced
+    return bool(cpu_flags(_cpuinfo_text() if cpuinfo is None else cpuinfo) & BF16_CPU_FLAGS)
+
+
+def preferred_cpu_dtype(cpuinfo: Optional[str] = None) -> str:
+    """bfloat16 where the CPU computes it natively (half the bytes per weight, and faster GEMMs), else
+    float32: emulated bf16 is 100x+ slower than fp32. float16 is never preferred on a CPU (no CPU we
+    measured had fast fp16 matmuls)."""
+    return "bfloat16" if cpu_bf16_support(cpuinfo) else "float32"
+
+
+def preferred_dtype(device: torch.device | str) -> str:
+    """The compute dtype to run a model in on `device`: on CUDA bf16 where the GPU supports it (Ampere and
+    later), else fp16 (V100, T4: tensor cores for fp16 only); on a CPU `preferred_cpu_dtype()`."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        return "bfloat16" if torch.cuda.is_bf16_supported() else "float16"
+    return preferred_cpu_dtype()
+
+
+# --- probe -----------------------------------------------------------------------------------------------
+def _synchronizer(device: torch.device) -> Callable[[], None]:
+    return (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
+
+
 def _best_of(fn: Callable[[], None], sync: Callable[[], None], repeats: int) -> float:
     fn()  # warm-up (first call pays allocation, kernel selection, page faults)
     sync()
@@ -103,18 +180,17 @@ def _best_of(fn: Callable[[], None], sync: Callable[[], None], repeats: int) -> 
 
 def probe_bandwidth(device: torch.device, nbytes: int = 256 << 20, repeats: int = 6) -> float:
     """Bytes/s of a streaming read (a sum over a tensor far larger than any cache)."""
-    sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
     if device.type == "cuda":
         nbytes = max(nbytes, 2 << 30)
     x = torch.ones(nbytes // 4, dtype=torch.float32, device=device)
-    dt = _best_of(lambda: x.sum(), sync, repeats)
+    dt = _best_of(lambda: x.sum(), _synchronizer(device), repeats)
     return x.numel() * 4 / dt
 
 
-def probe_matmul(device: torch.device, dtype: torch.dtype, budget_s: float = 1.5, repeats: int = 3) -> float:
+def probe_matmul(device: torch.device, dtype: torch.dtype, budget_s: float = 1.0, repeats: int = 3) -> float:
     """Best FLOP/s of square matmuls of growing size; stops growing once one matmul takes > 0.2 s (a dtype
     without hardware support, e.g. bf16 on many CPUs, is slow and must not make the probe slow)."""
-    sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
+    sync = _synchronizer(device)
     sizes = (256, 512, 1024, 2048) if device.type == "cpu" else (1024, 2048, 4096, 8192)
     best = 0.0
     start = time.perf_counter()
@@ -128,50 +204,143 @@ def probe_matmul(device: torch.device, dtype: torch.dtype, budget_s: float = 1.5
     return best
 
 
+def probe_gemv(device: torch.device, dtype: torch.dtype, nbytes: int = 128 << 20, cols: int = 4096,
+               budget_s: float = 0.6, repeats: int = 3) -> float:
+    """Weight bytes/s of a batch-1 matrix-vector product (`F.linear` of one row, as a decode step calls
+    it) over an `nbytes` weight matrix, larger than the caches. A slow dtype is timed on a 1/16 slice
+    instead once that slice shows the whole matrix would overrun `budget_s`: it is compute-bound then,
+    so the cache does not flatter it."""
+    sync = _synchronizer(device)
+    if device.type == "cuda":
+        nbytes = max(nbytes, 1 << 30)
+    elsize = torch.empty((), dtype=dtype).element_size()
+    rows = max(16, nbytes // (elsize * cols))
+    w = torch.ones(rows, cols, dtype=dtype, device=device)
+    x = torch.ones(1, cols, dtype=dtype, device=device)
+    pilot = w[: rows // 16]
+    t0 = time.perf_counter()
+    F.linear(x, pilot)
+    sync()
+    if (time.perf_counter() - t0) * 16 * (repeats + 1) > budget_s:
+        dt = _best_of(lambda: F.linear(x, pilot), sync, 1)
+        return pilot.numel() * elsize / dt
+    dt = _best_of(lambda: F.linear(x, w), sync, repeats)
+    return w.numel() * elsize / dt
+
+
+@dataclass(frozen=True)
+class DtypeRates:
+    """What one number format attains on a device."""
+
+    gemm_flops: float  # FLOP/s of large square matmuls (prefill's shape)
+    gemv_bw: float  # weight bytes/s of a batch-1 matrix-vector product (decode's shape)
+
+    def gemv_flops(self, elsize: int) -> float:
+        return 2.0 * self.gemv_bw / elsize
+
+
+@dataclass(frozen=True)
+class NodeProbe:
+    """One node's measured rates: the streaming read and, per dtype, GEMM and GEMV."""
+
+    name: str
+    stream_bw: float  # bytes/s of a streaming read (dtype-independent)
+    rates: dict[str, DtypeRates]
+
+    def peaks(self, dtype: str, source: str) -> HardwarePeaks:
+        if dtype not in self.rates:
+            raise EngineError(f"hardware probe has no numbers for dtype {dtype!r}; probed: {sorted(self.rates)}")
+        r = self.rates[dtype]
+        elsize = torch.empty((), dtype=TORCH_DTYPES[dtype]).element_size()
+        return HardwarePeaks(self.name, mem_bw=max(self.stream_bw, r.gemv_bw),
+                             flops=max(r.gemm_flops, r.gemv_flops(elsize)), dtype=dtype, source=source,
+                             gemv_bw=r.gemv_bw)
+
+    def fast_dtypes(self) -> tuple[str, ...]:
+        """The formats this node computes natively: GEMMs at least half as fast as float32's. Emulated
+        formats run 100x+ slower, so the threshold does not sit near any real machine."""
+        ref = self.rates["float32"].gemm_flops
+        return tuple(d for d in PROBE_DTYPES if d in self.rates and self.rates[d].gemm_flops >= 0.5 * ref)
+
+    def merged(self, other: "NodeProbe") -> "NodeProbe":
+        """Per number, the higher of two probes (a probe taken while the node was busy reads low)."""
+        rates = dict(other.rates)
+        for d, r in self.rates.items():
+            o = other.rates.get(d)
+            rates[d] = r if o is None else DtypeRates(max(r.gemm_flops, o.gemm_flops), max(r.gemv_bw, o.gemv_bw))
+        return NodeProbe(self.name, max(self.stream_bw, other.stream_bw), rates)
+
+    def to_json(self) -> dict:
+        return {"name": self.name, "stream_bw": self.stream_bw, "rates": {d: asdict(r) for d, r in self.rates.items()}}
+
+    @classmethod
+    def from_json(cls, d: dict) -> "NodeProbe":
+        rates = {k: DtypeRates(float(v["gemm_flops"]), float(v["gemv_bw"])) for k, v in d["rates"].items()}
+        return cls(d["name"], float(d["stream_bw"]), rates)
+
+
+def probe_node(device: torch.device, dtypes: tuple[str, ...] = PROBE_DTYPES) -> NodeProbe:
+    """Measure the streaming read and each dtype's GEMM and GEMV (a few seconds on a CPU)."""
+    rates = {}
+    for d in dtypes:
+        dt = TORCH_DTYPES[d]
+        rates[d] = DtypeRates(gemm_flops=probe_matmul(device, dt), gemv_bw=probe_gemv(device, dt))
+    return NodeProbe(device_name(device), probe_bandwidth(device), rates)
+
+
 # --- cache -----------------------------------------------------------------------------------------------
 def cache_path(host: Optional[str] = None) -> Path:
     return cache_root() / "hardware" / f"{host or socket.gethostname()}.json"
 
 
-def _key(name: str, device: torch.device, threads: int, dtype: str) -> str:
-    return f"v{PROBE_VERSION}|{device.type}|{name}|threads={threads}|{dtype}"
+def probe_key(name: str, device: torch.device, threads: int) -> str:
+    return f"v{PROBE_VERSION}|{device.type}|{name}|threads={threads}"
 
 
-def node_peaks(device: torch.device, dtype: str, threads: Optional[int] = None, refresh: bool = False) -> HardwarePeaks:
-    """Peaks of this node for `dtype` at `threads` torch threads (CPU): table, else cache, else probe.
+def node_probe(device: torch.device, threads: Optional[int] = None, refresh: bool = False) -> tuple[NodeProbe, str]:
+    """(this node's probe at `threads` torch threads (CPU), "cache" | "probe"): cached, else measured now.
 
-    `refresh` probes again and keeps the higher of the old and new numbers per peak (a probe taken while
-    the node was busy reads low; peaks only ever move up towards the truth)."""
+    `refresh` probes again and keeps the higher of the old and new numbers (peaks only ever move up
+    towards the truth)."""
     name = device_name(device)
-    if device.type == "cuda" and not refresh:
-        spec = gpu_spec(name)
-        if spec is not None and dtype in spec.flops:
-            return HardwarePeaks(name, spec.mem_bw, spec.flops[dtype], dtype, "table")
     threads = threads if threads is not None else (torch.get_num_threads() if device.type == "cpu" else 0)
     path = cache_path()
-    key = _key(name, device, threads, dtype)
+    key = probe_key(name, device, threads)
     path.parent.mkdir(parents=True, exist_ok=True)
     # One probe per node even when several trials start at once: the others wait on the lock, then read.
     with open(path.with_suffix(".lock"), "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         entries = _read(path)
-        old = entries.get(key)
+        old = NodeProbe.from_json(entries[key]) if key in entries else None
         if old is not None and not refresh:
-            return HardwarePeaks(name, float(old["mem_bw"]), float(old["flops"]), dtype, "cache")
-        log.info("probing %s (%s, %d threads)", name, dtype, threads)
+            return old, "cache"
+        log.info("probing %s (%d threads)", name, threads)
         t0 = time.perf_counter()
         if threads and device.type == "cpu":
             torch.set_num_threads(threads)
-        bw, flops = probe_bandwidth(device), probe_matmul(device, TORCH_DTYPES[dtype])
+        probe = probe_node(device)
         if old is not None:
-            bw, flops = max(bw, float(old["mem_bw"])), max(flops, float(old["flops"]))
-        peaks = HardwarePeaks(name=name, mem_bw=bw, flops=flops, dtype=dtype, source="probe")
-        entries[key] = {**asdict(peaks), "threads": threads, "probe_s": round(time.perf_counter() - t0, 2),
+            probe = probe.merged(old)
+        entries[key] = {**probe.to_json(), "threads": threads, "fast_dtypes": list(probe.fast_dtypes()),
+                        "probe_s": round(time.perf_counter() - t0, 2),
                         "measured_at": time.strftime("%Y-%m-%dT%H:%M:%S")}
         tmp = path.with_suffix(f".tmp{os.getpid()}")
         tmp.write_text(json.dumps(entries, indent=2, sort_keys=True))
         tmp.replace(path)
-        return peaks
+        return probe, "probe"
+
+
+def node_peaks(device: torch.device, dtype: str, threads: Optional[int] = None, refresh: bool = False) -> HardwarePeaks:
+    """Peaks of this node for `dtype` at `threads` torch threads (CPU): table, else cache, else probe."""
+    if dtype not in TORCH_DTYPES:
+        raise EngineError(f"dtype {dtype!r} unknown; choose one of {sorted(TORCH_DTYPES)}")
+    if device.type == "cuda" and not refresh:
+        name = device_name(device)
+        spec = gpu_spec(name)
+        if spec is not None and dtype in spec.flops:
+            return HardwarePeaks(name, spec.mem_bw, spec.flops[dtype], dtype, "table", gemv_bw=spec.mem_bw)
+    probe, source = node_probe(device, threads, refresh)
+    return probe.peaks(dtype, source)
 
 
 def _read(path: Path) -> dict:

@@ -83,13 +83,18 @@ METRICS: dict[str, str] = {
     "cost_prefill_bytes": "bytes moved by the prefill pass",
     "cost_prefill_intensity": "arithmetic intensity of prefill, FLOP/byte",
     "cost_attn_score_bytes": "prefill bytes of materialized attention scores/probs (eager; 0 for fused kernels)",
-    "hw_mem_bw": "peak memory bandwidth used for the roofline, bytes/s (GPU table or cached per-node probe)",
+    "hw_mem_bw": "peak memory bandwidth used for the roofline, bytes/s (GPU table, or the cached per-node probe: "
+                 "the faster of a streaming read and a batch-1 GEMV at the trial's dtype)",
     "hw_flops": "peak matmul FLOP/s at the trial's dtype used for the roofline",
+    "hw_gemv_bw": "weight bytes/s a batch-1 matrix-vector product (decode's kernel) attains at the trial's dtype "
+                  "(probe; the datasheet bandwidth for table GPUs)",
     "hw_balance": "machine balance hw_flops / hw_mem_bw, FLOP/byte: below it memory-bound, above compute-bound",
     "prefill_bw_util": "attained prefill bandwidth (predicted bytes / measured time) / hw_mem_bw",
     "prefill_compute_util": "attained prefill FLOP/s (predicted FLOPs / measured time) / hw_flops",
     "decode_bw_util": "attained decode bandwidth / hw_mem_bw (bytes per target pass; speculative: tokens_per_step tokens per pass)",
     "decode_compute_util": "attained decode FLOP/s / hw_flops",
+    "decode_gemv_util": "attained decode bandwidth / hw_gemv_bw: near 1, the dtype's matmul kernel is the limit; "
+                        "far below, time goes elsewhere (attention, Python, launches)",
 }
 
 # Labels (MLflow tags) a trial carries about itself; values are "memory" or "compute".

@@ -158,7 +158,7 @@ def cmd_ui(args) -> int:
 def cmd_probe(args) -> int:
     import torch
 
-    from engine.hardware import cache_path, node_peaks
+    from engine.hardware import cache_path, node_peaks, node_probe, preferred_dtype
 
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     threads = args.threads or (torch.get_num_threads() if device.type == "cpu" else None)
@@ -166,6 +166,10 @@ def cmd_probe(args) -> int:
     print(f"{p.name} ({device.type}{f', {threads} threads' if device.type == 'cpu' else ''}, {p.dtype}): "
           f"{p.mem_bw / 1e9:.1f} GB/s, {p.flops / 1e9:.1f} GFLOP/s, balance {p.balance:.1f} FLOP/byte  [{p.source}]")
     if p.source != "table":
+        probe, _ = node_probe(device, threads)
+        for d, r in probe.rates.items():
+            print(f"  {d:9s} GEMM {r.gemm_flops / 1e9:9.1f} GFLOP/s   batch-1 GEMV {r.gemv_bw / 1e9:6.1f} GB/s")
+        print(f"  fast formats: {', '.join(probe.fast_dtypes())}; preferred dtype here: {preferred_dtype(device)}")
         print(f"cache: {cache_path()}")
     return 0
 

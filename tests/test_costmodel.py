@@ -17,7 +17,7 @@ from engine.costmodel import (
     predict,
     weight_bytes_per_param,
 )
-from engine.hardware import HardwarePeaks, cache_path, gpu_spec, node_peaks
+from engine.hardware import PROBE_DTYPES, HardwarePeaks, cache_path, gpu_spec, node_peaks
 
 # SmolLM2-135M (DESIGN.md §5): 30 layers, hidden 576, MLP 1536, 9 heads / 3 KV heads of 64, vocab 49152, tied
 SMOL = ModelShape(num_layers=30, hidden=576, intermediate=1536, num_heads=9, num_kv_heads=3, head_dim=64, vocab=49152)
@@ -142,11 +142,17 @@ def test_gpu_table_matches_specific_names_first():
 def test_cpu_peaks_are_probed_once_then_cached(tmp_path, monkeypatch):
     monkeypatch.setenv("INFERSWEEP_CACHE", str(tmp_path))
     first = node_peaks(torch.device("cpu"), "float32", threads=1)
-    assert first.source == "probe" and first.mem_bw > 1e8 and first.flops > 1e8
+    assert first.source == "probe" and first.mem_bw > 1e8 and first.flops > 1e8 and first.gemv_bw > 1e8
     again = node_peaks(torch.device("cpu"), "float32", threads=1)
     assert again.source == "cache" and (again.mem_bw, again.flops) == (first.mem_bw, first.flops)
+    # one probe measured every format: asking for bf16 reads the same entry, not a new probe
+    assert node_peaks(torch.device("cpu"), "bfloat16", threads=1).source == "cache"
     entries = json.loads(cache_path().read_text())
-    assert len(entries) == 1 and next(iter(entries.values()))["threads"] == 1
+    assert len(entries) == 1
+    (entry,) = entries.values()
+    assert entry["threads"] == 1 and set(entry["rates"]) == set(PROBE_DTYPES)
+    assert all(r["gemm_flops"] > 0 and r["gemv_bw"] > 0 for r in entry["rates"].values())
+    assert "float32" in entry["fast_dtypes"]
 
 
 def test_refresh_reprobes_and_keeps_the_higher_peaks(tmp_path, monkeypatch):
@@ -155,7 +161,7 @@ def test_refresh_reprobes_and_keeps_the_higher_peaks(tmp_path, monkeypatch):
     path = cache_path()
     entries = json.loads(path.read_text())
     (key,) = entries
-    entries[key]["mem_bw"] = 1e15  # as if an earlier, quieter probe had read more
+    entries[key]["stream_bw"] = 1e15  # as if an earlier, quieter probe had read more
     path.write_text(json.dumps(entries))
     again = node_peaks(torch.device("cpu"), "float32", threads=1, refresh=True)
     assert again.source == "probe" and again.mem_bw == 1e15 and again.flops >= first.flops

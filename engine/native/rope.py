@@ -83,4 +83,8 @@ def rope_cos_sin(inv_freq: torch.Tensor, positions: torch.Tensor, dtype: torch.d
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
     """x [B, H, T, D], cos/signed_sin [T, D] -> x rotated by its position."""
+    if x.dtype != torch.float32:
+        # 16-bit: round after each product and after the sum, as transformers does (addcmul rounds once,
+        # which moves bf16 logits by an ulp or two against the reference)
+        return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * signed_sin
     return torch.addcmul(x * cos, x.roll(x.shape[-1] // 2, dims=-1), signed_sin)

@@ -1,0 +1,58 @@
+"""benchmarks/gpu_check.py: its --dry-run runs every section's code path on CPU with tiny shapes and writes
+a JSON report with numbers in every section (the CUDA run itself needs a lent GPU)."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+SECTIONS = ("kv_cache", "attention", "speculative", "batching", "paged_kv", "int8")
+
+
+def run_check(out: Path, *args: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "OUT": str(out), "PYTHONPATH": str(ROOT)}
+    return subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gpu_check.py"), *args], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=600)
+
+
+def numbers(d: dict) -> list[float]:
+    return [v for v in d.values() if isinstance(v, (int, float)) and not isinstance(v, bool)]
+
+
+def test_dry_run_measures_every_section(tmp_path):
+    p = run_check(tmp_path, "--dry-run")
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    report = json.loads((tmp_path / "gpu_check.json").read_text())
+    assert report["meta"]["dry_run"] is True and report["meta"]["device"] == "cpu"
+    assert list(report["sections"]) == list(SECTIONS)
+    for name, sec in report["sections"].items():
+        assert sec["status"] == "ok", (name, sec.get("reason"))
+        assert sec["rows"] and all(numbers(r) for r in sec["rows"]), name
+        assert numbers(sec["summary"]) or any(isinstance(v, dict) for v in sec["summary"].values()), name
+    s = {n: report["sections"][n]["summary"] for n in SECTIONS}
+    assert s["kv_cache"]["decode_speedup_kv_on_vs_off"] > 0
+    assert s["batching"]["continuous_over_static_throughput"] > 0
+    assert s["int8"]["linears_swapped"] > 0 and s["int8"]["weights_ratio"] < 1  # int8 weights are smaller
+    attn = report["sections"]["attention"]["rows"]
+    assert {(r["attention"], r["context"]) for r in attn} == {(a, n) for a in ("sdpa", "eager") for n in (32, 64)}
+    # eager materializes the T x S scores: its transient attention memory grows faster than sdpa's
+    by = {(r["attention"], r["context"]): r["attn_peak_bytes"] for r in attn}
+    assert by["eager", 64] / by["eager", 32] > by["sdpa", 64] / by["sdpa", 32]
+    md = (tmp_path / "gpu_check.md").read_text()
+    assert all(f"## {n} (ok" in md for n in SECTIONS)
+
+
+def test_spent_budget_skips_sections_with_the_reason(tmp_path):
+    p = run_check(tmp_path, "--dry-run", "--budget-s", "0.01", "--sections", "kv_cache,int8")
+    assert p.returncode == 0, p.stderr[-3000:]
+    secs = json.loads((tmp_path / "gpu_check.json").read_text())["sections"]
+    assert list(secs) == ["kv_cache", "int8"]
+    assert all(s["status"] == "skipped" and "budget" in s["reason"] for s in secs.values())
+
+
+def test_unknown_section_is_refused(tmp_path):
+    p = run_check(tmp_path, "--dry-run", "--sections", "kv_cache,warp_drive")
+    assert p.returncode == 2 and "warp_drive" in p.stderr

@@ -1,0 +1,127 @@
+"""Number formats: bf16 detection from /proc/cpuinfo flags, its environment override, the preferred dtype,
+and the cost model reading the probed numbers of the trial's own dtype."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from engine.config import EngineError, EngineTrial, ModelSpec
+from engine.costmodel import assess_trial
+from engine.hardware import (
+    CPU_BF16_ENV,
+    DtypeRates,
+    NodeProbe,
+    cache_path,
+    cpu_bf16_support,
+    cpu_flags,
+    device_name,
+    node_peaks,
+    preferred_cpu_dtype,
+    preferred_dtype,
+    probe_key,
+)
+
+# Abbreviated /proc/cpuinfo of the machines the design notes describe (two processors each: the flags repeat).
+EPYC_AVX2 = """processor\t: 0
+vendor_id\t: AuthenticAMD
+model name\t: AMD EPYC
+flags\t\t: fpu vme de pse tsc msr sse sse2 ssse3 fma sse4_1 sse4_2 avx f16c avx2 bmi2 sha_ni
+bugs\t\t: sysret_ss_attrs
+
+processor\t: 1
+model name\t: AMD EPYC
+flags\t\t: fpu vme de pse tsc msr sse sse2 ssse3 fma sse4_1 sse4_2 avx f16c avx2 bmi2 sha_ni
+"""
+EPYC_BF16 = EPYC_AVX2.replace("avx2 bmi2", "avx2 bmi2 avx512f avx512bw avx512_vnni avx512_bf16")
+SAPPHIRE_RAPIDS = EPYC_AVX2.replace("avx2 bmi2", "avx2 bmi2 avx512f amx_tile amx_int8 amx_bf16 avx512_fp16")
+# avx_ne_convert only converts between bf16 and fp32: no bf16 arithmetic
+CONVERT_ONLY = EPYC_AVX2.replace("avx2 bmi2", "avx2 bmi2 avx_ne_convert")
+GRAVITON3 = """processor\t: 0
+BogoMIPS\t: 2100.00
+Features\t: fp asimd evtstrm aes pmull sha1 sha2 crc32 atomics fphp asimdhp cpuid asimdrdm jscvt fcma lrcpc dcpop sha3 sm3 sm4 asimddp sha512 sve asimdfhm dit uscat ilrcpc flagm ssbs paca pacg dcpodp svei8mm svebf16 i8mm bf16 dgh rng
+CPU implementer\t: 0x41
+"""
+GRAVITON2 = GRAVITON3.replace(" svei8mm svebf16 i8mm bf16 dgh rng", "")
+
+
+@pytest.fixture
+def no_override(monkeypatch):
+    monkeypatch.delenv(CPU_BF16_ENV, raising=False)
+
+
+def test_cpu_flags_parse_x86_and_arm_lines():
+    assert {"avx2", "sha_ni"} <= cpu_flags(EPYC_AVX2) and "avx512_bf16" not in cpu_flags(EPYC_AVX2)
+    assert {"sve", "bf16", "svebf16"} <= cpu_flags(GRAVITON3)
+    assert cpu_flags("") == frozenset()
+
+
+@pytest.mark.parametrize("text,has_bf16", [(EPYC_AVX2, False), (EPYC_BF16, True), (SAPPHIRE_RAPIDS, True),
+                                          (CONVERT_ONLY, False), (GRAVITON3, True), (GRAVITON2, False), ("", False)])
+def test_bf16_detection_from_cpuinfo(no_override, text, has_bf16):
+    assert cpu_bf16_support(text) is has_bf16
+    assert preferred_cpu_dtype(text) == ("bfloat16" if has_bf16 else "float32")
+
+
+def test_environment_overrides_the_detection_both_ways(monkeypatch):
+    monkeypatch.setenv(CPU_BF16_ENV, "1")
+    assert cpu_bf16_support(EPYC_AVX2) is True and preferred_cpu_dtype(EPYC_AVX2) == "bfloat16"
+    assert preferred_dtype("cpu") == "bfloat16"
+    monkeypatch.setenv(CPU_BF16_ENV, "0")
+    assert cpu_bf16_support(EPYC_BF16) is False and preferred_cpu_dtype(GRAVITON3) == "float32"
+    assert preferred_dtype(torch.device("cpu")) == "float32"
+    monkeypatch.setenv(CPU_BF16_ENV, "maybe")
+    with pytest.raises(EngineError, match=CPU_BF16_ENV):
+        cpu_bf16_support(EPYC_AVX2)
+
+
+def test_this_machine_is_detected_from_its_own_flags(no_override):
+    with open("/proc/cpuinfo") as f:
+        text = f.read()
+    assert cpu_bf16_support() is bool(cpu_flags(text) & {"avx512_bf16", "amx_bf16", "bf16", "svebf16"})
+
+
+# A node where bf16 is native and fast, fp16 emulated (the AMD EPYC of the design notes, rounded).
+PROBE = NodeProbe("test-cpu", stream_bw=20e9, rates={
+    "float32": DtypeRates(gemm_flops=158e9, gemv_bw=11e9),
+    "bfloat16": DtypeRates(gemm_flops=249e9, gemv_bw=17e9),
+    "float16": DtypeRates(gemm_flops=0.2e9, gemv_bw=0.15e9),
+})
+
+
+def test_probe_peaks_per_dtype_and_fast_formats():
+    assert PROBE.fast_dtypes() == ("float32", "bfloat16")
+    bf16 = PROBE.peaks("bfloat16", "cache")
+    assert (bf16.flops, bf16.mem_bw, bf16.gemv_bw) == (249e9, 20e9, 17e9)
+    # fp16's GEMV does 2 FLOP per 2-byte weight: 0.15 GFLOP/s < its GEMM rate, which stays the compute roof
+    assert PROBE.peaks("float16", "cache").flops == 0.2e9
+    slow_gemm = NodeProbe("x", 20e9, {"bfloat16": DtypeRates(gemm_flops=0.3e9, gemv_bw=4e9)})
+    # a GEMV that outruns the GEMM raises the compute roof: the roofline must bound every kernel
+    assert slow_gemm.peaks("bfloat16", "cache").flops == 4e9
+    with pytest.raises(EngineError, match="no numbers for dtype"):
+        slow_gemm.peaks("float32", "cache")
+    assert PROBE.merged(NodeProbe("test-cpu", 30e9, {"float32": DtypeRates(100e9, 12e9)})).rates["float32"] == \
+        DtypeRates(158e9, 12e9)
+
+
+def test_cost_model_uses_the_trial_dtype_numbers(tmp_path, monkeypatch):
+    """A cached probe with different numbers per dtype: each trial's roofline reads its own dtype's row."""
+    from transformers import LlamaConfig
+
+    monkeypatch.setenv("INFERSWEEP_CACHE", str(tmp_path))
+    device, threads = torch.device("cpu"), torch.get_num_threads()
+    path = cache_path()
+    path.parent.mkdir(parents=True)
+    path.write_text(json.dumps({probe_key(device_name(device), device, threads): PROBE.to_json()}))
+    cfg = LlamaConfig(vocab_size=384, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2)
+    measured = {"output_tok_s": 10.0, "prefill_tok_s": 100.0, "decode_tok_s": 10.0}
+    seen = {}
+    for dtype in ("float32", "bfloat16", "float16"):
+        trial = EngineTrial(model=ModelSpec(name="tiny", path="tiny://llama", dtype=dtype))
+        m = assess_trial(trial, cfg, device, measured).metrics
+        seen[dtype] = (m["hw_flops"], m["hw_gemv_bw"])
+        assert m["decode_gemv_util"] > 0
+    assert seen == {"float32": (158e9, 11e9), "bfloat16": (249e9, 17e9), "float16": (0.2e9, 0.15e9)}
+    assert node_peaks(device, "bfloat16", threads).source == "cache"  # read, never re-probed
