@@ -24,6 +24,7 @@ bitsandbytes or flash-attn), so it runs on a bare device image.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gc
 import json
 import os
@@ -42,16 +43,17 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from engine.config import (  # noqa: E402
-    BatchingSpec,
-    EngineTrial,
-    LengthSpec,
-    ModelSpec,
-    OptimizationSpec,
-    QuantSpec,
-    SamplingSpec,
-    ServingSpec,
-    TextSource,
-    WorkloadSpec,
+    AttentionConfig,
+    BatchingConfig,
+    EngineConfig,
+    KVCacheConfig,
+    LengthConfig,
+    ModelConfig,
+    QuantConfig,
+    SamplingConfig,
+    TextConfig,
+    TrialConfig,
+    WorkloadConfig,
 )
 from engine.costmodel import ModelShape, Precision, forward_cost  # noqa: E402
 from engine.generate import device_synchronizer, generate  # noqa: E402
@@ -126,25 +128,25 @@ SECTION_BUDGETS = {"kv_cache": 45.0, "attention": 100.0, "speculative": 35.0, "b
 # ------------------------------------------------------------------------------ engine configuration
 def engine_config(dtype: str, *, attention: str = "sdpa", kv_cache: str = "contiguous", kv_block_size: int = 16,
                   compile: bool = False, quant: str = "none", batching: str = "static", sizes: Sizes = GPU_SIZES,
-                  serving: bool = False) -> EngineTrial:
-    """The only place this script builds engine config objects (one EngineTrial per variant), so a rename
-    of the config classes or fields touches this function alone."""
-    serve = None
+                  serving: bool = False) -> TrialConfig:
+    """The only place this script builds engine config objects (one TrialConfig per variant)."""
+    workload = WorkloadConfig(warmup=1, repeats=1, sampling=SamplingConfig(temperature=0.0),
+                              # prompts: this repo's README (present wherever the tree is; pydoc_data may be
+                              # missing on an image)
+                              text=TextConfig(kind="file", path=str(ROOT / "README.md")))
     if serving:
-        serve = ServingSpec(num_requests=sizes.serve_requests,
-                            input_len=LengthSpec(dist="uniform", min=sizes.serve_input[0], max=sizes.serve_input[1]),
-                            output_len=LengthSpec(dist="uniform", min=sizes.serve_output[0], max=sizes.serve_output[1]),
-                            arrival="all-at-once")
-    return EngineTrial(
-        model=ModelSpec(name="random-llama", path="tiny://gpu-check", dtype=dtype),
-        optimization=OptimizationSpec(backend="native", attention=attention, kv_cache=kv_cache,
-                                      kv_block_size=kv_block_size, compile=compile),
-        quant=QuantSpec(level=quant, compute_dtype=dtype),
-        # serving prompts: this repo's README (present wherever the tree is; pydoc_data may be missing on an image)
-        workload=WorkloadSpec(warmup=1, repeats=1, sampling=SamplingSpec(temperature=0.0),
-                              text=TextSource(kind="file", path=str(ROOT / "README.md"))),
-        serving=serve,
-        batching=BatchingSpec(mode=batching, max_batch_size=sizes.serve_batch, max_batch_tokens=sizes.serve_batch_tokens),
+        workload = dataclasses.replace(
+            workload, kind="serving", num_requests=sizes.serve_requests, arrival="all-at-once",
+            input_len=LengthConfig(dist="uniform", min=sizes.serve_input[0], max=sizes.serve_input[1]),
+            output_len=LengthConfig(dist="uniform", min=sizes.serve_output[0], max=sizes.serve_output[1]))
+    return TrialConfig(
+        model=ModelConfig(name="random-llama", path="tiny://gpu-check", dtype=dtype),
+        engine=EngineConfig(backend="native", compile=compile),
+        attention=AttentionConfig(impl=attention),
+        kv_cache=KVCacheConfig(mode=kv_cache, block_size=kv_block_size),
+        quant=QuantConfig(level=quant, compute_dtype=dtype),
+        workload=workload,
+        batching=BatchingConfig(mode=batching, max_batch_size=sizes.serve_batch, max_batch_tokens=sizes.serve_batch_tokens),
     )
 
 
@@ -230,7 +232,7 @@ class Ctx:
 
     def backend(self, **kw) -> NativeBackend:
         trial = engine_config(self.dtype, sizes=self.sizes, **kw)
-        return NativeBackend(self.loaded, trial.optimization)
+        return NativeBackend(self.loaded, trial)
 
     def prompt(self, batch: int, length: int, seed: int = 0) -> torch.Tensor:
         g = torch.Generator().manual_seed(seed)
@@ -360,9 +362,9 @@ def section_batching(ctx: Ctx, sec: dict) -> None:
     for mode in ("static", "continuous"):
         ctx.check_time(f"batching={mode}")
         trial = engine_config(ctx.dtype, batching=mode, sizes=ctx.sizes, serving=True)
-        s = trial.serving
+        s = trial.workload
         ctx.say(f"  batching={mode}: {s.num_requests} requests, max batch {trial.batching.max_batch_size}")
-        be = NativeBackend(ctx.loaded, trial.optimization)
+        be = NativeBackend(ctx.loaded, trial)
         m, _ = run_serving(trial, ctx.loaded, be, lambda msg: ctx.say(f"    {msg}"))
         rows.append({"batching": mode, "requests": s.num_requests, "output_tok_s": m["output_tok_s"],
                      "request_s": m["request_s"], "mean_batch_size": m["mean_batch_size"],

@@ -15,7 +15,8 @@ import pytest
 import torch
 
 from engine.backends import make_backend
-from engine.config import ModelSpec, OptimizationSpec, SamplingSpec
+from engine.config import ModelConfig, SamplingConfig
+from support import make_trial
 from engine.generate import generate
 from engine.models import load_model
 
@@ -31,7 +32,7 @@ def bf16_tol(ref: torch.Tensor) -> float:
 
 @pytest.fixture(scope="module", params=ATTN)
 def tiny_bf16(request):
-    loaded = load_model(ModelSpec(name="tiny", path="tiny://llama", dtype="bfloat16"), attention=request.param)
+    loaded = load_model(ModelConfig(name="tiny", path="tiny://llama", dtype="bfloat16"), attention=request.param)
     return request.param, loaded
 
 
@@ -57,7 +58,7 @@ def incremental(session, ids, prefill: int):
 def test_weights_and_caches_really_are_bf16(tiny_bf16):
     attn, loaded = tiny_bf16
     assert {p.dtype for p in loaded.model.parameters()} == {torch.bfloat16}
-    be = make_backend(loaded, OptimizationSpec(backend="native", attention=attn, kv_cache="paged", kv_block_size=5))
+    be = make_backend(loaded, make_trial(loaded.spec, backend="native", attention=attn, kv_cache="paged", kv_block_size=5))
     assert be.dtype == torch.bfloat16 and be.new_session(2, 40).cache.k_pool[0].dtype == torch.bfloat16
 
 
@@ -66,10 +67,10 @@ def test_native_logits_match_transformers_in_bf16(tiny_bf16, ids):
     ref = hf_logits(loaded, ids)
     tol = bf16_tol(ref)
     assert 0.03 < tol <= 0.25  # the logits are O(1-10): the tolerance is a few ulps, not a free pass
-    native = make_backend(loaded, OptimizationSpec(backend="native", attention=attn))
+    native = make_backend(loaded, make_trial(loaded.spec, backend="native", attention=attn))
     assert (native.score(ids) - ref).abs().max().item() <= tol, attn
     for kv in KV:
-        be = make_backend(loaded, OptimizationSpec(backend="native", attention=attn, kv_cache=kv, kv_block_size=5))
+        be = make_backend(loaded, make_trial(loaded.spec, backend="native", attention=attn, kv_cache=kv, kv_block_size=5))
         got = incremental(be.new_session(2, 40), ids, prefill=11)
         assert got.shape == ref.shape
         assert (got - ref).abs().max().item() <= tol, (attn, kv)
@@ -80,7 +81,7 @@ def test_hf_backend_cached_steps_match_its_full_forward_in_bf16(tiny_bf16, ids):
     attn, loaded = tiny_bf16
     ref = hf_logits(loaded, ids)
     for kv in ("off", "contiguous"):
-        be = make_backend(loaded, OptimizationSpec(backend="hf", attention=attn, kv_cache=kv))
+        be = make_backend(loaded, make_trial(loaded.spec, backend="hf", attention=attn, kv_cache=kv))
         got = incremental(be.new_session(2, 40), ids, prefill=11)
         assert (got - ref).abs().max().item() <= bf16_tol(ref), (attn, kv)
 
@@ -88,10 +89,10 @@ def test_hf_backend_cached_steps_match_its_full_forward_in_bf16(tiny_bf16, ids):
 def test_greedy_tokens_identical_across_backends_in_bf16(tiny_bf16):
     attn, loaded = tiny_bf16
     prompt = torch.randint(3, 300, (2, 24), generator=torch.Generator().manual_seed(3))
-    hf = make_backend(loaded, OptimizationSpec(backend="hf", attention=attn, kv_cache="contiguous"))
-    ref = generate(hf.new_session(2, 40), prompt, 16, SamplingSpec(), 0, lambda: None).tokens
+    hf = make_backend(loaded, make_trial(loaded.spec, backend="hf", attention=attn, kv_cache="contiguous"))
+    ref = generate(hf.new_session(2, 40), prompt, 16, SamplingConfig(), 0, lambda: None).tokens
     assert len(set(ref[0].tolist())) > 1  # not a degenerate repetition of one token
     for kv in KV:
-        be = make_backend(loaded, OptimizationSpec(backend="native", attention=attn, kv_cache=kv, kv_block_size=7))
-        got = generate(be.new_session(2, 40), prompt, 16, SamplingSpec(), 0, lambda: None).tokens
+        be = make_backend(loaded, make_trial(loaded.spec, backend="native", attention=attn, kv_cache=kv, kv_block_size=7))
+        got = generate(be.new_session(2, 40), prompt, 16, SamplingConfig(), 0, lambda: None).tokens
         assert torch.equal(got, ref), (attn, kv)

@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 
-from engine.config import EngineError, EngineTrial, ModelSpec
+from engine.config import EngineError, TrialConfig, ModelConfig
 from engine.costmodel import assess_trial
 from engine.hardware import (
     CPU_BF16_ENV,
@@ -119,7 +119,7 @@ def test_cost_model_uses_the_trial_dtype_numbers(tmp_path, monkeypatch):
     measured = {"output_tok_s": 10.0, "prefill_tok_s": 100.0, "decode_tok_s": 10.0}
     seen = {}
     for dtype in ("float32", "bfloat16", "float16"):
-        trial = EngineTrial(model=ModelSpec(name="tiny", path="tiny://llama", dtype=dtype))
+        trial = TrialConfig(model=ModelConfig(name="tiny", path="tiny://llama", dtype=dtype))
         m = assess_trial(trial, cfg, device, measured).metrics
         seen[dtype] = (m["hw_flops"], m["hw_gemv_bw"])
         assert m["decode_gemv_util"] > 0
