@@ -274,6 +274,7 @@ def expand(overrides: list[str], gpu_available: bool | None = None) -> list[Tria
         keys = list(axes)
         specs: list[TrialSpec] = []
         hashes: set[str] = set()
+        merged_hashes: set[str] = set()  # hashes a normalization produced: a repeat is the same trial
         for i, combo in enumerate(itertools.product(*(axes[k] for k in keys))):
             swept = dict(zip(keys, combo))
             try:
@@ -285,9 +286,17 @@ def expand(overrides: list[str], gpu_available: bool | None = None) -> list[Tria
             # combination that only differed in them is the same trial: run it once
             config, inert = normalize(config)
             kept = {k: v for k, v in swept.items() if k not in inert}
+            # model.dtype=auto becomes this hardware's dtype before hashing (the hash names what ran); a
+            # sweep of auto,float32 on a CPU without bf16 units is then one trial, not a duplicate
+            config, resolved = resolve_auto_dtype(config, gpu_available)
+            if resolved and "model.dtype" in kept:
+                kept["model.dtype"] = config["model"]["dtype"]
             spec = TrialSpec(config=config, swept=kept, index=len(specs))
-            if len(kept) < len(swept) and spec.config_hash in hashes:
+            merged = len(kept) < len(swept) or resolved
+            if spec.config_hash in hashes and (merged or spec.config_hash in merged_hashes):
                 continue
+            if merged:
+                merged_hashes.add(spec.config_hash)
             hashes.add(spec.config_hash)
             specs.append(spec)
 
@@ -309,6 +318,29 @@ def expand(overrides: list[str], gpu_available: bool | None = None) -> list[Tria
     if problems:
         raise SweepError(_dedupe(problems))
     return specs
+
+
+def resolve_auto_dtype(config: dict[str, Any], gpu_available: bool | None = None) -> tuple[dict[str, Any], bool]:
+    """(config with `model.dtype: auto` replaced by the dtype this hardware runs fastest, whether it was).
+    CPU: bfloat16 where the CPU has bf16 units, else float32 (engine.hardware detects it; bitsandbytes on
+    CPU needs float32). GPU trials: what the local GPU supports, or bfloat16 when the driver has none."""
+    from engine.hardware import preferred_cpu_dtype, preferred_dtype
+
+    model = config.get("model") or {}
+    if model.get("dtype") != "auto":
+        return config, False
+    gpu = config["cluster"]["num_gpus_per_trial"] > 0 if gpu_available is None else gpu_available
+    if gpu:
+        import torch
+
+        dtype = preferred_dtype("cuda") if torch.cuda.is_available() else "bfloat16"
+    elif str((config.get("quant") or {}).get("level", "none")).startswith("bnb-"):
+        dtype = "float32"
+    else:
+        dtype = preferred_cpu_dtype()
+    out = copy.deepcopy(config)
+    out["model"]["dtype"] = dtype
+    return out, True
 
 
 def _dedupe(items: list[str]) -> list[str]:

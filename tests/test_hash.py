@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import copy
 import json
+
+import pytest
 from pathlib import Path
 
 from experiments.compose import expand
@@ -96,8 +98,8 @@ def test_recorded_configs_keep_their_hashes(monkeypatch):
     for name, overrides in RECORDED.items():
         if name not in golden:
             continue  # an experiment added later has no recording
-        got = {s.label: s.config_hash for s in expand(overrides, gpu_available=False)}
-        assert got == golden[name], name
+        got = sorted(s.config_hash for s in expand(overrides, gpu_available=False))
+        assert got == sorted(golden[name].values()), name
         checked += len(got)
     assert checked >= 90
 
@@ -111,3 +113,19 @@ def test_a_key_added_later_keeps_old_hashes_at_its_neutral_value():
     grown["kv_cache"]["new_knob"] = "q8_0"
     assert config_hash(grown, added={"kv_cache.new_knob": "auto"}) != h
     assert config_hash(grown) != h  # an unregistered key always counts
+
+
+@pytest.mark.parametrize("bf16", ["0", "1"])
+def test_default_dtype_follows_the_cpu_and_is_hashed_as_resolved(monkeypatch, bf16):
+    """model.dtype=auto: bfloat16 on a CPU with bf16 units, float32 without; the resolved dtype is in the
+    config (so in the hash). quickstart runs fp32 everywhere and adds bf16 twins where the CPU has it."""
+    monkeypatch.setenv("INFERSWEEP_CPU_BF16", bf16)
+    (default,) = expand([], gpu_available=False)
+    assert default.config["model"]["dtype"] == ("bfloat16" if bf16 == "1" else "float32")
+    (bnb,) = expand(["quant=bnb-int8"], gpu_available=False)
+    assert bnb.config["model"]["dtype"] == "float32"  # bitsandbytes on CPU computes in fp32
+    quick = expand(["experiment=quickstart"], gpu_available=False)
+    dtypes = sorted({s.config["model"]["dtype"] for s in quick})
+    assert dtypes == (["bfloat16", "float32"] if bf16 == "1" else ["float32"])
+    assert len(quick) == (16 if bf16 == "1" else 8)
+    assert all(s.swept["model.dtype"] == s.config["model"]["dtype"] for s in quick)
