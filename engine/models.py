@@ -8,6 +8,7 @@ into a `LoadedModel`.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import importlib.util
 import json
@@ -220,6 +221,65 @@ def max_positions(spec: ModelConfig) -> Optional[int]:
         cfg = AutoConfig.from_pretrained(spec.path, revision=spec.revision, trust_remote_code=spec.trust_remote_code)
         return int(getattr(cfg, "max_position_embeddings", 0) or 0) or None
     except Exception:  # unreadable config: the load itself will report it, as a failed trial
+        return None
+
+
+def _local_source(spec: ModelConfig) -> tuple[str, dict[str, Any]] | None:
+    """(path, from_pretrained kwargs) reading only files already on this machine; None for tiny:// (built
+    in code), a prepared model not converted yet, or a missing directory."""
+    if spec.path.startswith(TINY_SCHEME):
+        return None
+    if spec.path.startswith(PREPARED_SCHEME):
+        d = prepared_dir(spec.path[len(PREPARED_SCHEME):])
+        return (str(d), {}) if (d / "config.json").is_file() else None
+    if os.path.isdir(spec.path):
+        return spec.path, {"trust_remote_code": spec.trust_remote_code}
+    # a hub id: only what the local HF cache already holds (validation must not download)
+    return spec.path, {"revision": spec.revision, "trust_remote_code": spec.trust_remote_code, "local_files_only": True}
+
+
+def _source_key(spec: ModelConfig) -> tuple:
+    return (spec.path, spec.revision, spec.trust_remote_code)
+
+
+def local_config(spec: ModelConfig):
+    """The model's transformers config from its config.json alone, without weights (what validation checks
+    before launch); None where it is not on this machine yet, so the load reports it instead."""
+    return _local_config(_source_key(spec))
+
+
+@functools.lru_cache(maxsize=32)
+def _local_config(key: tuple):
+    spec = ModelConfig(name=key[0], path=key[0], revision=key[1], trust_remote_code=key[2])
+    src = _local_source(spec)
+    if src is None:
+        return None
+    from transformers import AutoConfig
+
+    try:
+        return AutoConfig.from_pretrained(src[0], **src[1])
+    except Exception:  # unreadable or not cached: the load itself reports it, as a failed trial
+        return None
+
+
+def local_tokenizer(spec: ModelConfig) -> Optional[Tokenizer]:
+    """The tokenizer `load_model` gives this model, without weights; None where it is not on this machine."""
+    return _local_tokenizer(_source_key(spec))
+
+
+@functools.lru_cache(maxsize=32)
+def _local_tokenizer(key: tuple) -> Optional[Tokenizer]:
+    spec = ModelConfig(name=key[0], path=key[0], revision=key[1], trust_remote_code=key[2])
+    if spec.path.startswith(TINY_SCHEME):
+        return ByteTokenizer()
+    src = _local_source(spec)
+    if src is None:
+        return None
+    from transformers import AutoTokenizer
+
+    try:
+        return HFTokenizer(AutoTokenizer.from_pretrained(src[0], **src[1]))
+    except Exception:
         return None
 
 

@@ -25,7 +25,7 @@ from .config import (
     LengthConfig,
     TextConfig,
 )
-from .models import PREPARED_MODELS, PREPARED_SCHEME, TINY_SCHEME, max_positions
+from .models import PREPARED_MODELS, PREPARED_SCHEME, TINY_SCHEME, local_config, max_positions
 
 HF_KV_MODES = ("off", "contiguous")
 
@@ -172,7 +172,76 @@ def check_trial(trial: TrialConfig, gpu_available: bool) -> list[tuple[str, str]
             p.append(("workload.context_len", f"context_len + max_new_tokens = {need} exceeds the model's maximum of {limit} positions"))
     p += _speculative(trial)
     p += _batching(trial)
+    if not any(f.startswith("model.path") for f, _ in p):
+        p += _repeat_prompt(trial) + _quant_layers(trial)
+        if not any(f.startswith("serving.") for f, _ in p):  # needs valid request lengths
+            p += _native_support(trial)
     return p
+
+
+# --- checks that read the model's own files (config.json, tokenizer), never its weights ---------------------
+def _native_support(trial: TrialConfig) -> list[tuple[str, str]]:
+    """A model the native runtime cannot run (its own rule, engine/native/support.py), on engine=native or
+    as a self-draft (which runs natively on either backend): refused before any trial loads it."""
+    from .native.support import sliding_window, unsupported, window_exceeded
+
+    m, w = trial.model, trial.workload
+    backend = trial.engine.backend
+    self_draft = trial.speculative.method == "self-draft"
+    if (backend != "native" and not self_draft) or m.path.startswith(TINY_SCHEME):
+        return []  # tiny:// is a window-less Llama built in code
+    cfg = local_config(m)
+    if cfg is None:
+        return []  # not on this machine yet: the load reports it
+    why = unsupported(cfg)
+    if why is None:
+        need = w.context_len + w.max_new_tokens
+        if w.serving:
+            from .serving.workload import max_request_tokens
+
+            need = max_request_tokens(w)
+        why = window_exceeded(sliding_window(cfg), need)
+    if why is None:
+        return []
+    out = []
+    if backend == "native":
+        out.append(("engine.backend", f"native cannot run {m.path}: {why}; use engine=hf"))
+    if self_draft:
+        out.append(("speculative.method", f"self-draft runs its draft (the target's first layers) on the native runtime "
+                                          f"whatever the engine, and that runtime cannot run {m.path}: {why}; use "
+                                          "speculative=draft or speculative=prompt-lookup"))
+    return out
+
+
+def _repeat_prompt(trial: TrialConfig) -> list[tuple[str, str]]:
+    """prompt_style=repeat fits an instruction, a cue and a passage in context_len tokens of this tokenizer."""
+    from .models import local_tokenizer
+    from .workload import REPEAT_PRIMER, repeat_min_context
+
+    w = trial.workload
+    if w.serving or w.prompt_style != "repeat":
+        return []
+    tok = local_tokenizer(trial.model)
+    if tok is None:
+        return []
+    need = repeat_min_context(tok)
+    if w.context_len >= need:
+        return []
+    return [("workload.prompt_style", f"repeat needs workload.context_len >= {need} with this model's tokenizer "
+                                      f"(instruction + cue + a passage of at least {REPEAT_PRIMER} tokens, then its "
+                                      f"first {REPEAT_PRIMER} again), got {w.context_len}")]
+
+
+def _quant_layers(trial: TrialConfig) -> list[tuple[str, str]]:
+    q = trial.quant
+    if q.level == "none" or q.keep_last_layers <= 0:
+        return []
+    total = _num_layers(trial.model)
+    if total is None or q.keep_last_layers < total:
+        return []
+    return [("quant.keep_last_layers", f"must be < {total}, this model's number of decoder layers (the last N stay "
+                                       f"unquantized, so {q.keep_last_layers} leaves quant.level={q.level} no layer "
+                                       f"to quantize; use quant=none for an unquantized run), got {q.keep_last_layers}")]
 
 
 def _length(field: str, s: LengthConfig) -> list[tuple[str, str]]:

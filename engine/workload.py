@@ -44,14 +44,18 @@ REPEAT_CUE = "\n\nThe same text, repeated exactly:\n"
 REPEAT_PRIMER = 8
 
 
+def repeat_min_context(tokenizer: Tokenizer) -> int:
+    """The shortest context a repeat prompt fits in: instruction + cue + a passage of at least the primer."""
+    return len(tokenizer.encode(REPEAT_INSTRUCTION)) + len(tokenizer.encode(REPEAT_CUE)) + 2 * REPEAT_PRIMER
+
+
 def repeat_prompts(tokenizer: Tokenizer, src: TextConfig, context_len: int, batch_size: int) -> torch.Tensor:
     """[B, context_len]: instruction + passage + cue + the passage's first REPEAT_PRIMER tokens, with the
     passage (a window of the text, a different one per sequence) sized so the whole is context_len tokens."""
+    if context_len < (need := repeat_min_context(tokenizer)):
+        raise EngineError(f"workload.prompt_style=repeat needs context_len >= {need} for this tokenizer, got {context_len}")
     head, cue = tokenizer.encode(REPEAT_INSTRUCTION), tokenizer.encode(REPEAT_CUE)
     n = context_len - len(head) - len(cue) - REPEAT_PRIMER
-    if n < REPEAT_PRIMER:
-        raise EngineError(f"workload.prompt_style=repeat needs context_len >= {len(head) + len(cue) + 2 * REPEAT_PRIMER} "
-                          f"for this tokenizer, got {context_len}")
     passages = windows(corpus_ids(tokenizer, src), n, batch_size)  # [B, n]
     b = passages.shape[0]
     parts = [torch.tensor(head).expand(b, -1), passages, torch.tensor(cue).expand(b, -1), passages[:, :REPEAT_PRIMER]]

@@ -10,6 +10,7 @@ import sys
 import textwrap
 
 from .compose import SweepError
+from .errors import UserError
 
 EPILOG = """\
 overrides are Hydra overrides: group choices (kv_cache=off, attention=eager, model=tiny-llama),
@@ -112,14 +113,14 @@ def cmd_reproduce(args) -> int:
 
 
 def cmd_report(args) -> int:
-    from .report import build, text_table
+    from .report import ReportError, build, text_table
     from .results import NotFound
 
     try:
         rep = build(args.sweep, _tracking(args.overrides), baseline=args.baseline, out_dir=args.out,
                     log_artifacts=not args.no_log, claims=True if args.claims else None, all_trials=args.all)
     except (NotFound, ValueError) as e:
-        raise SweepError([str(e)]) from None
+        raise ReportError([str(e)]) from None
     print(text_table(rep.lines))
     for a in rep.advice:
         n = a.next
@@ -246,7 +247,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     try:
         return args.fn(args)
-    except SweepError as e:
+    except UserError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

@@ -10,6 +10,7 @@ import copy
 import functools
 import itertools
 import os
+import re
 from pathlib import Path
 from typing import Any, Iterable
 
@@ -18,6 +19,7 @@ from omegaconf import OmegaConf, open_dict
 from engine.config import EngineError
 
 from . import schema
+from .errors import UserError
 from .spec import TrialSpec, build_trial, normalize
 
 PROJECT_ROOT = Path(__file__).resolve().parents[1]
@@ -27,12 +29,10 @@ def conf_dir() -> Path:
     return Path(os.environ.get("INFERSWEEP_CONF") or PROJECT_ROOT / "conf")
 
 
-class SweepError(Exception):
+class SweepError(UserError):
     """Every problem found in a sweep, reported together."""
 
-    def __init__(self, problems: list[str]):
-        self.problems = problems
-        super().__init__("invalid sweep:\n" + "\n".join(f"  - {p}" for p in problems))
+    heading = "invalid sweep"
 
 
 def _first_lines(e: Exception, n: int = 2) -> str:
@@ -63,6 +63,10 @@ def _schema_key_set() -> frozenset:
     return frozenset(_schema_keys(_schema_tree_cached()))
 
 
+def unknown_option(group: str, options: Iterable[str]) -> str:
+    return f"{group}: unknown option; available: {', '.join(options)}"
+
+
 def describe_error(key: str, e: Exception) -> str:
     """Hydra's error for one override, rewritten to name the key and what is allowed."""
     msg = str(e)
@@ -72,8 +76,7 @@ def describe_error(key: str, e: Exception) -> str:
             if not ln.startswith("\t"):
                 break
             options.append(ln.strip())
-        group = key.split("@")[0].lstrip("+~")
-        return f"{group}: unknown option; available: {', '.join(options)}"
+        return unknown_option(key.split("@")[0].lstrip("+~"), options)
     if "Could not override" in msg or "Could not append" in msg:
         parent = key.lstrip("+~").rsplit(".", 1)[0] if "." in key else ""
         tree = _schema_tree()
@@ -136,6 +139,22 @@ class Composer:
 
     def __exit__(self, *exc):
         self.close()
+
+    def missing_option(self, key: str, value: Any, label: str | None = None) -> str | None:
+        """The problem when `key=value` chooses a config group option that does not exist, else None.
+        Hydra reports that itself, except for groups the defaults list marks `optional` (experiment):
+        there it silently composes without them, and a typo would run the default trial instead."""
+        from hydra.core.global_hydra import GlobalHydra
+        from hydra.core.object_type import ObjectType
+
+        group = key.lstrip("+").split("@")[0]
+        if key.startswith("~") or not isinstance(value, str) or value == "null":
+            return None
+        loader = GlobalHydra.instance().config_loader()
+        if not loader.repository.group_exists(group):
+            return None
+        options = loader.get_group_options(group, ObjectType.CONFIG)
+        return None if value in options else unknown_option(label or group, options)
 
     def compose_raw(self, overrides: list[str]):
         from hydra import compose
@@ -204,6 +223,12 @@ def _values(override) -> list[str]:
     return [override.get_value_element_as_str()]
 
 
+def _unescape(value: str) -> str:
+    """An axis value as the user means it (`tiny://llama`), not in Hydra's override syntax (`tiny\\://llama`),
+    which is what composing needs but not what tables, run names and labels should show."""
+    return re.sub(r"\\(.)", r"\1", value)
+
+
 def _key(override) -> str:
     return override.get_key_element()
 
@@ -220,9 +245,13 @@ def expand(overrides: list[str], gpu_available: bool | None = None) -> list[Tria
     for o in sweeps:
         if _key(o).split("@")[0] == "experiment":
             problems.append("experiment: sweep one experiment at a time (got a list)")
-    fixed_strs = [o.input_line for o in fixed]
 
     with Composer() as c:
+        for o in list(fixed):
+            if (msg := c.missing_option(_key(o), o.value())) is not None:
+                problems.append(msg)
+                fixed.remove(o)
+        fixed_strs = [o.input_line for o in fixed]
         # 1. each fixed override alone, so every bad key/option/type is reported, not just the first;
         #    bad ones are dropped so the remaining checks still run.
         params: dict[str, str] = {}
@@ -261,6 +290,9 @@ def expand(overrides: list[str], gpu_available: bool | None = None) -> list[Tria
                 problems.append(f"{k}: empty sweep list")
             good_vals = []
             for v in axes[k]:
+                if (msg := c.missing_option(k, _unescape(v), label=f"{k}={v}")) is not None:
+                    problems.append(msg)
+                    continue
                 try:
                     c.compose_fast(fixed_strs, [f"{k}={v}"])
                     good_vals.append(v)
@@ -285,7 +317,7 @@ def expand(overrides: list[str], gpu_available: bool | None = None) -> list[Tria
             # keys that cannot change this trial (speculative.k with speculative=off) are reset, and a
             # combination that only differed in them is the same trial: run it once
             config, inert = normalize(config)
-            kept = {k: v for k, v in swept.items() if k not in inert}
+            kept = {k: _unescape(v) for k, v in swept.items() if k not in inert}
             # model.dtype=auto becomes this hardware's dtype before hashing (the hash names what ran); a
             # sweep of auto,float32 on a CPU without bf16 units is then one trial, not a duplicate
             config, resolved = resolve_auto_dtype(config, gpu_available)

@@ -22,6 +22,7 @@ from engine.axes import BACKEND
 
 from . import advice as adv
 from . import claims as cl
+from .errors import UserError
 from .results import (
     CONTEXT,
     Selection,
@@ -38,6 +39,10 @@ from .results import (
 REPORTS_DIR = "reports"
 ARTIFACT_DIR = "report"
 SEED_CLAIMS = "seed-claims"
+
+
+class ReportError(UserError):
+    heading = "cannot report"
 
 
 # --- baseline -------------------------------------------------------------------------------------------
@@ -388,12 +393,20 @@ def build(
     all_trials: bool = False,
 ) -> Report:
     """Read `ref` from MLflow, write the report files, log them to the sweep's parent run."""
-    from mlflow.tracking import MlflowClient
     from tqdm.auto import tqdm
 
     from .compose import PROJECT_ROOT
-    from .tracking import resolve_uri
+    from .results import NotFound
+    from .tracking import open_store, resolve_uri, sqlite_path
 
+    # everything that can refuse (the baseline's syntax, the store, the reference) before a bar is drawn
+    spec = parse_baseline(baseline)
+    uri = resolve_uri(tracking["uri"])
+    db = sqlite_path(uri)
+    if db is not None and not db.exists():  # MLflow would create an empty store there and report "not found"
+        raise NotFound(f"no tracking store at {db} (tracking.uri={tracking['uri']})")
+    client = open_store(uri)
+    sel = load(client, ref, all_trials=all_trials)
     steps = ["read runs", "table", "advice", "claims", "plots", "write", "log to MLflow"]
     bar = tqdm(total=len(steps), desc=f"report {ref}", unit="step", disable=not progress, leave=False)
 
@@ -401,11 +414,8 @@ def build(
         bar.set_postfix_str(name)
         bar.update(1)
 
-    client = MlflowClient(tracking_uri=resolve_uri(tracking["uri"]))
-    sel = load(client, ref, all_trials=all_trials)
     done("read runs")
     ax_keys = axes(sel.finished) if len(sel.finished) > 1 else []
-    spec = parse_baseline(baseline)
     baselines = choose_baselines(sel.rows, ax_keys, spec)
     groups: dict[tuple, list[TrialRow]] = {}
     for r in sel.rows:

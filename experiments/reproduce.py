@@ -9,8 +9,13 @@ import yaml
 from engine.metrics import DETERMINISTIC
 
 from .compose import SweepError, load_trial
+from .errors import UserError
 from .tracking import CONFIG_ARTIFACT, TOKENS_ARTIFACT, Tracker
 from .trial import FINISHED, execute_trial
+
+class ReproduceError(UserError):
+    heading = "cannot reproduce"
+
 
 TIMING = ("output_tok_s", "decode_tok_s", "prefill_tok_s", "ttft_ms_p50", "tpot_ms_p50", "peak_mem_bytes")
 
@@ -31,11 +36,11 @@ class Comparison:
 def find_original(tracker: Tracker, prefix: str):
     runs = tracker.find_by_hash(prefix)
     if not runs:
-        raise SweepError([f"no FINISHED run has a config_hash starting with {prefix!r} in {tracker.uri}"])
+        raise ReproduceError([f"no FINISHED run has a config_hash starting with {prefix!r} in {tracker.uri}"])
     hashes = sorted({r.data.tags["config_hash"] for r in runs})
     if len(hashes) > 1:
         shown = ", ".join(h[:16] for h in hashes[:5])
-        raise SweepError([f"prefix {prefix!r} is ambiguous: {len(hashes)} hashes match ({shown}); give more characters"])
+        raise ReproduceError([f"prefix {prefix!r} is ambiguous: {len(hashes)} hashes match ({shown}); give more characters"])
     originals = [r for r in runs if "reproduces" not in r.data.tags] or runs
     return originals[0]
 
@@ -45,17 +50,21 @@ def reproduce(prefix: str, tracking: dict) -> Comparison:
     orig = find_original(tracker, prefix)
     config = yaml.safe_load(tracker.load_text(orig.info.run_id, CONFIG_ARTIFACT))
     config["tracking"] = tracking  # record where this invocation tracks, not where the original did
-    spec = load_trial(config)
+    try:
+        spec = load_trial(config)
+    except SweepError as e:  # the code moved on since the run: say which stored config no longer validates
+        raise ReproduceError([f"the stored config of run {orig.info.run_id} no longer validates: {p}"
+                              for p in e.problems]) from None
     stored = orig.data.tags["config_hash"]
     if spec.config_hash != stored:
-        raise SweepError([f"stored config hashes to {spec.config_hash[:12]}, not {stored[:12]} (hash_version changed?)"])
+        raise ReproduceError([f"stored config hashes to {spec.config_hash[:12]}, not {stored[:12]} (hash_version changed?)"])
     outcome = execute_trial(spec)
     exp_name = config.get("sweep_name", "default")
     new_id = tracker.log_trial(
         exp_name, spec, outcome, extra_tags={"reproduces": orig.info.run_id, "reproduces_hash": stored}
     )
     if outcome.status != FINISHED:
-        raise SweepError([f"the re-run failed: {(outcome.error or '').splitlines()[0]}"])
+        raise ReproduceError([f"the re-run failed: {(outcome.error or '').splitlines()[0]}"])
     orig_tokens = json.loads(tracker.load_text(orig.info.run_id, TOKENS_ARTIFACT))
     tokens_match = orig_tokens == outcome.token_ids
     rows = [("generated token ids", f"{sum(map(len, orig_tokens))} ids", f"{sum(map(len, outcome.token_ids))} ids",

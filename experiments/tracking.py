@@ -44,6 +44,35 @@ def resolve_uri(uri: str) -> str:
     return uri
 
 
+def sqlite_path(uri: str) -> Optional[Path]:
+    """The database file of a `sqlite:///` URI; None for other stores and in-memory databases."""
+    prefix = "sqlite:///"
+    if not uri.startswith(prefix):
+        return None
+    path = uri[len(prefix):].split("?", 1)[0]
+    return None if path in ("", ":memory:") else Path(path)
+
+
+def open_store(uri: str):
+    """An `MlflowClient` on `uri` whose store exists. MLflow creates a missing schema in whichever process
+    touches a SQLite store first, without a lock: two sweeps started together on a new store both run
+    the migrations and one fails (`table _alembic_tmp_experiments already exists`, or another table),
+    which would send its results to the spool. So the first touch happens under a lock file beside the
+    database; the store object (schema checked) is then cached by MLflow for the rest of the process."""
+    from mlflow.tracking import MlflowClient
+
+    db = sqlite_path(uri)
+    if db is None:
+        return MlflowClient(tracking_uri=uri)
+    import fcntl
+
+    with open(db.with_name(db.name + "-schema.lock"), "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+        client = MlflowClient(tracking_uri=uri)  # may already build the store
+        client.search_experiments(max_results=1)  # or this does
+    return client
+
+
 def resolve_artifact_root(root: str) -> str:
     if "://" in root:
         return root
@@ -119,8 +148,6 @@ def _pid_alive(pid: int) -> bool:
 
 class Tracker:
     def __init__(self, tracking: dict[str, Any]):
-        from mlflow.tracking import MlflowClient
-
         self.uri = resolve_uri(tracking["uri"])
         self.artifact_root = resolve_artifact_root(tracking["artifact_root"])
         self.http_env: dict[str, str] = {}
@@ -132,7 +159,7 @@ class Tracker:
                 "MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR": os.environ.get("MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR", "1"),
                 "MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT": "true",  # no line per run on stdout
             }
-        self.client = _ScopedClient(MlflowClient(tracking_uri=self.uri), self.http_env)
+        self.client = _ScopedClient(open_store(self.uri), self.http_env)
         self._exp_ids: dict[str, str] = {}
         self._exp_lock = threading.Lock()
 
@@ -150,7 +177,13 @@ class Tracker:
         else:
             # through a server, artifacts go where the server proxies them (no shared filesystem)
             location = None if is_http(self.uri) else f"{self.artifact_root}/{name}"
-            eid = self.client.create_experiment(name, artifact_location=location)
+            try:
+                eid = self.client.create_experiment(name, artifact_location=location)
+            except Exception:
+                exp = self.client.get_experiment_by_name(name)  # another sweep of that name created it meanwhile
+                if exp is None:
+                    raise
+                eid = exp.experiment_id
         self._exp_ids[name] = eid
         return eid
 

@@ -61,9 +61,15 @@ class MlflowServer:
         self.url = f"http://{'127.0.0.1' if host in ('0.0.0.0', '::') else host}:{self.port}"
         self.log_path = log_path or PROJECT_ROOT / "mlflow" / f"server-{self.port}.log"
         self.cmd = server_command(tracking, self.port)
+        self.store_uri = str(tracking["uri"])
         self.proc: Optional[subprocess.Popen] = None
 
     def start(self, timeout_s: float = 90.0) -> "MlflowServer":
+        from .tracking import open_store, resolve_uri, sqlite_path
+
+        uri = resolve_uri(self.store_uri)
+        if sqlite_path(uri) is not None:  # a new store's schema, created once under its lock (see open_store)
+            open_store(uri)
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         log = open(self.log_path, "ab")
         env = dict(os.environ, PYTHONUNBUFFERED="1")

@@ -14,6 +14,7 @@ from ..models import LoadedModel, weights_bytes
 from .attention import make_attention
 from .kv_cache import ContiguousKVCache, PagedKVCache
 from .model import Transformer
+from .support import window_exceeded
 
 
 class NativeSession:
@@ -72,13 +73,15 @@ class NativeSession:
 class NativeBackend:
     name = "native"
 
-    def __init__(self, loaded: LoadedModel, trial: TrialConfig, num_layers: int | None = None):
+    def __init__(self, loaded: LoadedModel, trial: TrialConfig, num_layers: int | None = None,
+                 instead: str = "use backend hf"):
         """`num_layers`: run only the first blocks + final norm + LM head (weights shared with `loaded`;
-        sessions get their own, smaller KV caches): the self-speculative draft."""
+        sessions get their own, smaller KV caches): the self-speculative draft. `instead`: what an error
+        about a model this runtime cannot run advises (the draft's user may be on backend hf already)."""
         mode = trial.kv_cache.mode
         if mode not in KV_CACHE_MODES:
             raise EngineError(f"kv_cache.mode {mode!r} unknown; choose one of {KV_CACHE_MODES}")
-        self.loaded, self.trial = loaded, trial
+        self.loaded, self.trial, self.instead = loaded, trial, instead
         self.device = loaded.device
         self.model = Transformer.from_hf(loaded.model, num_layers=num_layers).eval()
         self.dtype = self.model.embed_tokens.weight.dtype
@@ -89,12 +92,9 @@ class NativeBackend:
         self._sessions = 0
 
     def _check_len(self, n: int) -> None:
-        window = self.model.args.sliding_window
-        if window is not None and n > window:
-            raise EngineError(
-                f"{n} tokens exceed the model's sliding window of {window}; backend native does not implement "
-                "sliding-window attention (use backend hf)"
-            )
+        why = window_exceeded(self.model.args.sliding_window, n)
+        if why is not None:
+            raise EngineError(f"{why}; {self.instead}")
 
     def new_session(self, batch_size: int, max_len: int) -> NativeSession:
         self._check_len(max_len)

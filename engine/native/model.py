@@ -22,9 +22,8 @@ import torch.nn.functional as F
 from ..config import EngineError
 from .attention import AttentionKernel
 from .rope import apply_rope, inv_frequencies, rope_cos_sin
+from .support import LLAMA_FAMILY, sliding_window, unsupported  # noqa: F401  (LLAMA_FAMILY re-exported)
 from .varlen import VarlenBatch
-
-LLAMA_FAMILY = ("llama", "mistral", "qwen2")
 
 
 @dataclass(frozen=True)
@@ -42,15 +41,9 @@ class ModelArgs:
 
     @classmethod
     def from_hf(cls, config) -> "ModelArgs":
-        kind = getattr(config, "model_type", None)
-        if kind not in LLAMA_FAMILY:
-            raise EngineError(
-                f"backend native supports the Llama family {LLAMA_FAMILY}, not model_type {kind!r}; "
-                "use backend hf for this model"
-            )
-        act = getattr(config, "hidden_act", "silu")
-        if act != "silu":
-            raise EngineError(f"backend native implements SwiGLU (silu), not hidden_act {act!r}; use backend hf")
+        why = unsupported(config)
+        if why is not None:
+            raise EngineError(f"backend native cannot run this model: {why}; use backend hf")
         heads = config.num_attention_heads
         return cls(
             num_layers=config.num_hidden_layers,
@@ -62,7 +55,7 @@ class ModelArgs:
             vocab_size=config.vocab_size,
             rms_norm_eps=float(config.rms_norm_eps),
             tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
-            sliding_window=getattr(config, "sliding_window", None),
+            sliding_window=sliding_window(config),
         )
 
 

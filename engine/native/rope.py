@@ -21,10 +21,25 @@ from ..config import EngineError
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 
 
+def _raw_parameters(config) -> dict:
+    return dict(getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {})
+
+
+def rope_problem(config) -> str | None:
+    """Why these rope parameters cannot be reproduced here, or None (part of support.unsupported)."""
+    if any(isinstance(v, dict) for v in _raw_parameters(config).values()):
+        return "per-layer-type rope parameters are not supported"
+    p = rope_parameters(config)
+    if p["rope_type"] not in SUPPORTED_ROPE_TYPES:
+        return f"rope type {p['rope_type']!r} is not supported (supported: {', '.join(SUPPORTED_ROPE_TYPES)})"
+    if float(p.get("partial_rotary_factor", 1.0)) != 1.0:
+        return "partial rotary embeddings are not supported"
+    return None
+
+
 def rope_parameters(config) -> dict:
     """The config's rope parameters as one flat dict with at least `rope_type` and `rope_theta`."""
-    params = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
-    params = dict(params)
+    params = _raw_parameters(config)
     if any(isinstance(v, dict) for v in params.values()):
         raise EngineError("per-layer-type rope parameters are not supported by backend native; use backend hf")
     params.setdefault("rope_type", params.get("type", "default"))
@@ -35,15 +50,11 @@ def rope_parameters(config) -> dict:
 
 def inv_frequencies(config, head_dim: int) -> torch.Tensor:
     """[head_dim / 2] float32 inverse frequencies, scaled as the config asks."""
+    why = rope_problem(config)
+    if why is not None:
+        raise EngineError(f"backend native: {why}; use backend hf")
     p = rope_parameters(config)
     kind = p["rope_type"]
-    if kind not in SUPPORTED_ROPE_TYPES:
-        raise EngineError(
-            f"rope type {kind!r} is not supported by backend native (supported: {SUPPORTED_ROPE_TYPES}); "
-            "use backend hf"
-        )
-    if float(p.get("partial_rotary_factor", 1.0)) != 1.0:
-        raise EngineError("partial rotary embeddings are not supported by backend native; use backend hf")
     base = float(p["rope_theta"])
     inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
     if kind == "linear":

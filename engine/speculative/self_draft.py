@@ -16,11 +16,22 @@ def self_draft_backend(loaded: LoadedModel, trial: TrialConfig, num_layers: int)
     """A native backend over the first `num_layers` blocks of `loaded` (weights shared with the target).
     The draft's cache follows the target's native layout (contiguous or paged); contiguous otherwise."""
     from ..native.backend import NativeBackend
+    from ..native.support import unsupported
 
+    why = unsupported(loaded.config)
+    if why is not None:  # whatever the target's backend: the draft always runs natively
+        raise EngineError(f"{DRAFT_RUNTIME}, which cannot run this model: {why}; {INSTEAD}")
     total = int(getattr(loaded.config, "num_hidden_layers", 0) or 0)
     if not 1 <= num_layers < total:
         raise EngineError(f"speculative.draft_layers must be in [1, {total}) for this {total}-layer model, got {num_layers}")
     mode = trial.kv_cache.mode
     kv = mode if (trial.engine.backend == "native" and mode in ("contiguous", "paged")) else "contiguous"
     draft = replace(replace(trial, "engine.backend", "native"), "kv_cache.mode", kv)
-    return NativeBackend(loaded, draft, num_layers=num_layers)
+    return NativeBackend(loaded, draft, num_layers=num_layers,
+                         instead=f"{DRAFT_RUNTIME}: {INSTEAD}, or a context within the window")
+
+
+# The draft is a truncated native model, so a model the native runtime cannot run has no self-draft on
+# either backend: switching the target to backend hf (what backend native's own error advises) fixes nothing.
+DRAFT_RUNTIME = "speculative.method=self-draft runs its draft (the target's first layers) on the native runtime"
+INSTEAD = "use speculative.method=draft or prompt-lookup with this model"

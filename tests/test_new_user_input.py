@@ -1,0 +1,247 @@
+"""Bad input a new user runs into (issue #12): each is refused up front, with the config key it concerns,
+under a heading that names the command; nothing runs and nothing is recorded."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import TINY
+from experiments.cli import main
+from experiments.compose import SweepError, expand
+
+ROOT = Path(__file__).resolve().parents[1]
+SHORT = ["workload.context_len=24", "workload.max_new_tokens=6", "eval.num_windows=1"]
+TINY_ANY_CONTEXT = [o for o in TINY if not o.startswith("workload.context_len=")]
+
+
+def _store(tmp: Path) -> list[str]:
+    return [f"tracking.uri=sqlite:///{tmp}/mlflow.db", f"tracking.artifact_root={tmp}/artifacts",
+            f"tracking.spool_dir={tmp}/spool"]
+
+
+def _problems(overrides: list[str]) -> list[str]:
+    with pytest.raises(SweepError) as ei:
+        expand(overrides)
+    return ei.value.problems
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory) -> dict[str, str]:
+    """config.json-only checkpoints (no weights: validation must never need them)."""
+    import transformers as tf
+
+    root = tmp_path_factory.mktemp("ckpt")
+    configs = {
+        "gpt2": tf.GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=300, n_positions=64,
+                              bos_token_id=1, eos_token_id=2),
+        "mistral-w16": tf.MistralConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                                        num_key_value_heads=1, vocab_size=300, sliding_window=16),
+    }
+    for name, cfg in configs.items():
+        cfg.save_pretrained(root / name)
+        assert sorted(os.listdir(root / name)) == ["config.json"]
+    return {name: str(root / name) for name in configs}
+
+
+# 1 ------------------------------------------------------------------------------------------------------
+def test_unknown_experiment_exits_2_and_records_nothing(tmp_path, capsys):
+    rc = main(["sweep", "--in-process", "experiment=nonexistent", *TINY, *_store(tmp_path)])
+    err = capsys.readouterr().err
+    assert rc == 2
+    assert "experiment: unknown option; available: " in err and "smoke" in err and "quickstart" in err
+    assert not (tmp_path / "mlflow.db").exists() and not (tmp_path / "spool").exists()
+    # a sweep axis over an optional group is checked per value the same way
+    assert _problems(TINY + ["quant=none,bogus"]) == [
+        "quant=bogus: unknown option; available: bnb-fp4, bnb-int8, bnb-nf4, int8-dynamic, int8-weight, none"]
+
+
+# 2 ------------------------------------------------------------------------------------------------------
+def test_native_refuses_unsupported_models_before_launch(checkpoints, tmp_path, capsys):
+    rc = main(["sweep", "--in-process", "engine=native", f"model.path={checkpoints['gpt2']}", *SHORT, *_store(tmp_path)])
+    err = capsys.readouterr().err
+    assert rc == 2 and "invalid sweep" in err
+    assert "engine.backend: native cannot run" in err and "model_type 'gpt2'" in err and "use engine=hf" in err
+    assert not (tmp_path / "mlflow.db").exists()  # rejected before any trial, not recorded as FAILED
+
+    window = _problems(["engine=native", f"model.path={checkpoints['mistral-w16']}", *SHORT])
+    assert len(window) == 1 and window[0].startswith("engine.backend: native cannot run")
+    assert "30 tokens exceed the model's sliding window of 16" in window[0]
+    # within the window, and on hf (which implements sliding windows), the same model is fine
+    ok = expand(["engine=native", f"model.path={checkpoints['mistral-w16']}", "workload.context_len=10",
+                 "workload.max_new_tokens=6", "eval.num_windows=1"])
+    assert len(ok) == 1
+    assert len(expand(["engine=hf", f"model.path={checkpoints['mistral-w16']}", *SHORT])) == 1
+
+
+def test_validation_and_loading_apply_one_rule(checkpoints):
+    """What validation refuses from config.json is what the native runtime refuses when loading."""
+    import transformers as tf
+
+    from engine.config import EngineError, ModelConfig, TrialConfig, replace
+    from engine.models import LoadedModel, local_config
+    from engine.native.backend import NativeBackend
+    from engine.native.support import unsupported
+    from engine.tokenizer import ByteTokenizer
+
+    cfg = local_config(ModelConfig(name="g", path=checkpoints["gpt2"]))
+    why = unsupported(cfg)
+    model = tf.GPT2LMHeadModel(cfg).eval()
+    loaded = LoadedModel(model=model, tokenizer=ByteTokenizer(), spec=ModelConfig(name="g", path="tiny://g"), load_s=0.0)
+    with pytest.raises(EngineError) as ei:
+        NativeBackend(loaded, replace(TrialConfig(model=loaded.spec), "engine.backend", "native"))
+    assert why and why in str(ei.value)
+
+
+# 3 ------------------------------------------------------------------------------------------------------
+def test_self_draft_on_hf_names_the_real_problem(checkpoints):
+    for ckpt, fact in (("gpt2", "model_type 'gpt2'"), ("mistral-w16", "sliding window of 16")):
+        (msg,) = [p for p in _problems(["engine=hf", "speculative=self-draft", "speculative.draft_layers=1",
+                                        f"model.path={checkpoints[ckpt]}", *SHORT]) if "self-draft" in p]
+        assert msg.startswith("speculative.method: self-draft runs its draft")
+        assert fact in msg and "speculative=draft or speculative=prompt-lookup" in msg
+        assert "engine=hf" not in msg and "backend hf" not in msg
+
+
+def test_self_draft_engine_error_does_not_advise_hf():
+    import transformers as tf
+
+    from engine.config import EngineError, ModelConfig, TrialConfig, replace
+    from engine.models import LoadedModel
+    from engine.speculative.self_draft import self_draft_backend
+    from engine.tokenizer import ByteTokenizer
+
+    hf = TrialConfig(model=ModelConfig(name="m", path="tiny://m"))  # engine.backend=hf
+
+    def loaded(model):
+        return LoadedModel(model=model.eval(), tokenizer=ByteTokenizer(), spec=ModelConfig(name="m", path="tiny://m"), load_s=0.0)
+
+    gpt2 = tf.GPT2LMHeadModel(tf.GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=300, n_positions=64))
+    with pytest.raises(EngineError) as ei:
+        self_draft_backend(loaded(gpt2), hf, 1)
+    assert "self-draft" in str(ei.value) and "model_type 'gpt2'" in str(ei.value) and "backend hf" not in str(ei.value)
+
+    mistral = tf.MistralForCausalLM(tf.MistralConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                                     num_attention_heads=2, num_key_value_heads=1, vocab_size=300,
+                                                     sliding_window=16))
+    draft = self_draft_backend(loaded(mistral), hf, 1)
+    draft.new_session(1, 16)
+    with pytest.raises(EngineError) as ei:
+        draft.new_session(1, 17)
+    assert "sliding window of 16" in str(ei.value) and "self-draft" in str(ei.value)
+    assert "backend hf" not in str(ei.value)
+
+
+# 4 ------------------------------------------------------------------------------------------------------
+def test_repeat_prompt_needs_room_for_its_parts():
+    from engine.config import EngineError, TextSource
+    from engine.tokenizer import ByteTokenizer
+    from engine.workload import repeat_min_context, repeat_prompts
+
+    need = repeat_min_context(ByteTokenizer())
+    (msg,) = _problems(TINY_ANY_CONTEXT + ["workload.prompt_style=repeat", f"workload.context_len={need - 1}"])
+    assert msg.startswith(f"workload.prompt_style: repeat needs workload.context_len >= {need}")
+    assert msg.endswith(f"got {need - 1}")
+    assert len(expand(TINY_ANY_CONTEXT + ["workload.prompt_style=repeat", f"workload.context_len={need}"])) == 1
+    # the bound is the engine's own: it builds prompts at `need` and refuses below
+    assert repeat_prompts(ByteTokenizer(), TextSource(), need, 1).shape == (1, need)
+    with pytest.raises(EngineError):
+        repeat_prompts(ByteTokenizer(), TextSource(), need - 1, 1)
+
+
+def test_keep_last_layers_must_leave_a_layer_to_quantize():
+    (msg,) = _problems(TINY + ["quant=int8-weight", "quant.keep_last_layers=2"])  # the tiny model has 2 layers
+    assert msg.startswith("quant.keep_last_layers: must be < 2") and msg.endswith("got 2")
+    assert len(expand(TINY + ["quant=int8-weight", "quant.keep_last_layers=1"])) == 1
+
+
+# 5 ------------------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def escaped_sweep(tmp_path_factory):
+    """Two tiny trials whose swept value needs escaping in Hydra's override syntax."""
+    import io
+    from contextlib import redirect_stdout
+
+    store = tmp_path_factory.mktemp("esc")
+    out = io.StringIO()
+    with redirect_stdout(out):
+        rc = main(["sweep", "--in-process", "sweep_name=t-escape", "model.path=tiny://llama,tiny://other", *TINY,
+                   *_store(store)])
+    return rc, out.getvalue(), store
+
+
+def test_results_table_shows_values_as_typed(escaped_sweep):
+    from mlflow.tracking import MlflowClient
+
+    rc, out, store = escaped_sweep
+    assert rc == 0, out
+    assert "tiny://llama" in out and "tiny://other" in out and "\\:" not in out
+    client = MlflowClient(tracking_uri=f"sqlite:///{store}/mlflow.db")
+    exp = client.get_experiment_by_name("t-escape")
+    names = {r.info.run_name for r in client.search_runs([exp.experiment_id], "tags.kind = 'trial'")}
+    assert names == {"model.path=tiny://llama", "model.path=tiny://other"}
+
+
+def test_reproduce_and_report_errors_have_their_own_heading(escaped_sweep, capsys):
+    _, _, store = escaped_sweep
+    assert main(["reproduce", "ffffffffffff", *_store(store)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: cannot reproduce:\n  - no FINISHED run") and "invalid sweep" not in err
+
+    # an unknown sweep in an existing store fails before any progress bar is drawn
+    assert main(["report", "no-such-sweep", *_store(store), "--no-log"]) == 2
+    err = capsys.readouterr().err
+    assert err == "error: cannot report:\n  - no experiment, sweep id or sweep run matches 'no-such-sweep'\n"
+
+    # a store that does not exist is not created by asking it for a report
+    assert main(["report", "t-escape", *_store(store / "elsewhere"), "--no-log"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: cannot report:\n  - no tracking store at ") and not (store / "elsewhere").exists()
+
+
+# 6 ------------------------------------------------------------------------------------------------------
+RACER = """
+import json, os, sys, time
+from experiments.spool import Recorder
+d, me = sys.argv[1], sys.argv[2]
+tracking = {"uri": f"sqlite:///{d}/mlflow.db", "artifact_root": f"{d}/artifacts", "spool_dir": f"{d}/spool"}
+open(f"{d}/ready-{me}", "w").close()
+while not os.path.exists(f"{d}/go"):
+    time.sleep(0.002)
+rec = Recorder(tracking, echo=lambda *a: print(*a, file=sys.stderr))
+rec.finished_hashes("race")
+rid = rec.start_sweep({"exp_name": "race", "sweep_id": f"sweep-{me}", "tags": {"kind": "sweep", "sweep_id": f"sweep-{me}"},
+                       "params": {"trials": "0"}, "trials_txt": "", "start_ms": int(time.time() * 1000)})
+rec.close()
+print(json.dumps({"online": rec.online, "reason": rec.offline_reason, "run_id": rid, "spooled": rec.spooled}))
+"""
+
+
+def test_two_sweeps_initialising_a_new_sqlite_store_both_record(tmp_path):
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    procs = [subprocess.Popen([sys.executable, "-c", RACER, str(tmp_path), str(i)], cwd=ROOT, env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for i in range(2)]
+    deadline = time.monotonic() + 120
+    while not all((tmp_path / f"ready-{i}").exists() for i in range(2)):  # both imported: start them together
+        assert time.monotonic() < deadline and all(p.poll() is None for p in procs)
+        time.sleep(0.05)
+    (tmp_path / "go").touch()
+    results = []
+    for p in procs:
+        out, err = p.communicate(timeout=180)
+        assert p.returncode == 0, err
+        results.append(json.loads(out.strip().splitlines()[-1]))
+    assert all(r["online"] and r["run_id"] and r["spooled"] == 0 for r in results), results
+    assert not (tmp_path / "spool").exists()
+
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(tracking_uri=f"sqlite:///{tmp_path}/mlflow.db")
+    exp = client.get_experiment_by_name("race")
+    runs = client.search_runs([exp.experiment_id], "tags.kind = 'sweep'")
+    assert sorted(r.data.tags["sweep_id"] for r in runs) == ["sweep-0", "sweep-1"]
