@@ -139,7 +139,7 @@ def test_self_draft_engine_error_does_not_advise_hf():
 
 # 4 ------------------------------------------------------------------------------------------------------
 def test_repeat_prompt_needs_room_for_its_parts():
-    from engine.config import EngineError, TextSource
+    from engine.config import EngineError, TextConfig
     from engine.tokenizer import ByteTokenizer
     from engine.workload import repeat_min_context, repeat_prompts
 
@@ -149,9 +149,9 @@ def test_repeat_prompt_needs_room_for_its_parts():
     assert msg.endswith(f"got {need - 1}")
     assert len(expand(TINY_ANY_CONTEXT + ["workload.prompt_style=repeat", f"workload.context_len={need}"])) == 1
     # the bound is the engine's own: it builds prompts at `need` and refuses below
-    assert repeat_prompts(ByteTokenizer(), TextSource(), need, 1).shape == (1, need)
+    assert repeat_prompts(ByteTokenizer(), TextConfig(), need, 1).shape == (1, need)
     with pytest.raises(EngineError):
-        repeat_prompts(ByteTokenizer(), TextSource(), need - 1, 1)
+        repeat_prompts(ByteTokenizer(), TextConfig(), need - 1, 1)
 
 
 def test_keep_last_layers_must_leave_a_layer_to_quantize():
