@@ -59,7 +59,7 @@ def test_weights_and_caches_really_are_bf16(tiny_bf16):
     attn, loaded = tiny_bf16
     assert {p.dtype for p in loaded.model.parameters()} == {torch.bfloat16}
     be = make_backend(loaded, make_trial(loaded.spec, backend="native", attention=attn, kv_cache="paged", kv_block_size=5))
-    assert be.dtype == torch.bfloat16 and be.new_session(2, 40).cache.k_pool[0].dtype == torch.bfloat16
+    assert be.dtype == torch.bfloat16 and be.new_session(2, 40).cache.pool.k[0].dtype == torch.bfloat16
 
 
 def test_native_logits_match_transformers_in_bf16(tiny_bf16, ids):

@@ -19,9 +19,9 @@ from engine.costmodel import (
 )
 from engine.hardware import PROBE_DTYPES, HardwarePeaks, cache_path, gpu_spec, node_peaks
 
-# SmolLM2-135M (DESIGN.md §5): 30 layers, hidden 576, MLP 1536, 9 heads / 3 KV heads of 64, vocab 49152, tied
+# SmolLM2-135M (its config.json): 30 layers, hidden 576, MLP 1536, 9 heads / 3 KV heads of 64, vocab 49152, tied
 SMOL = ModelShape(num_layers=30, hidden=576, intermediate=1536, num_heads=9, num_kv_heads=3, head_dim=64, vocab=49152)
-# this machine's measured peaks (DESIGN.md §5): 18 GB/s read, 85 GFLOP/s fp32 matmul
+# peaks measured on a 2-core development machine (2026-12): 18 GB/s read, 85 GFLOP/s fp32 matmul
 CPU = HardwarePeaks("cpu", mem_bw=18e9, flops=85e9, dtype="float32", source="table")
 FP32 = Precision.of("float32")
 
@@ -55,7 +55,7 @@ def test_decode_step_bytes_flops_and_intensity_by_hand():
 
 
 def test_batch1_decode_roofline_matches_the_design_estimate():
-    # DESIGN.md: 18 GB/s -> fp32 decode roofline for the 135M model ~ 34 tok/s at batch 1
+    # 18 GB/s -> fp32 decode roofline for the 135M model ~ 34 tok/s at batch 1
     p = predict(SMOL, FP32, Workload(batch=1, context=1, new_tokens=2), CPU)
     assert p.decode_tok_s == pytest.approx(18e9 / (537919488 + 2 * 46080), rel=1e-9)
     assert 33 < p.decode_tok_s < 34

@@ -64,6 +64,23 @@ class ContiguousKVCache:
         return (self.batch_size * self.max_len * self._token_bytes, self.batch_size * self.length * self._token_bytes)
 
 
+class KVPool:
+    """The one paged pool of the engine: per layer [num_blocks, block_size, Hkv, D] keys and values, indexed
+    by block ids that a BlockManager hands out. A static batch's `PagedKVCache` and the serving
+    `ModelRunner` (continuous batching) both keep their K/V here."""
+
+    def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
+                 dtype: torch.dtype, device: torch.device):
+        shape = (num_blocks, block_size, num_kv_heads, head_dim)
+        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.num_blocks, self.block_size, self.device = num_blocks, block_size, device
+        self.token_bytes = 2 * num_layers * num_kv_heads * head_dim * self.k[0].element_size()
+
+    def bytes(self) -> int:
+        return self.num_blocks * self.block_size * self.token_bytes
+
+
 class PagedKVCache:
     def __init__(self, num_layers: int, batch_size: int, max_len: int, num_kv_heads: int, head_dim: int,
                  block_size: int, dtype: torch.dtype, device: torch.device, num_blocks: int | None = None):
@@ -73,12 +90,10 @@ class PagedKVCache:
         num_blocks = num_blocks or batch_size * -(-max_len // block_size)
         self.manager = BlockManager(num_blocks, block_size)
         self.block_size, self.batch_size, self.max_len = block_size, batch_size, max_len
-        shape = (num_blocks, block_size, num_kv_heads, head_dim)
-        self.k_pool = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        self.v_pool = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.pool = KVPool(num_layers, num_blocks, block_size, num_kv_heads, head_dim, dtype, device)
         self.block_tables: list[list[int]] = [[] for _ in range(batch_size)]  # block ids per sequence
         self.length = 0  # tokens held per sequence; the cache is the one owner of this count
-        self._token_bytes = 2 * num_layers * num_kv_heads * head_dim * self.k_pool[0].element_size()
+        self._token_bytes = self.pool.token_bytes
         self._device = device
         self._start = 0
         self._write_slots = torch.empty(0, dtype=torch.long)  # [B*n] flat pool slots of the new tokens
@@ -107,15 +122,15 @@ class PagedKVCache:
 
     def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         b, h, n, d = k.shape
-        kp = self.k_pool[layer].view(-1, h, d)  # [num_blocks * block_size, Hkv, D]
-        vp = self.v_pool[layer].view(-1, h, d)
+        kp = self.pool.k[layer].view(-1, h, d)  # [num_blocks * block_size, Hkv, D]
+        vp = self.pool.v[layer].view(-1, h, d)
         kp.index_copy_(0, self._write_slots, k.transpose(1, 2).reshape(b * n, h, d))
         vp.index_copy_(0, self._write_slots, v.transpose(1, 2).reshape(b * n, h, d))
         # Gather whole blocks through the block table (contiguous runs of block_size*Hkv*D, cheaper than
         # per-token indexing): [B*blocks, block_size, Hkv, D] -> [B, S, Hkv, D] -> [B, Hkv, S, D] (a view).
         s = self.length
-        kg = self.k_pool[layer].index_select(0, self._read_blocks).view(b, -1, h, d)[:, :s]
-        vg = self.v_pool[layer].index_select(0, self._read_blocks).view(b, -1, h, d)[:, :s]
+        kg = self.pool.k[layer].index_select(0, self._read_blocks).view(b, -1, h, d)[:, :s]
+        vg = self.pool.v[layer].index_select(0, self._read_blocks).view(b, -1, h, d)[:, :s]
         return kg.transpose(1, 2), vg.transpose(1, 2)
 
     def rollback(self, n: int) -> None:
@@ -134,11 +149,11 @@ class PagedKVCache:
         if self.block_size % 256:
             raise EngineError(f"flash-attn's paged KV cache needs kv_block_size divisible by 256, got {self.block_size}")
         seqlens = torch.full((self.batch_size,), self._start, dtype=torch.int32, device=self._device)
-        return dict(k_cache=self.k_pool[layer], v_cache=self.v_pool[layer], cache_seqlens=seqlens,
+        return dict(k_cache=self.pool.k[layer], v_cache=self.pool.v[layer], cache_seqlens=seqlens,
                     block_table=self.block_table_tensor(torch.int32))
 
     def pool_bytes(self) -> int:
-        return self.manager.num_blocks * self.block_size * self._token_bytes
+        return self.pool.bytes()
 
     def bytes(self) -> tuple[int, int]:
         held = self.manager.num_used * self.block_size * self._token_bytes

@@ -21,21 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-
-class KVPool:
-    """The pool tensors: per layer [num_blocks, block_size, Hkv, D] keys and values, indexed by block ids
-    that a BlockManager hands out."""
-
-    def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
-                 dtype: torch.dtype, device: torch.device):
-        shape = (num_blocks, block_size, num_kv_heads, head_dim)
-        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        self.num_blocks, self.block_size, self.device = num_blocks, block_size, device
-        self.token_bytes = 2 * num_layers * num_kv_heads * head_dim * self.k[0].element_size()
-
-    def bytes(self) -> int:
-        return self.num_blocks * self.block_size * self.token_bytes
+from .kv_cache import KVPool
 
 
 @dataclass

@@ -7,7 +7,8 @@ import torch
 
 from ..config import EngineError
 from ..native.backend import NativeBackend
-from ..native.varlen import KVPool, VarlenBatch
+from ..native.kv_cache import KVPool
+from ..native.varlen import VarlenBatch
 from .scheduler import ScheduledBatch
 
 
