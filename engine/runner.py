@@ -71,13 +71,24 @@ def check_context(trial: EngineTrial, loaded: LoadedModel) -> None:
         )
 
 
+def load_trial_model(trial: EngineTrial, progress: Optional[Callable[[str], None]] = None):
+    """The trial's model. engine=llamacpp holds no HF model (its peak memory is llama.cpp's): only the
+    tokenizer, the config and the GGUF (engine/backends/llamacpp.py)."""
+    if trial.optimization.backend == "llamacpp":
+        from .backends.llamacpp import load_gguf_model
+
+        return load_gguf_model(trial.model, trial.quant, trial.threads, progress)
+    return load_model(trial.model, attention=trial.optimization.attention, quant=trial.quant)
+
+
 def reference_backend(trial: EngineTrial, loaded: LoadedModel):
     """The unoptimized reference of the same model: float32, hf backend, sdpa, no quantization.
     Reuses the trial's own model when the trial *is* the reference configuration."""
     from .backends.hf import HFBackend
 
     ref_opt = OptimizationSpec(backend="hf", attention="sdpa")
-    if trial.model.dtype == "float32" and loaded.quant.level == "none" and trial.optimization.attention == "sdpa":
+    if (isinstance(loaded, LoadedModel) and trial.model.dtype == "float32" and loaded.quant.level == "none"
+            and trial.optimization.attention == "sdpa"):
         return HFBackend(loaded, ref_opt)
     ref_model = load_model(dataclasses.replace(trial.model, dtype="float32"), attention="sdpa", device=str(loaded.device))
     return HFBackend(ref_model, ref_opt)
@@ -135,8 +146,9 @@ def run_engine_trial(
     seed_everything(trial.seed)
     if loaded is None:
         say(f"loading {trial.model.name}")
-        loaded = load_model(trial.model, attention=trial.optimization.attention, quant=trial.quant)
-    backend = make_backend(loaded, trial.optimization)
+        loaded = load_trial_model(trial, say)
+    backend = make_backend(loaded, trial.optimization, threads=trial.threads,
+                           batch_tokens=trial.batching.max_batch_tokens)
     device = loaded.device
     if trial.serving is not None:  # requests arriving over time, scheduled (engine/serving)
         from .serving.run import run_serving

@@ -15,7 +15,9 @@ from .config import (
     BACKENDS,
     BATCHING_MODES,
     DTYPES,
+    GGUF_QUANT_LEVELS,
     INT8_KERNELS,
+    KV_CACHE_DTYPES,
     KV_CACHE_MODES,
     LENGTH_DISTS,
     QUANT_LEVELS,
@@ -127,8 +129,10 @@ def check_trial(trial: EngineTrial, gpu_available: bool) -> list[tuple[str, str]
         p.append(("quant.level", f"{q.level} on CPU needs model.dtype=float32 (no fast half precision here)"))
     if o.kv_block_size < 1:
         p.append(("optimization.kv_block_size", f"must be >= 1, got {o.kv_block_size}"))
-    if o.attention == "flash" and not gpu_available:
-        p.append(("optimization.attention", "flash needs a CUDA GPU (none requested/available); use sdpa or eager"))
+    if o.attention == "flash" and not gpu_available and o.backend != "llamacpp":  # llama.cpp has CPU kernels
+        p.append(("optimization.attention", "flash needs a CUDA GPU (none requested/available); use sdpa or eager "
+                                            "(or engine=llamacpp, whose flash attention runs on CPU)"))
+    p += _llamacpp(trial)
     if m.path.startswith(PREPARED_SCHEME):
         name = m.path[len(PREPARED_SCHEME):]
         if name not in PREPARED_MODELS:
@@ -175,6 +179,23 @@ def check_trial(trial: EngineTrial, gpu_available: bool) -> list[tuple[str, str]
     return p
 
 
+def _llamacpp(trial: EngineTrial) -> list[tuple[str, str]]:
+    """engine=llamacpp's own knobs, and what it cannot honour (engine/backends/llamacpp.py)."""
+    o, q = trial.optimization, trial.quant
+    p = _choice("optimization.kv_cache_dtype", o.kv_cache_dtype, KV_CACHE_DTYPES)
+    if o.backend != "llamacpp":
+        if q.level in GGUF_QUANT_LEVELS:
+            p.append(("quant.level", f"{q.level} is a GGUF weight type written by llama.cpp: it needs engine=llamacpp "
+                                     f"(engine {o.backend} quantizes with int8-*/bnb-* levels)"))
+        if o.kv_cache_dtype != "auto":
+            p.append(("optimization.kv_cache_dtype", f"kv_cache.dtype is an engine=llamacpp knob; engine {o.backend} "
+                                                     "keeps K/V in model.dtype: leave it auto"))
+        return p
+    from .backends.llamacpp import unsupported
+
+    return p + unsupported(trial)
+
+
 def _length(field: str, s: LengthSpec) -> list[tuple[str, str]]:
     out = _choice(f"{field}.dist", s.dist, LENGTH_DISTS)
     if s.dist == "fixed" and s.value < 1:
@@ -205,7 +226,7 @@ def _batching(trial: EngineTrial) -> list[tuple[str, str]]:
     if (b.mode == "continuous" or s is not None) and o.backend != "native":
         what = "serving workloads run" if s is not None else "batching=continuous runs"
         p.append(("optimization.backend", f"{what} on engine=native (varlen batches over a paged KV pool); "
-                                          "backend hf runs one static batch only"))
+                                          f"engine {o.backend} runs one static batch only"))
     if s is None:
         if b.mode == "continuous":
             p.append(("batching.mode", "continuous batching schedules requests arriving over time: use a serving "

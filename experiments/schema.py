@@ -46,11 +46,12 @@ class KVCacheConf:
     block_size: int = 16  # tokens per block (paged)
     prefix_caching: bool = False  # serving: share computed full blocks of common prompt prefixes
     num_blocks: int = 0  # serving: blocks in the shared pool; 0 = max_batch_size x the longest request
+    dtype: str = "auto"  # K/V element type, engine=llamacpp: auto (its f16) | f32 | f16 | q8_0 | q4_0
 
 
 @dataclass
 class QuantConf:
-    level: str = "none"  # none | int8-weight | int8-dynamic | bnb-int8 | bnb-nf4 | bnb-fp4
+    level: str = "none"  # none | int8-weight | int8-dynamic | bnb-int8 | bnb-nf4 | bnb-fp4 | gguf-q8_0 | gguf-q4_0 | gguf-q4_k_m
     compute_dtype: str = "float32"  # bnb 4-bit compute dtype
     skip_modules: List[str] = field(default_factory=lambda: ["lm_head"])  # kept in full precision (fnmatch)
     keep_last_layers: int = 0  # mixed precision: last N decoder layers unquantized
@@ -59,7 +60,7 @@ class QuantConf:
 
 @dataclass
 class EngineConf:
-    backend: str = "hf"  # hf | native
+    backend: str = "hf"  # hf | native | llamacpp
     compile: bool = False
     threads: int = 0  # torch intra-op threads; 0 = the CPUs Ray gives the trial
 

@@ -72,7 +72,7 @@ def _reset_between_trials(device) -> None:
 
 def execute_trial(spec: TrialSpec) -> TrialOutcome:
     from engine import run_engine_trial
-    from engine.models import load_model
+    from engine.runner import load_trial_model
 
     _quiet_libraries()
     start = int(time.time() * 1000)
@@ -88,7 +88,7 @@ def execute_trial(spec: TrialSpec) -> TrialOutcome:
             loaded, reused = _WARM[key], True
         else:
             release_models()  # before loading the next one: never two models in memory
-            loaded = load_model(trial.model, attention=trial.optimization.attention, quant=trial.quant)
+            loaded = load_trial_model(trial)
             if key is not None:
                 _WARM[key] = loaded
         _reset_between_trials(loaded.device)

@@ -6,7 +6,13 @@ from ..models import LoadedModel
 from .base import Backend, DecodeSession
 
 
-def make_backend(loaded: LoadedModel, opt: OptimizationSpec) -> Backend:
+def make_backend(loaded: LoadedModel, opt: OptimizationSpec, threads: int = 0, batch_tokens: int = 2048) -> Backend:
+    """`threads` and `batch_tokens` (tokens per forward call) are engine=llamacpp's; the torch backends take
+    their threads from torch and run every call in one forward."""
+    if opt.backend == "llamacpp":
+        from .llamacpp import LlamaCppBackend
+
+        return LlamaCppBackend(loaded, opt, threads=threads, batch_tokens=batch_tokens)
     if opt.backend == "hf":
         from .hf import HFBackend
 
@@ -17,7 +23,7 @@ def make_backend(loaded: LoadedModel, opt: OptimizationSpec) -> Backend:
         except ImportError as e:  # pragma: no cover - until the native engine lands
             raise EngineError(f"backend native is not available: {e}") from e
         return NativeBackend(loaded, opt)
-    raise EngineError(f"unknown backend {opt.backend!r}; choose hf or native")
+    raise EngineError(f"unknown backend {opt.backend!r}; choose hf, native or llamacpp")
 
 
 __all__ = ["Backend", "DecodeSession", "make_backend"]
