@@ -1,9 +1,11 @@
 """engine=llamacpp: GGUF conversion, the backend under the engine's trial contract, and its validation.
 
 The validation tests need no llama.cpp. The others carry the `llamacpp` marker and skip cleanly when
-llama-cpp-python is not installed (`make setup-llamacpp`). Tolerances: llama.cpp computes in its own
-kernel order (and keeps K/V in f16 unless kv_cache.dtype=f32), so logits match transformers' within a few
-1e-4 absolute on the tiny model (logit scale ~1), not bit for bit; greedy tokens match exactly.
+llama-cpp-python is not installed (`make setup-llamacpp`).
+
+Tolerances, on the tiny model (logit std ~1.2), measured: flash off + f32 K/V 5e-6 max abs (the conversion
+is exact: a wrong Q/K permutation is off by O(1)); f16 K/V (llama.cpp's default) 6e-3; flash on 1.2e-2
+whatever the K/V type (llama.cpp's flash path computes in f16). Greedy tokens match exactly.
 """
 from __future__ import annotations
 
@@ -20,6 +22,7 @@ from engine.config import (
     QuantSpec,
     SamplingSpec,
     SpeculativeSpec,
+    TinyModelSpec,
     WorkloadSpec,
 )
 from experiments.compose import SweepError, expand
@@ -27,7 +30,11 @@ from experiments.compose import SweepError, expand
 HAVE_LLAMA_CPP = importlib.util.find_spec("llama_cpp") is not None
 needs_llamacpp = pytest.mark.skipif(not HAVE_LLAMA_CPP, reason="llama-cpp-python is not installed (make setup-llamacpp)")
 TINY = ModelSpec(name="tiny-llama", path="tiny://llama")
-LOGIT_ATOL = 2e-3  # f16 KV cache; with kv_cache.dtype=f32 the gap is ~1e-5
+# quantized K/V packs blocks of 32 values along the head dimension: the default tiny's heads are 16 wide
+TINY32 = ModelSpec(name="tiny-llama-hd32", path="tiny://llama",
+                   tiny=TinyModelSpec(hidden_size=128, intermediate_size=256, num_heads=4, num_kv_heads=2))
+EXACT_ATOL = 1e-4  # flash off, f32 K/V
+F16_ATOL = 2e-2  # f16 K/V or flash on (f16 inside)
 
 
 # --- validation (fast tier, no llama.cpp needed) ---------------------------------------------------------
@@ -56,6 +63,8 @@ def test_quantized_kv_cache_needs_flash_attention():
     msg = _problems(["engine=llamacpp", "kv_cache.dtype=q8_0", "attention=sdpa"])
     assert "kv_cache.dtype: engine=llamacpp: a quantized V cache (q8_0) needs flash attention" in msg
     assert "kv_cache.dtype: 'q5' is not allowed" in _problems(["engine=llamacpp", "kv_cache.dtype=q5"])
+    msg = _problems(["engine=llamacpp", "kv_cache.dtype=q4_0", "attention=flash"])  # tiny heads are 16 wide
+    assert "kv_cache.dtype: engine=llamacpp: q4_0 packs blocks of 32 values, which must divide the head dimension (16" in msg
 
 
 def test_gguf_levels_and_kv_dtype_belong_to_llamacpp():
@@ -68,7 +77,8 @@ def test_llamacpp_accepts_flash_on_cpu_and_gguf_levels():
     if not HAVE_LLAMA_CPP:
         assert "needs llama-cpp-python" in _problems(["engine=llamacpp"])
         return
-    specs = expand(["model=tiny-llama", "engine=llamacpp", "attention=flash", "kv_cache.dtype=q8_0,q4_0",
+    specs = expand(["model=tiny-llama", "model.tiny.hidden_size=128", "engine=llamacpp", "attention=flash",
+                    "kv_cache.dtype=q8_0,q4_0",
                     "quant=none,gguf-q8_0,gguf-q4_0,gguf-q4_k_m", "speculative=off,prompt-lookup"], gpu_available=False)
     assert len(specs) == 16
 
@@ -113,17 +123,17 @@ def _greedy(backend, prompt, n):
 
 @pytest.mark.llamacpp
 @needs_llamacpp
-@pytest.mark.parametrize("attention", ["sdpa", "flash"])
-def test_converted_gguf_logits_match_transformers(hf_tiny, tiny_f32, attention):
+def test_converted_gguf_logits_match_transformers(hf_tiny, tiny_f32):
     """Wrong Q/K permutation or tensor mapping gives logits off by O(1); the conversion must be exact."""
     ids = _ids(1, 48)
     with torch.inference_mode():
         ref = hf_tiny.model(input_ids=ids).logits.float()
-    got = _backend(tiny_f32, attention=attention, kv_cache_dtype="f32").score(ids)
-    assert got.shape == ref.shape
-    assert torch.allclose(got, ref, atol=1e-4, rtol=0), float((got - ref).abs().max())
-    got16 = _backend(tiny_f32, attention=attention).score(ids)  # kv auto = f16
-    assert torch.allclose(got16, ref, atol=LOGIT_ATOL, rtol=0), float((got16 - ref).abs().max())
+    exact = _backend(tiny_f32, attention="sdpa", kv_cache_dtype="f32").score(ids)
+    assert exact.shape == ref.shape
+    assert torch.allclose(exact, ref, atol=EXACT_ATOL, rtol=0), float((exact - ref).abs().max())
+    for attention in ("sdpa", "flash"):
+        got = _backend(tiny_f32, attention=attention).score(ids)  # kv auto = f16
+        assert torch.allclose(got, ref, atol=F16_ATOL, rtol=0), (attention, float((got - ref).abs().max()))
 
 
 @pytest.mark.llamacpp
@@ -147,16 +157,18 @@ def test_rollback_makes_prompt_lookup_equal_plain_greedy(tiny_f32):
     from engine.speculative.prompt_lookup import PromptLookupDrafter
 
     be = _backend(tiny_f32, attention="flash")
-    passage = _ids(1, 16, seed=2)
-    prompt = torch.cat([passage, passage, passage[:, :4]], dim=1)  # a repeat: drafts get accepted and rejected
-    n = 24
+    passage = _ids(1, 16, seed=1)
+    prompt = torch.cat([passage, passage, passage[:, :4]], dim=1)  # this seed's output repeats in places
+    n = 40
     plain = _greedy(be, prompt, n)
-    session = be.new_session(1, prompt.shape[1] + n)
-    trace = generate_speculative(session, PromptLookupDrafter(1, 3, torch.device("cpu")), prompt, n, 4, SamplingSpec(),
-                                 0, lambda: None)
-    stats = trace.extra["speculative"]
-    assert torch.equal(trace.tokens, plain)
-    assert stats.drafted > 0 and stats.accepted > 0
+    accepted = rejections = 0
+    for k in (1, 3, 6):
+        trace = generate_speculative(be.new_session(1, prompt.shape[1] + n), PromptLookupDrafter(1, 3, torch.device("cpu")),
+                                     prompt, n, k, SamplingSpec(), 0, lambda: None)
+        assert torch.equal(trace.tokens, plain), k
+        stats = trace.extra["speculative"]
+        accepted, rejections = accepted + stats.accepted, rejections + stats.rejections
+    assert accepted > 0 and rejections > 0, (accepted, rejections)  # both accept and reject + roll back
     # an explicit rollback forgets positions: re-feeding them gives the first logits again
     s = be.new_session(1, 40)
     first = s.forward(prompt[:, :20])
@@ -169,15 +181,18 @@ def test_rollback_makes_prompt_lookup_equal_plain_greedy(tiny_f32):
 @pytest.mark.llamacpp
 @needs_llamacpp
 def test_q8_0_runs_close_to_f32_and_is_smaller(tiny_f32):
-    q8 = _gguf("gguf-q8_0")
+    q8, q4 = _gguf("gguf-q8_0"), _gguf("gguf-q4_0")
     assert q8.path.name.startswith("model-Q8_0") and q8.path.parent == tiny_f32.path.parent
-    assert q8.weights_bytes() < 0.4 * tiny_f32.weights_bytes()
+    assert q4.weights_bytes() < q8.weights_bytes() < 0.4 * tiny_f32.weights_bytes()
     ids = _ids(1, 32, seed=3)
     ref = torch.log_softmax(_backend(tiny_f32, attention="flash").score(ids), -1)
-    got = torch.log_softmax(_backend(q8, attention="flash").score(ids), -1)
-    kl = (ref.exp() * (ref - got)).sum(-1)
-    assert float(kl.mean()) < 1e-3, float(kl.mean())
-    assert (ref.argmax(-1) == got.argmax(-1)).float().mean() > 0.95
+
+    def kl(loaded) -> float:
+        got = torch.log_softmax(_backend(loaded, attention="flash").score(ids), -1)
+        return float((ref.exp() * (ref - got)).sum(-1).mean())
+
+    kl8, kl4 = kl(q8), kl(q4)
+    assert kl8 < 1e-3 and kl8 < kl4 / 4, (kl8, kl4)  # 8-bit blocks sit far closer to F32 than 4-bit ones
 
 
 @pytest.mark.llamacpp
@@ -186,10 +201,10 @@ def test_engine_trial_metrics_and_fidelity_through_the_runner():
     from engine.runner import run_engine_trial
 
     trial = EngineTrial(
-        model=TINY,
+        model=TINY32,
         optimization=OptimizationSpec(backend="llamacpp", attention="flash", kv_cache_dtype="q8_0"),
-        workload=WorkloadSpec(context_len=24, max_new_tokens=6, batch_size=2, repeats=2, prompt_style="repeat"),
-        eval=dataclasses.replace(EngineTrial(model=TINY).eval, num_windows=1, fidelity=True),
+        workload=WorkloadSpec(context_len=96, max_new_tokens=8, batch_size=2, repeats=2, prompt_style="repeat"),
+        eval=dataclasses.replace(EngineTrial(model=TINY32).eval, num_windows=1, fidelity=True),
         threads=2,
     )
     res = run_engine_trial(trial)
@@ -197,13 +212,13 @@ def test_engine_trial_metrics_and_fidelity_through_the_runner():
     for key in ("ttft_ms_mean", "tpot_ms_p50", "output_tok_s", "peak_mem_bytes", "weights_bytes", "kv_cache_bytes",
                 "kl_div_mean", "top1_agreement", "ppl"):
         assert key in m, key
-    assert len(res.token_ids) == 2 and len(res.token_ids[0]) == 6
+    assert len(res.token_ids) == 2 and len(res.token_ids[0]) == 8
     assert m["kl_div_mean"] < 0.01 and m["top1_agreement"] > 0.9
     spec = run_engine_trial(dataclasses.replace(
         trial, workload=dataclasses.replace(trial.workload, batch_size=1), eval=dataclasses.replace(trial.eval, enabled=False),
         speculative=SpeculativeSpec(method="prompt-lookup", k=3)))
     assert spec.token_ids[0] == res.token_ids[0]
-    assert spec.metrics["acceptance_rate"] >= 0
+    assert spec.metrics["tokens_per_step"] >= 1  # the speculative loop ran (acceptance needs drafts to exist)
 
 
 @pytest.mark.llamacpp

@@ -44,21 +44,36 @@ DEFAULT_KV_TYPE = "f16"  # llama.cpp's own default (kv_cache.dtype=auto)
 QUANTIZED_KV = ("q8_0", "q4_0")
 
 _LIB: Any = None
+_LOG_CALLBACK: Any = None  # referenced here so ctypes never frees it while llama.cpp may call it
+_last_problem: list[str] = []  # llama.cpp's latest warning/error line: it says why a call failed
 
 
 def lib():
-    """The llama_cpp module, its backend initialized once per process and its logging cut to errors."""
-    global _LIB
+    """The llama_cpp module, its backend initialized once per process, its log routed to `logging`."""
+    global _LIB, _LOG_CALLBACK
     if _LIB is None:
         try:
             import llama_cpp
-            from llama_cpp._logger import set_verbose
         except ImportError as e:
             raise EngineError(f"{ENGINE} needs llama-cpp-python: run `make setup-llamacpp` ({e})") from e
-        set_verbose(False)
+
+        @llama_cpp.llama_log_callback
+        def on_log(level: int, text: bytes, user_data) -> None:
+            if level in (2, 3):  # GGML_LOG_LEVEL_WARN, _ERROR; info and debug lines are per-tensor noise
+                line = text.decode("utf-8", "replace").rstrip()
+                _last_problem[:] = [line]
+                log.debug("llama.cpp: %s", line)
+
+        llama_cpp.llama_log_set(on_log, ctypes.c_void_p(0))
+        _LOG_CALLBACK = on_log
         llama_cpp.llama_backend_init()
         _LIB = llama_cpp
     return _LIB
+
+
+def last_problem() -> str:
+    """llama.cpp's own words for the latest failure ('' if it said nothing)."""
+    return f": llama.cpp said {_last_problem[0]!r}" if _last_problem else ""
 
 
 def available() -> bool:
@@ -90,24 +105,37 @@ def unsupported(trial: EngineTrial) -> list[tuple[str, str]]:
     if s.method in ("draft", "self-draft"):
         p.append(("speculative.method", f"{ENGINE} supports speculative=prompt-lookup only ({s.method} needs a "
                                         "draft model on this engine)"))
-    if o.kv_cache_dtype in QUANTIZED_KV and o.attention != "flash":
-        p.append(("optimization.kv_cache_dtype", f"{ENGINE}: a quantized V cache ({o.kv_cache_dtype}) needs flash "
-                                                 f"attention in llama.cpp: set attention=flash (now {o.attention})"))
-    model_type = _model_type(trial.model)
+    if o.kv_cache_dtype in QUANTIZED_KV:
+        if o.attention != "flash":
+            p.append(("optimization.kv_cache_dtype", f"{ENGINE}: a quantized V cache ({o.kv_cache_dtype}) needs flash "
+                                                     f"attention in llama.cpp: set attention=flash (now {o.attention})"))
+        head_dim = _config(trial.model).get("head_dim")
+        if head_dim and head_dim % 32:
+            p.append(("optimization.kv_cache_dtype", f"{ENGINE}: {o.kv_cache_dtype} packs blocks of 32 values, which must "
+                                                     f"divide the head dimension ({head_dim} in this model)"))
+    model_type = _config(trial.model).get("model_type")
     if model_type is not None and model_type != "llama":
         p.append(("model.path", f"{ENGINE} converts Llama-architecture checkpoints only; {trial.model.path} is "
                                 f"{model_type!r}"))
     return p
 
 
-def _model_type(spec: ModelSpec) -> Optional[str]:
-    """model_type of a local checkpoint, without loading it (None when unknown before conversion)."""
-    cfg = os.path.join(spec.path, "config.json")
+def _config(spec: ModelSpec) -> dict:
+    """What validation can know of the model without loading it: model_type and head_dim ({} if unknown)."""
+    from ..models import PREPARED_SCHEME, TINY_SCHEME, prepared_dir
+
+    if spec.path.startswith(TINY_SCHEME):
+        t = spec.tiny
+        return {"model_type": "llama", "head_dim": t.hidden_size // max(1, t.num_heads)}
+    path = prepared_dir(spec.path[len(PREPARED_SCHEME):]) if spec.path.startswith(PREPARED_SCHEME) else spec.path
     try:
-        with open(cfg) as f:
-            return json.load(f).get("model_type")
+        with open(os.path.join(path, "config.json")) as f:
+            cfg = json.load(f)
     except (OSError, ValueError):
-        return None
+        return {}  # a prepared model before `prepare`, or a hub id: checked when it converts
+    heads = cfg.get("num_attention_heads") or 0
+    head_dim = cfg.get("head_dim") or (cfg.get("hidden_size", 0) // heads if heads else None)
+    return {"model_type": cfg.get("model_type"), "head_dim": head_dim}
 
 
 # --- the loaded model ----------------------------------------------------------------------------------
@@ -281,7 +309,7 @@ class LlamaCppBackend:
         ctx = cpp.llama_init_from_model(self.loaded.handle, p)
         if not ctx:
             raise EngineError(f"llama.cpp could not create a context for {n_seq} sequences x {cells_per_seq} tokens "
-                              f"(kv {self.kv_type}, attention {self.opt.attention})")
+                              f"(kv {self.kv_type}, attention {self.opt.attention}){last_problem()}")
         self._ctx = ctx
         self._cells_per_seq = int(cpp.llama_n_ctx_seq(ctx))
         if self._cells_per_seq < cells_per_seq:
@@ -319,7 +347,7 @@ class LlamaCppBackend:
             b.struct.n_tokens = m
             rc = cpp.llama_decode(self._ctx, b.struct)
             if rc != 0:
-                raise EngineError(f"llama_decode failed (code {rc}) on {m} tokens at position {start}")
+                raise EngineError(f"llama_decode failed (code {rc}) on {m} tokens at position {start}{last_problem()}")
             logits = np.ctypeslib.as_array(cpp.llama_get_logits(self._ctx), shape=(m, self.n_vocab))
             out[c0:c1] = torch.from_numpy(logits)
         return out.view(rows, t, self.n_vocab)
