@@ -5,7 +5,7 @@ BIN     = $(VENV)/bin
 STAMP   = $(VENV)/.infersweep-installed
 ARGS   ?=
 
-.PHONY: setup prepare sweep test test-all ui bench clean-store
+.PHONY: setup setup-llamacpp prepare sweep test test-all ui bench clean-store
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -19,6 +19,10 @@ $(STAMP): pyproject.toml | $(BIN)/python
 	touch $(STAMP)
 
 setup: $(STAMP)
+
+# engine=llamacpp: llama-cpp-python, compiled once into ~/.cache/infersweep/wheels, then installed from there
+setup-llamacpp: setup
+	cluster/install_llamacpp.sh $(BIN)/python
 
 prepare: setup
 	$(BIN)/infersweep prepare

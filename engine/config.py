@@ -19,9 +19,13 @@ from typing import Any, Optional
 
 ATTENTION_IMPLS = ("eager", "sdpa", "flash")
 KV_CACHE_MODES = ("off", "contiguous", "paged")
-BACKENDS = ("hf", "native")
+BACKENDS = ("hf", "native", "llamacpp")
 DTYPES = ("float32", "bfloat16", "float16")
-QUANT_LEVELS = ("none", "int8-weight", "int8-dynamic", "bnb-int8", "bnb-nf4", "bnb-fp4")
+# gguf-*: GGUF weight types written by llama.cpp's quantizer (engine=llamacpp only; engine/gguf_export.py)
+GGUF_QUANT_LEVELS = ("gguf-q8_0", "gguf-q4_0", "gguf-q4_k_m")
+QUANT_LEVELS = ("none", "int8-weight", "int8-dynamic", "bnb-int8", "bnb-nf4", "bnb-fp4") + GGUF_QUANT_LEVELS
+# KV cache element type (engine=llamacpp); auto = the engine's default (llama.cpp: f16)
+KV_CACHE_DTYPES = ("auto", "f32", "f16", "q8_0", "q4_0")
 # int8-weight matmul: dequant = cast the int8 weight to the activation dtype per call, then a float GEMM;
 # int8pack = torch._weight_int8pack_mm (gpt-fast's op; CPU/MPS only; unvectorized in some CPU builds)
 INT8_KERNELS = ("dequant", "int8pack")
@@ -78,13 +82,14 @@ class KVCacheConfig:
     block_size: int = 16  # tokens per block (paged)
     prefix_caching: bool = False  # serving: reuse computed full blocks of a shared prompt prefix (paged)
     num_blocks: int = 0  # serving: blocks in the shared pool; 0 = max_batch_size x the longest request
+    dtype: str = "auto"  # K/V element type, one of KV_CACHE_DTYPES (engine=llamacpp)
 
 
 @dataclass
 class EngineConfig:
     """Which runtime executes the trial and how it is driven."""
 
-    backend: str = "hf"  # hf (transformers forward, our decode loop) | native (engine/native)
+    backend: str = "hf"  # hf (transformers forward, our decode loop) | native (engine/native) | llamacpp
     compile: bool = False  # torch.compile the forward
     threads: int = 0  # torch intra-op threads; 0 = the CPUs the trial was given
 

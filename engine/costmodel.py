@@ -94,6 +94,11 @@ class ModelShape:
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * elt_bytes
 
 
+# llama.cpp block formats: q8_0 34 B per 32 weights, q4_0 18 B per 32; q4_k_m ~4.85 bits on average
+# (Q4_K's 4.5 bits, with some tensors at Q6_K -- llama.cpp's figure for 7B Llamas)
+GGUF_BYTES = {"gguf-q8_0": 34 / 32, "gguf-q4_0": 18 / 32, "gguf-q4_k_m": 4.85 / 8}
+
+
 def weight_bytes_per_param(dtype: str, quant: str = "none") -> float:
     """Bytes one weight occupies in memory: the dtype's width, or the quantized width plus its scales.
 
@@ -105,6 +110,8 @@ def weight_bytes_per_param(dtype: str, quant: str = "none") -> float:
     q = (quant or axes.QUANT.off).lower()
     if q in (axes.QUANT.off, ""):
         return float(DTYPE_BYTES[dtype])
+    if q in GGUF_BYTES:
+        return GGUF_BYTES[q]
     if "int8" in q or "8bit" in q:
         return 1.0
     if any(s in q for s in ("nf4", "fp4", "int4", "4bit")):

@@ -71,13 +71,24 @@ def check_context(trial: TrialConfig, loaded: LoadedModel) -> None:
         )
 
 
+def load_trial_model(trial: TrialConfig, progress: Optional[Callable[[str], None]] = None):
+    """The trial's model. engine=llamacpp holds no HF model (its peak memory is llama.cpp's): only the
+    tokenizer, the config and the GGUF (engine/backends/llamacpp.py)."""
+    if trial.engine.backend == "llamacpp":
+        from .backends.llamacpp import load_gguf_model
+
+        return load_gguf_model(trial.model, trial.quant, trial.engine.threads, progress)
+    return load_model(trial.model, attention=trial.attention.impl, quant=trial.quant)
+
+
 def reference_backend(trial: TrialConfig, loaded: LoadedModel):
     """The unoptimized reference of the same model: float32, hf backend, sdpa, no quantization.
     Reuses the trial's own model when the trial *is* the reference configuration."""
     from .backends.hf import HFBackend
 
     ref = TrialConfig(model=dataclasses.replace(trial.model, dtype="float32"))  # defaults: hf, sdpa, no quant
-    if trial.model.dtype == "float32" and loaded.quant.level == "none" and trial.attention.impl == "sdpa":
+    if (isinstance(loaded, LoadedModel) and trial.model.dtype == "float32" and loaded.quant.level == "none"
+            and trial.attention.impl == "sdpa"):
         return HFBackend(loaded, ref)
     ref_model = load_model(ref.model, attention="sdpa", device=str(loaded.device))
     return HFBackend(ref_model, ref)
@@ -135,7 +146,7 @@ def run_engine_trial(
     seed_everything(trial.seed)
     if loaded is None:
         say(f"loading {trial.model.name}")
-        loaded = load_model(trial.model, attention=trial.attention.impl, quant=trial.quant)
+        loaded = load_trial_model(trial, say)
     backend = make_backend(loaded, trial)
     device = loaded.device
     if trial.workload.serving:  # requests arriving over time, scheduled (engine/serving)

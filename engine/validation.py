@@ -15,7 +15,9 @@ from .config import (
     BACKENDS,
     BATCHING_MODES,
     DTYPES,
+    GGUF_QUANT_LEVELS,
     INT8_KERNELS,
+    KV_CACHE_DTYPES,
     KV_CACHE_MODES,
     LENGTH_DISTS,
     QUANT_LEVELS,
@@ -127,8 +129,10 @@ def check_trial(trial: TrialConfig, gpu_available: bool) -> list[tuple[str, str]
         p.append(("quant.level", f"{q.level} on CPU needs model.dtype=float32 (no fast half precision here)"))
     if trial.kv_cache.block_size < 1:
         p.append(("kv_cache.block_size", f"must be >= 1, got {trial.kv_cache.block_size}"))
-    if trial.attention.impl == "flash" and not gpu_available:
-        p.append(("attention.impl", "flash needs a CUDA GPU (none requested/available); use sdpa or eager"))
+    if trial.attention.impl == "flash" and not gpu_available and trial.engine.backend != "llamacpp":
+        p.append(("attention.impl", "flash needs a CUDA GPU (none requested/available); use sdpa or eager "
+                                    "(or engine=llamacpp, whose flash attention runs on CPU)"))
+    p += _llamacpp(trial)
     if m.path.startswith(PREPARED_SCHEME):
         name = m.path[len(PREPARED_SCHEME):]
         if name not in PREPARED_MODELS:
@@ -244,6 +248,23 @@ def _quant_layers(trial: TrialConfig) -> list[tuple[str, str]]:
                                        f"to quantize; use quant=none for an unquantized run), got {q.keep_last_layers}")]
 
 
+def _llamacpp(trial: TrialConfig) -> list[tuple[str, str]]:
+    """engine=llamacpp's own knobs, and what it cannot honour (engine/backends/llamacpp.py)."""
+    backend, q, kv_dtype = trial.engine.backend, trial.quant, trial.kv_cache.dtype
+    p = _choice("kv_cache.dtype", kv_dtype, KV_CACHE_DTYPES)
+    if backend != "llamacpp":
+        if q.level in GGUF_QUANT_LEVELS:
+            p.append(("quant.level", f"{q.level} is a GGUF weight type written by llama.cpp: it needs engine=llamacpp "
+                                     f"(engine {backend} quantizes with int8-*/bnb-* levels)"))
+        if kv_dtype != "auto":
+            p.append(("kv_cache.dtype", f"kv_cache.dtype is an engine=llamacpp knob; engine {backend} "
+                                        "keeps K/V in model.dtype: leave it auto"))
+        return p
+    from .backends.llamacpp import unsupported
+
+    return p + unsupported(trial)
+
+
 def _length(field: str, s: LengthConfig) -> list[tuple[str, str]]:
     out = _choice(f"{field}.dist", s.dist, LENGTH_DISTS)
     if s.dist == "fixed" and s.value < 1:
@@ -275,7 +296,7 @@ def _batching(trial: TrialConfig) -> list[tuple[str, str]]:
     if (b.mode == "continuous" or serving) and trial.engine.backend != "native":
         what = "serving workloads run" if serving else "batching=continuous runs"
         p.append(("engine.backend", f"{what} on engine=native (varlen batches over a paged KV pool); "
-                                          "backend hf runs one static batch only"))
+                                    f"engine {trial.engine.backend} runs one static batch only"))
     if not serving:
         if b.mode == "continuous":
             p.append(("batching.mode", "continuous batching schedules requests arriving over time: use a serving "

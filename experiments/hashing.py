@@ -23,7 +23,9 @@ SHORT = 12
 
 
 # dotted key -> its value in every config recorded before the key existed
-ADDED_KEYS: dict[str, Any] = {}
+ADDED_KEYS: dict[str, Any] = {
+    "kv_cache.dtype": "auto",  # engine=llamacpp / vllm K/V element type
+}
 
 
 def measured_view(config: dict[str, Any], added: dict[str, Any] | None = None) -> dict[str, Any]:

@@ -88,7 +88,7 @@ def execute_trial(spec: TrialSpec, warm: Optional[WarmModels] = None) -> TrialOu
     """Run one trial, reusing `warm`'s model when it has this trial's; without `warm` the model is loaded
     for this call only."""
     from engine import run_engine_trial
-    from engine.models import load_model
+    from engine.runner import load_trial_model
 
     _quiet_libraries()
     start = int(time.time() * 1000)
@@ -106,7 +106,7 @@ def execute_trial(spec: TrialSpec, warm: Optional[WarmModels] = None) -> TrialOu
             reused = True
         else:
             warm.release()  # before loading the next one: never two models in memory
-            loaded = load_model(trial.model, attention=trial.attention.impl, quant=trial.quant)
+            loaded = load_trial_model(trial)
             if key is not None:
                 warm.keep(key, loaded)
         _reset_between_trials(loaded.device)

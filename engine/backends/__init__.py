@@ -8,6 +8,10 @@ from .base import Backend, DecodeSession
 
 def make_backend(loaded: LoadedModel, trial: TrialConfig) -> Backend:
     name = trial.engine.backend
+    if name == "llamacpp":
+        from .llamacpp import LlamaCppBackend
+
+        return LlamaCppBackend(loaded, trial)
     if name == "hf":
         from .hf import HFBackend
 
@@ -16,7 +20,7 @@ def make_backend(loaded: LoadedModel, trial: TrialConfig) -> Backend:
         from ..native.backend import NativeBackend
 
         return NativeBackend(loaded, trial)
-    raise EngineError(f"engine.backend: unknown backend {name!r}; choose hf or native")
+    raise EngineError(f"engine.backend: unknown backend {name!r}; choose hf, native or llamacpp")
 
 
 __all__ = ["Backend", "DecodeSession", "make_backend"]

@@ -1,0 +1,375 @@
+"""Backend `llamacpp`: the engine's Backend protocol on llama.cpp's low-level C API (llama-cpp-python).
+
+A static batch of B sequences is B parallel llama.cpp sequences (seq id = row) in one `llama_decode`;
+each sequence gets its own KV stream (`kv_unified=false`: no attention across rows). Logits of every
+token come back as a float32 tensor [B, T, V], so the generate loop, prompt-lookup speculative decoding
+(rollback = `llama_memory_seq_rm`), perplexity and fidelity run unchanged on top of it.
+
+Knobs (config key -> llama.cpp):
+  attention=flash            flash_attn on (CPU kernels too); eager / sdpa -> off
+  kv_cache.dtype             type_k and type_v: f32 | f16 | q8_0 | q4_0 (auto = llama.cpp's f16);
+                             a quantized V cache needs flash attention
+  quant                      the GGUF weight type (engine/gguf_export.py): none = model.dtype, gguf-*
+  engine.threads             n_threads and n_threads_batch
+  batching.max_batch_tokens  n_batch (tokens per llama_decode call; longer inputs are split)
+  workload.batch_size        parallel sequences (n_seq_max)
+
+No HF model is held: the trial loads the tokenizer, the HF config (for the cost model) and the GGUF.
+`unsupported(trial)` lists what this engine cannot honour, for validation before a sweep launches.
+"""
+from __future__ import annotations
+
+import ctypes
+import json
+import logging
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+import numpy as np
+import torch
+
+from ..config import GGUF_QUANT_LEVELS, KV_CACHE_DTYPES, EngineError, ModelConfig, QuantConfig, TrialConfig
+from ..tokenizer import ByteTokenizer, HFTokenizer, Tokenizer
+
+log = logging.getLogger(__name__)
+
+ENGINE = "engine=llamacpp"
+# element size in bytes of each KV cache type (ggml block sizes: q8_0 34 B / 32, q4_0 18 B / 32)
+KV_TYPE_BYTES = {"f32": 4.0, "f16": 2.0, "q8_0": 34 / 32, "q4_0": 18 / 32}
+KV_GGML_TYPES = {"f32": "GGML_TYPE_F32", "f16": "GGML_TYPE_F16", "q8_0": "GGML_TYPE_Q8_0", "q4_0": "GGML_TYPE_Q4_0"}
+DEFAULT_KV_TYPE = "f16"  # llama.cpp's own default (kv_cache.dtype=auto)
+QUANTIZED_KV = ("q8_0", "q4_0")
+
+_LIB: Any = None
+_LOG_CALLBACK: Any = None  # referenced here so ctypes never frees it while llama.cpp may call it
+_last_problem: list[str] = []  # llama.cpp's latest warning/error line: it says why a call failed
+
+
+def lib():
+    """The llama_cpp module, its backend initialized once per process, its log routed to `logging`."""
+    global _LIB, _LOG_CALLBACK
+    if _LIB is None:
+        try:
+            import llama_cpp
+        except ImportError as e:
+            raise EngineError(f"{ENGINE} needs llama-cpp-python: run `make setup-llamacpp` ({e})") from e
+
+        @llama_cpp.llama_log_callback
+        def on_log(level: int, text: bytes, user_data) -> None:
+            if level in (2, 3):  # GGML_LOG_LEVEL_WARN, _ERROR; info and debug lines are per-tensor noise
+                line = text.decode("utf-8", "replace").rstrip()
+                _last_problem[:] = [line]
+                log.debug("llama.cpp: %s", line)
+
+        llama_cpp.llama_log_set(on_log, ctypes.c_void_p(0))
+        _LOG_CALLBACK = on_log
+        llama_cpp.llama_backend_init()
+        _LIB = llama_cpp
+    return _LIB
+
+
+def last_problem() -> str:
+    """llama.cpp's own words for the latest failure ('' if it said nothing)."""
+    return f": llama.cpp said {_last_problem[0]!r}" if _last_problem else ""
+
+
+def available() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("llama_cpp") is not None
+
+
+# --- what this engine cannot do ------------------------------------------------------------------------
+
+def unsupported(trial: TrialConfig) -> list[tuple[str, str]]:
+    """(config key, message) for each part of `trial` engine=llamacpp cannot honour; [] when it can."""
+    q, s, kv = trial.quant, trial.speculative, trial.kv_cache
+    attention = trial.attention.impl
+    p: list[tuple[str, str]] = []
+    if not available():
+        p.append(("engine.backend", f"{ENGINE} needs llama-cpp-python, which is not installed: run "
+                                          "`make setup-llamacpp`"))
+    if kv.mode != "contiguous":
+        p.append(("kv_cache.mode", f"{ENGINE} keeps its own KV cache (one contiguous stream per sequence); "
+                                           f"kv_cache={kv.mode} is not supported: use kv_cache=contiguous"))
+    if trial.engine.compile:
+        p.append(("engine.compile", f"{ENGINE} runs llama.cpp's C++ graph: torch.compile does not apply"))
+    if q.level != "none" and q.level not in GGUF_QUANT_LEVELS:
+        p.append(("quant.level", f"{ENGINE} quantizes to GGUF weight types ({', '.join(GGUF_QUANT_LEVELS)}); "
+                                 f"{q.level} is a PyTorch level of engine=hf/native"))
+    if q.keep_last_layers:
+        p.append(("quant.keep_last_layers", f"{ENGINE}: llama.cpp's quantizer picks per-tensor types itself "
+                                            "(gguf-q4_k_m mixes them); keep_last_layers is not supported"))
+    if s.method in ("draft", "self-draft"):
+        p.append(("speculative.method", f"{ENGINE} supports speculative=prompt-lookup only ({s.method} needs a "
+                                        "draft model on this engine)"))
+    if kv.dtype in QUANTIZED_KV:
+        if attention != "flash":
+            p.append(("kv_cache.dtype", f"{ENGINE}: a quantized V cache ({kv.dtype}) needs flash "
+                                        f"attention in llama.cpp: set attention=flash (now {attention})"))
+        head_dim = _config(trial.model).get("head_dim")
+        if head_dim and head_dim % 32:
+            p.append(("kv_cache.dtype", f"{ENGINE}: {kv.dtype} packs blocks of 32 values, which must "
+                                        f"divide the head dimension ({head_dim} in this model)"))
+    model_type = _config(trial.model).get("model_type")
+    if model_type is not None and model_type != "llama":
+        p.append(("model.path", f"{ENGINE} converts Llama-architecture checkpoints only; {trial.model.path} is "
+                                f"{model_type!r}"))
+    return p
+
+
+def _config(spec: ModelConfig) -> dict:
+    """What validation can know of the model without loading it: model_type and head_dim ({} if unknown)."""
+    from ..models import PREPARED_SCHEME, TINY_SCHEME, prepared_dir
+
+    if spec.path.startswith(TINY_SCHEME):
+        t = spec.tiny
+        return {"model_type": "llama", "head_dim": t.hidden_size // max(1, t.num_heads)}
+    path = prepared_dir(spec.path[len(PREPARED_SCHEME):]) if spec.path.startswith(PREPARED_SCHEME) else spec.path
+    try:
+        with open(os.path.join(path, "config.json")) as f:
+            cfg = json.load(f)
+    except (OSError, ValueError):
+        return {}  # a prepared model before `prepare`, or a hub id: checked when it converts
+    heads = cfg.get("num_attention_heads") or 0
+    head_dim = cfg.get("head_dim") or (cfg.get("hidden_size", 0) // heads if heads else None)
+    return {"model_type": cfg.get("model_type"), "head_dim": head_dim}
+
+
+# --- the loaded model ----------------------------------------------------------------------------------
+
+@dataclass
+class GGUFModel:
+    """What engine=llamacpp loads in place of an HF model (the runner's `loaded`)."""
+
+    handle: Any  # llama_model *
+    path: Path
+    tokenizer: Tokenizer
+    spec: ModelConfig
+    config: Any  # the HF config: the cost model reads the shape from it
+    load_s: float
+    quant: QuantConfig = field(default_factory=QuantConfig)
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+
+    @property
+    def max_positions(self) -> int:
+        return int(getattr(self.config, "max_position_embeddings", 0) or 0)
+
+    def weights_bytes(self) -> int:
+        return int(lib().llama_model_size(self.handle))
+
+    def __del__(self):
+        if getattr(self, "handle", None) and _LIB is not None:
+            _LIB.llama_model_free(self.handle)
+            self.handle = None
+
+
+def load_gguf_model(spec: ModelConfig, quant: QuantConfig, threads: int = 0,
+                    progress: Optional[Callable[[str], None]] = None) -> GGUFModel:
+    """Tokenizer + config + the GGUF at `quant.level` (converted / quantized once, then cached)."""
+    from transformers import AutoConfig, AutoTokenizer
+
+    from ..gguf_export import gguf_file, source_of
+    from ..models import TINY_SCHEME, tiny_llama_config
+
+    say = progress or (lambda msg: log.info(msg))
+    cpp = lib()
+    t0 = time.perf_counter()
+    src = source_of(spec, say)
+    path = gguf_file(spec, quant.level, threads, say, src=src)
+    if spec.path.startswith(TINY_SCHEME):
+        tokenizer: Tokenizer = ByteTokenizer()
+        config = tiny_llama_config(spec.tiny, "sdpa")
+    else:
+        tokenizer = HFTokenizer(AutoTokenizer.from_pretrained(str(src.path)))
+        config = AutoConfig.from_pretrained(str(src.path))
+    params = cpp.llama_model_default_params()
+    params.n_gpu_layers = 0  # the wheel built here is CPU-only
+    handle = cpp.llama_model_load_from_file(str(path).encode(), params)
+    if not handle:
+        raise EngineError(f"llama.cpp could not load {path}")
+    return GGUFModel(handle=handle, path=path, tokenizer=tokenizer, spec=spec, config=config,
+                     load_s=time.perf_counter() - t0, quant=quant)
+
+
+# --- sessions ------------------------------------------------------------------------------------------
+
+class LlamaCppSession:
+    """B sequences in one llama.cpp context; its KV cells are the single owner of their length."""
+
+    def __init__(self, backend: "LlamaCppBackend", batch_size: int, max_len: int, epoch: int):
+        self._backend, self._batch_size, self._max_len, self._epoch = backend, batch_size, max_len, epoch
+        self._length = 0
+
+    @property
+    def length(self) -> int:
+        return self._length
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        """tokens [B, T] -> logits [B, T, V] float32; the tokens are appended to the sequences."""
+        assert tokens.dim() == 2 and tokens.shape[0] == self._batch_size, tokens.shape
+        self._backend._check_epoch(self._epoch)
+        n = int(tokens.shape[1])
+        if self._length + n > self._max_len:
+            raise EngineError(f"sequence would exceed the session's max_len {self._max_len}")
+        logits = self._backend._decode(tokens, self._length)
+        self._length += n
+        return logits
+
+    def rollback(self, num_tokens: int) -> None:
+        if num_tokens <= 0:
+            return
+        if num_tokens > self._length:
+            raise EngineError(f"cannot roll back {num_tokens} tokens of a {self._length}-token sequence")
+        self._backend._check_epoch(self._epoch)
+        self._backend._forget_from(self._length - num_tokens)
+        self._length -= num_tokens
+
+    def kv_cache_bytes(self) -> tuple[int, int]:
+        per_token = self._backend.kv_bytes_per_token
+        cells = self._backend._cells_per_seq
+        return (int(self._batch_size * cells * per_token), int(self._batch_size * self._length * per_token))
+
+
+class _Batch:
+    """A llama_batch over numpy arrays (filled vectorized; the C struct points into them)."""
+
+    def __init__(self, cpp, capacity: int):
+        self.cap = capacity
+        self.token = np.zeros(capacity, np.int32)
+        self.pos = np.zeros(capacity, np.int32)
+        self.n_seq_id = np.ones(capacity, np.int32)
+        self.seq = np.zeros(capacity, np.int32)
+        self.output = np.ones(capacity, np.int8)  # logits for every token: the protocol returns them all
+        i32 = ctypes.POINTER(ctypes.c_int32)
+        base = self.seq.ctypes.data
+        self._seq_ptrs = (i32 * capacity)(*[ctypes.cast(base + 4 * i, i32) for i in range(capacity)])
+        self.struct = cpp.llama_batch(
+            n_tokens=0,
+            token=self.token.ctypes.data_as(i32),
+            embd=None,
+            pos=self.pos.ctypes.data_as(i32),
+            n_seq_id=self.n_seq_id.ctypes.data_as(i32),
+            seq_id=ctypes.cast(self._seq_ptrs, ctypes.POINTER(i32)),
+            logits=self.output.ctypes.data_as(ctypes.POINTER(ctypes.c_int8)),
+        )
+
+
+class LlamaCppBackend:
+    name = "llamacpp"
+
+    def __init__(self, loaded: GGUFModel, trial: TrialConfig):
+        """Threads: engine.threads (0: torch's); tokens per llama_decode call (n_batch):
+        batching.max_batch_tokens; flash attention: attention=flash; K/V type: kv_cache.dtype."""
+        if not isinstance(loaded, GGUFModel):
+            raise EngineError(f"{ENGINE} runs a GGUF model: load it with engine.runner.load_trial_model "
+                              "(engine.backends.llamacpp.load_gguf_model), not load_model")
+        kv_dtype, threads, batch_tokens = trial.kv_cache.dtype, trial.engine.threads, trial.batching.max_batch_tokens
+        if kv_dtype not in KV_CACHE_DTYPES:
+            raise EngineError(f"kv_cache.dtype {kv_dtype!r} unknown; choose one of {KV_CACHE_DTYPES}")
+        self.cpp = lib()
+        self.loaded, self.trial = loaded, trial
+        self.flash = trial.attention.impl == "flash"
+        self.threads = threads if threads > 0 else torch.get_num_threads()
+        self.n_batch = max(1, batch_tokens)
+        self.kv_type = DEFAULT_KV_TYPE if kv_dtype == "auto" else kv_dtype
+        if self.kv_type in QUANTIZED_KV and not self.flash:
+            raise EngineError(f"{ENGINE}: kv_cache.dtype={self.kv_type} (a quantized V cache) needs attention=flash")
+        cfg = loaded.config
+        head_dim = int(getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads)
+        kv_heads = int(getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads)
+        self.kv_bytes_per_token = 2 * int(cfg.num_hidden_layers) * kv_heads * head_dim * KV_TYPE_BYTES[self.kv_type]
+        self.n_vocab = int(self.cpp.llama_vocab_n_tokens(self.cpp.llama_model_get_vocab(loaded.handle)))
+        self._batch = _Batch(self.cpp, self.n_batch)
+        self._ctx = None
+        self._ctx_shape = (0, 0)  # (sequences, cells per sequence)
+        self._cells_per_seq = 0
+        self._epoch = 0  # bumped by every new session / score: an older session must not touch the context
+
+    # one llama.cpp context at a time, reused while its shape fits (KV memory is allocated at creation)
+    def _context(self, n_seq: int, cells_per_seq: int):
+        if n_seq > self.cpp.llama_max_parallel_sequences():
+            raise EngineError(f"{ENGINE}: batch size {n_seq} exceeds llama.cpp's "
+                              f"{self.cpp.llama_max_parallel_sequences()} parallel sequences")
+        have_seq, have_cells = self._ctx_shape
+        if self._ctx is not None and have_seq == n_seq and have_cells >= cells_per_seq:
+            self.cpp.llama_memory_clear(self.cpp.llama_get_memory(self._ctx), True)
+            return self._ctx
+        self._free_context()
+        cpp = self.cpp
+        p = cpp.llama_context_default_params()
+        p.n_ctx = n_seq * cells_per_seq
+        p.n_batch = self.n_batch
+        p.n_ubatch = min(int(p.n_ubatch), self.n_batch)
+        p.n_seq_max = n_seq
+        p.n_threads = p.n_threads_batch = self.threads
+        p.flash_attn_type = cpp.LLAMA_FLASH_ATTN_TYPE_ENABLED if self.flash else \
+            cpp.LLAMA_FLASH_ATTN_TYPE_DISABLED
+        p.type_k = p.type_v = getattr(cpp, KV_GGML_TYPES[self.kv_type])
+        p.kv_unified = False  # a KV stream per sequence: rows never attend to each other
+        p.no_perf = True
+        ctx = cpp.llama_init_from_model(self.loaded.handle, p)
+        if not ctx:
+            raise EngineError(f"llama.cpp could not create a context for {n_seq} sequences x {cells_per_seq} tokens "
+                              f"(kv {self.kv_type}, attention {self.trial.attention.impl}){last_problem()}")
+        self._ctx = ctx
+        self._cells_per_seq = int(cpp.llama_n_ctx_seq(ctx))
+        if self._cells_per_seq < cells_per_seq:
+            raise EngineError(f"llama.cpp gave {self._cells_per_seq} KV cells per sequence, {cells_per_seq} needed")
+        self._ctx_shape = (n_seq, self._cells_per_seq)
+        return ctx
+
+    def _free_context(self) -> None:
+        if self._ctx is not None:
+            self.cpp.llama_free(self._ctx)
+            self._ctx = None
+            self._ctx_shape = (0, 0)
+
+    def __del__(self):
+        if getattr(self, "_ctx", None) is not None and _LIB is not None:
+            self._free_context()
+
+    def _check_epoch(self, epoch: int) -> None:
+        if epoch != self._epoch:
+            raise EngineError(f"{ENGINE}: this session's context was taken by a newer session or score call")
+
+    def _decode(self, tokens: torch.Tensor, start: int) -> torch.Tensor:
+        """tokens [B, T] at positions start.. of every row -> logits [B, T, V] (split into n_batch calls)."""
+        cpp, b = self.cpp, self._batch
+        rows, t = int(tokens.shape[0]), int(tokens.shape[1])
+        n = rows * t
+        flat = tokens.reshape(-1).to(torch.int32).cpu().numpy()
+        pos = np.tile(np.arange(start, start + t, dtype=np.int32), rows)
+        seq = np.repeat(np.arange(rows, dtype=np.int32), t)
+        out = torch.empty(n, self.n_vocab, dtype=torch.float32)
+        for c0 in range(0, n, b.cap):  # row-major chunks keep each sequence's tokens in order
+            c1 = min(n, c0 + b.cap)
+            m = c1 - c0
+            b.token[:m], b.pos[:m], b.seq[:m] = flat[c0:c1], pos[c0:c1], seq[c0:c1]
+            b.struct.n_tokens = m
+            rc = cpp.llama_decode(self._ctx, b.struct)
+            if rc != 0:
+                raise EngineError(f"llama_decode failed (code {rc}) on {m} tokens at position {start}{last_problem()}")
+            logits = np.ctypeslib.as_array(cpp.llama_get_logits(self._ctx), shape=(m, self.n_vocab))
+            out[c0:c1] = torch.from_numpy(logits)
+        return out.view(rows, t, self.n_vocab)
+
+    def _forget_from(self, position: int) -> None:
+        if not self.cpp.llama_memory_seq_rm(self.cpp.llama_get_memory(self._ctx), -1, position, -1):
+            raise EngineError(f"llama.cpp could not remove positions >= {position} from the KV cache")
+
+    def new_session(self, batch_size: int, max_len: int) -> LlamaCppSession:
+        self._epoch += 1
+        self._context(batch_size, max_len)
+        return LlamaCppSession(self, batch_size, max_len, self._epoch)
+
+    def score(self, input_ids: torch.Tensor) -> torch.Tensor:
+        self._epoch += 1
+        self._context(int(input_ids.shape[0]), int(input_ids.shape[1]))
+        return self._decode(input_ids, 0)
+
+    def weights_bytes(self) -> int:
+        return self.loaded.weights_bytes()

@@ -1,0 +1,261 @@
+"""engine=llamacpp: GGUF conversion, the backend under the engine's trial contract, and its validation.
+
+The validation tests need no llama.cpp. The others carry the `llamacpp` marker and skip cleanly when
+llama-cpp-python is not installed (`make setup-llamacpp`).
+
+Tolerances, on the tiny model (logit std ~1.2), measured: flash off + f32 K/V 5e-6 max abs (the conversion
+is exact: a wrong Q/K permutation is off by O(1)); f16 K/V (llama.cpp's default) 6e-3; flash on 1.2e-2
+whatever the K/V type (llama.cpp's flash path computes in f16). Greedy tokens match exactly.
+"""
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+
+import pytest
+import torch
+
+from engine.config import (
+    ModelConfig,
+    QuantConfig,
+    SamplingConfig,
+    SpeculativeConfig,
+    TinyModelConfig,
+    TrialConfig,
+    WorkloadConfig,
+    replace,
+)
+from experiments.compose import SweepError, expand
+from support import make_trial
+
+HAVE_LLAMA_CPP = importlib.util.find_spec("llama_cpp") is not None
+needs_llamacpp = pytest.mark.skipif(not HAVE_LLAMA_CPP, reason="llama-cpp-python is not installed (make setup-llamacpp)")
+TINY = ModelConfig(name="tiny-llama", path="tiny://llama")
+# quantized K/V packs blocks of 32 values along the head dimension: the default tiny's heads are 16 wide
+TINY32 = ModelConfig(name="tiny-llama-hd32", path="tiny://llama",
+                   tiny=TinyModelConfig(hidden_size=128, intermediate_size=256, num_heads=4, num_kv_heads=2))
+EXACT_ATOL = 1e-4  # flash off, f32 K/V
+F16_ATOL = 2e-2  # f16 K/V or flash on (f16 inside)
+
+
+# --- validation (fast tier, no llama.cpp needed) ---------------------------------------------------------
+
+def _problems(overrides: list[str]) -> str:
+    with pytest.raises(SweepError) as ei:
+        expand(["model=tiny-llama"] + overrides, gpu_available=False)
+    return str(ei.value)
+
+
+def test_llamacpp_rejects_what_it_cannot_honour_naming_keys_and_engine():
+    msg = _problems(["engine=llamacpp", "kv_cache=paged", "quant=int8-weight", "engine.compile=true"])
+    assert "kv_cache.mode: engine=llamacpp keeps its own KV cache" in msg
+    assert "quant.level: engine=llamacpp quantizes to GGUF weight types" in msg
+    assert "engine.compile: engine=llamacpp runs llama.cpp's C++ graph" in msg
+
+
+def test_llamacpp_rejects_model_drafters_and_serving():
+    msg = _problems(["engine=llamacpp", "speculative=self-draft"])
+    assert "speculative.method: engine=llamacpp supports speculative=prompt-lookup only" in msg
+    msg = _problems(["engine=llamacpp", "workload=serving-mixed", "kv_cache=paged"])
+    assert "engine llamacpp runs one static batch only" in msg
+
+
+def test_quantized_kv_cache_needs_flash_attention():
+    msg = _problems(["engine=llamacpp", "kv_cache.dtype=q8_0", "attention=sdpa"])
+    assert "kv_cache.dtype: engine=llamacpp: a quantized V cache (q8_0) needs flash attention" in msg
+    assert "kv_cache.dtype: 'q5' is not allowed" in _problems(["engine=llamacpp", "kv_cache.dtype=q5"])
+    msg = _problems(["engine=llamacpp", "kv_cache.dtype=q4_0", "attention=flash"])  # tiny heads are 16 wide
+    assert "kv_cache.dtype: engine=llamacpp: q4_0 packs blocks of 32 values, which must divide the head dimension (16" in msg
+
+
+def test_gguf_levels_and_kv_dtype_belong_to_llamacpp():
+    msg = _problems(["engine=hf", "quant=gguf-q8_0", "kv_cache.dtype=q8_0"])
+    assert "quant.level: gguf-q8_0 is a GGUF weight type written by llama.cpp: it needs engine=llamacpp" in msg
+    assert "kv_cache.dtype: kv_cache.dtype is an engine=llamacpp knob; engine hf" in msg
+
+
+def test_llamacpp_accepts_flash_on_cpu_and_gguf_levels():
+    if not HAVE_LLAMA_CPP:
+        assert "needs llama-cpp-python" in _problems(["engine=llamacpp"])
+        return
+    specs = expand(["model=tiny-llama", "model.tiny.hidden_size=128", "engine=llamacpp", "attention=flash",
+                    "kv_cache.dtype=q8_0,q4_0",
+                    "quant=none,gguf-q8_0,gguf-q4_0,gguf-q4_k_m", "speculative=off,prompt-lookup"], gpu_available=False)
+    assert len(specs) == 16
+
+
+# --- the backend on the tiny random Llama ----------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def hf_tiny():
+    from engine.models import load_model
+
+    return load_model(TINY, attention="sdpa", device="cpu")
+
+
+def _gguf(level: str = "none"):
+    from engine.backends.llamacpp import load_gguf_model
+
+    return load_gguf_model(TINY, QuantConfig(level=level), threads=2)
+
+
+@pytest.fixture(scope="module")
+def tiny_f32():
+    return _gguf()
+
+
+def _backend(loaded, attention="sdpa", kv_cache_dtype="auto"):
+    from engine.backends import make_backend
+
+    trial = make_trial(loaded.spec, backend="llamacpp", attention=attention, threads=2)
+    return make_backend(loaded, replace(trial, "kv_cache.dtype", kv_cache_dtype))
+
+
+def _ids(b: int, t: int, seed: int = 0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(3, 259, (b, t), generator=g)
+
+
+def _greedy(backend, prompt, n):
+    from engine.generate import generate
+
+    return generate(backend.new_session(prompt.shape[0], prompt.shape[1] + n), prompt, n, SamplingConfig(), 0,
+                    lambda: None).tokens
+
+
+@pytest.mark.llamacpp
+@needs_llamacpp
+def test_converted_gguf_logits_match_transformers(hf_tiny, tiny_f32):
+    """Wrong Q/K permutation or tensor mapping gives logits off by O(1); the conversion must be exact."""
+    ids = _ids(1, 48)
+    with torch.inference_mode():
+        ref = hf_tiny.model(input_ids=ids).logits.float()
+    exact = _backend(tiny_f32, attention="sdpa", kv_cache_dtype="f32").score(ids)
+    assert exact.shape == ref.shape
+    assert torch.allclose(exact, ref, atol=EXACT_ATOL, rtol=0), float((exact - ref).abs().max())
+    for attention in ("sdpa", "flash"):
+        got = _backend(tiny_f32, attention=attention).score(ids)  # kv auto = f16
+        assert torch.allclose(got, ref, atol=F16_ATOL, rtol=0), (attention, float((got - ref).abs().max()))
+
+
+@pytest.mark.llamacpp
+@needs_llamacpp
+def test_greedy_tokens_equal_transformers_and_batch_rows_equal_single_runs(hf_tiny, tiny_f32):
+    from engine.backends.hf import HFBackend
+
+    prompts = _ids(3, 20, seed=1)
+    ref = _greedy(HFBackend(hf_tiny, TrialConfig(model=TINY)), prompts, 12)
+    be = _backend(tiny_f32, attention="flash")
+    batched = _greedy(be, prompts, 12)
+    assert torch.equal(batched, ref)
+    for row in range(3):  # parallel sequences do not see each other
+        assert torch.equal(_greedy(be, prompts[row:row + 1], 12), batched[row:row + 1])
+
+
+@pytest.mark.llamacpp
+@needs_llamacpp
+def test_rollback_makes_prompt_lookup_equal_plain_greedy(tiny_f32):
+    from engine.speculative.decode import generate_speculative
+    from engine.speculative.prompt_lookup import PromptLookupDrafter
+
+    be = _backend(tiny_f32, attention="flash")
+    passage = _ids(1, 16, seed=1)
+    prompt = torch.cat([passage, passage, passage[:, :4]], dim=1)  # this seed's output repeats in places
+    n = 40
+    plain = _greedy(be, prompt, n)
+    accepted = rejections = 0
+    for k in (1, 3, 6):
+        trace = generate_speculative(be.new_session(1, prompt.shape[1] + n), PromptLookupDrafter(1, 3, torch.device("cpu")),
+                                     prompt, n, k, SamplingConfig(), 0, lambda: None)
+        assert torch.equal(trace.tokens, plain), k
+        stats = trace.extra["speculative"]
+        accepted, rejections = accepted + stats.accepted, rejections + stats.rejections
+    assert accepted > 0 and rejections > 0, (accepted, rejections)  # both accept and reject + roll back
+    # an explicit rollback forgets positions: re-feeding them gives the first logits again
+    s = be.new_session(1, 40)
+    first = s.forward(prompt[:, :20])
+    s.rollback(5)
+    assert s.length == 15
+    again = s.forward(prompt[:, 15:20])
+    assert torch.allclose(again, first[:, 15:20], atol=1e-5)
+
+
+@pytest.mark.llamacpp
+@needs_llamacpp
+def test_q8_0_runs_close_to_f32_and_is_smaller(tiny_f32):
+    q8, q4 = _gguf("gguf-q8_0"), _gguf("gguf-q4_0")
+    assert q8.path.name.startswith("model-Q8_0") and q8.path.parent == tiny_f32.path.parent
+    assert q4.weights_bytes() < q8.weights_bytes() < 0.4 * tiny_f32.weights_bytes()
+    ids = _ids(1, 32, seed=3)
+    ref = torch.log_softmax(_backend(tiny_f32, attention="flash").score(ids), -1)
+
+    def kl(loaded) -> float:
+        got = torch.log_softmax(_backend(loaded, attention="flash").score(ids), -1)
+        return float((ref.exp() * (ref - got)).sum(-1).mean())
+
+    kl8, kl4 = kl(q8), kl(q4)
+    assert kl8 < 1e-3 and kl8 < kl4 / 4, (kl8, kl4)  # 8-bit blocks sit far closer to F32 than 4-bit ones
+
+
+@pytest.mark.llamacpp
+@needs_llamacpp
+def test_engine_trial_metrics_and_fidelity_through_the_runner():
+    from engine.runner import run_engine_trial
+
+    trial = make_trial(
+        TINY32, backend="llamacpp", attention="flash", threads=2,
+        workload=WorkloadConfig(context_len=96, max_new_tokens=8, batch_size=2, repeats=2, prompt_style="repeat"),
+        eval=dataclasses.replace(TrialConfig(model=TINY32).eval, num_windows=1, fidelity=True),
+    )
+    trial = replace(trial, "kv_cache.dtype", "q8_0")
+    res = run_engine_trial(trial)
+    m = res.metrics
+    for key in ("ttft_ms_mean", "tpot_ms_p50", "output_tok_s", "peak_mem_bytes", "weights_bytes", "kv_cache_bytes",
+                "kl_div_mean", "top1_agreement", "ppl"):
+        assert key in m, key
+    assert len(res.token_ids) == 2 and len(res.token_ids[0]) == 8
+    assert m["kl_div_mean"] < 0.01 and m["top1_agreement"] > 0.9
+    spec = run_engine_trial(dataclasses.replace(
+        trial, workload=dataclasses.replace(trial.workload, batch_size=1), eval=dataclasses.replace(trial.eval, enabled=False),
+        speculative=SpeculativeConfig(method="prompt-lookup", k=3)))
+    assert spec.token_ids[0] == res.token_ids[0]
+    assert spec.metrics["tokens_per_step"] >= 1  # the speculative loop ran (acceptance needs drafts to exist)
+
+
+@pytest.mark.llamacpp
+@needs_llamacpp
+def test_sweep_engine_llamacpp_end_to_end(ray_local, tiny_overrides, mlflow_client):
+    from experiments.sweep import run_sweep
+
+    res = run_sweep(tiny_overrides + ["sweep_name=t-llamacpp", "seed=1313", "engine=llamacpp", "attention=flash",
+                                      "quant=none,gguf-q8_0"], echo=lambda *_: None)
+    assert [r["status"] for r in res.rows] == ["FINISHED"] * 2, res.rows
+    exp_id = mlflow_client.get_run(res.parent_run_id).info.experiment_id
+    runs = mlflow_client.search_runs([exp_id], filter_string=f"tags.mlflow.parentRunId = '{res.parent_run_id}'")
+    assert len(runs) == 2
+    for run in runs:
+        assert run.data.params["engine.backend"] == "llamacpp"
+        assert {"output_tok_s", "ttft_ms_p50", "weights_bytes", "ppl"} <= set(run.data.metrics)
+    sizes = {run.data.params["quant.level"]: run.data.metrics["weights_bytes"] for run in runs}
+    assert sizes["gguf-q8_0"] < sizes["none"]
+
+
+# --- the real model (slow tier) ---------------------------------------------------------------------------
+
+@pytest.mark.slow
+@pytest.mark.llamacpp
+@needs_llamacpp
+def test_smollm2_greedy_tokens_equal_transformers():
+    from engine.backends.hf import HFBackend
+    from engine.backends.llamacpp import load_gguf_model
+    from engine.models import load_model
+    from engine.workload import workload_prompts
+
+    spec = ModelConfig(name="smollm2-135m-instruct", path="prepared://smollm2-135m-instruct")
+    hf = load_model(spec, attention="sdpa", device="cpu")
+    prompt = workload_prompts(hf.tokenizer, WorkloadConfig(context_len=128, max_new_tokens=24))
+    ref = _greedy(HFBackend(hf, TrialConfig(model=spec)), prompt, 24)
+    del hf
+    gg = load_gguf_model(spec, QuantConfig(), threads=2)
+    got = _greedy(_backend(gg, attention="flash"), prompt, 24)
+    assert got.tolist() == ref.tolist()
