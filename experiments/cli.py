@@ -3,11 +3,10 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
-import shutil
-import subprocess
+import signal
 import sys
 import textwrap
+from pathlib import Path
 
 from .compose import SweepError
 from .errors import UserError
@@ -59,7 +58,7 @@ def cmd_sweep(args) -> int:
 
     res = run_sweep(args.overrides, in_process=args.in_process, force=args.force)
     print(f"\nMLflow: experiment '{res.sweep_name}', sweep {res.sweep_id} in {res.store_uri or res.tracking_uri}")
-    print("open the dashboard with:  infersweep ui   (then http://127.0.0.1:5000)")
+    print("open the dashboard with:  infersweep ui   (prints the URL of this experiment's runs table)")
     if res.failed:
         print(f"{len(res.failed)} of {len(res.rows)} trial(s) FAILED (see the error above and error.txt in MLflow)")
         return 1
@@ -134,26 +133,56 @@ def cmd_report(args) -> int:
     return 0
 
 
-def server_command(tracking: dict, port: int, host: str = "127.0.0.1") -> list[str]:
-    from .tracking import resolve_artifact_root, resolve_uri
-
-    mlflow_bin = shutil.which("mlflow") or os.path.join(os.path.dirname(sys.executable), "mlflow")
-    return [
-        mlflow_bin, "server",
-        "--backend-store-uri", resolve_uri(tracking["uri"]),
-        "--default-artifact-root", resolve_artifact_root(tracking["artifact_root"]),
-        "--host", host, "--port", str(port), "--workers", "1",
-    ]
-
-
 def cmd_ui(args) -> int:
+    from mlflow.tracking import MlflowClient
+
+    from .dashboard import latest_experiment, runs_url, tag_experiment
+    from .tracking import is_http, redact, resolve_uri
+    from .tracking_server import MlflowServer
+
     tracking = _tracking(args.overrides)
+    uri = resolve_uri(tracking["uri"])
     port = args.port or tracking["ui_port"]
-    cmd = server_command(tracking, port, args.host)
-    print(f"MLflow UI on http://{args.host}:{port}  (Ctrl-C to stop)")
-    print("click: Experiments -> a sweep name -> expand the sweep-* parent run to see its trials;"
-          " select runs -> Compare for charts")
-    return subprocess.call(cmd)
+    sqlite = "sqlite:///"
+    # a SQLite store keeps the server's log beside it (mlflow/ for the project's own store)
+    log = Path(uri[len(sqlite):]).parent / f"server-{port}.log" if uri.startswith(sqlite) else None
+    server = None if is_http(uri) else MlflowServer(dict(tracking, host=args.host), port=port, log_path=log)
+    if server is not None:
+        try:
+            server.check_port()  # before anything is printed or started
+        except RuntimeError as e:
+            print(f"error: {e} (--port PORT)", file=sys.stderr)
+            return 1
+    client = MlflowClient(tracking_uri=uri)
+    exp = latest_experiment(client)
+    if exp is not None:
+        tag_experiment(client, exp)  # the saved view the URL opens lives on the experiment
+    if server is None:  # a tracking server already serves the UI
+        print(runs_url(uri, exp.experiment_id) if exp is not None else uri)
+        return 0
+    print(f"starting mlflow server on {args.host}:{server.port} for {redact(uri)} (log {server.log_path})", flush=True)
+    # SIGTERM/SIGHUP end the server too: it runs in its own session, out of reach of the terminal's signals
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, lambda signum, _frame: sys.exit(128 + signum))
+    try:
+        try:
+            server.start(timeout_s=300)
+        except RuntimeError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 1
+        if exp is None:
+            print(f"MLflow UI: {server.url}  (no runs recorded yet; Ctrl-C to stop)", flush=True)
+        else:
+            print(f"MLflow UI: {runs_url(server.url, exp.experiment_id)}", flush=True)
+            print(f"  the runs table of '{exp.name}' (the latest sweep's experiment): trial runs, fastest first,"
+                  " with the metric columns of the saved view 'infersweep'; Ctrl-C to stop", flush=True)
+        rc = server.proc.wait()
+    except KeyboardInterrupt:
+        return 0
+    finally:
+        server.stop()
+    print(f"error: mlflow server stopped by itself (exit {rc}); see {server.log_path}", file=sys.stderr)
+    return 1
 
 
 def cmd_probe(args) -> int:
@@ -224,9 +253,10 @@ def build_parser() -> argparse.ArgumentParser:
     rep.add_argument("--all", action="store_true",
                      help="every configuration ever run in the experiment (default: the latest sweep's trials)")
     rep.set_defaults(fn=cmd_report)
-    u = sub.add_parser("ui", help="start the MLflow UI on the project's store (127.0.0.1)")
+    u = sub.add_parser("ui", help="start the MLflow UI on the project's store (127.0.0.1); prints the URL of the "
+                                 "latest sweep's runs table")
     u.add_argument("overrides", nargs="*", help="tracking.* overrides")
-    u.add_argument("--port", type=int, default=0, help="default: tracking.ui_port (5000)")
+    u.add_argument("--port", type=int, default=0, help="default: tracking.ui_port (5000); fails at once if taken")
     u.add_argument("--host", default="127.0.0.1", help="bind address; keep 127.0.0.1 unless you mean it")
     u.set_defaults(fn=cmd_ui)
     hw = sub.add_parser("probe", help="hardware peaks the cost model uses (GPU table, else a cached per-node probe)")

@@ -245,12 +245,23 @@ def plot_throughput_vs_context(ls: list[Line], ax_keys: list[str], path: Path) -
     return path
 
 
-def pareto_front(points: list[tuple[float, float]]) -> list[int]:
-    """Indices of the points not dominated (higher throughput x is better, lower loss y is better)."""
+# Perplexity is measured deterministically; kernels that only reorder float sums (eager vs sdpa attention,
+# a KV cache or none) move it by ~1e-6 relative, while a real accuracy change (quantization, lower
+# precision) moves it by 1e-3 or more. Differences below this relative spread are float noise.
+ACCURACY_RTOL = 1e-4
+
+
+def accuracy_tolerance(ys: list[float]) -> float:
+    return ACCURACY_RTOL * max(abs(y) for y in ys) if ys else 0.0
+
+
+def pareto_front(points: list[tuple[float, float]], tol: float = 0.0) -> list[int]:
+    """Indices of the points not dominated (higher throughput x is better, lower loss y is better); a loss
+    lower by no more than `tol` does not count as better."""
     idx = sorted(range(len(points)), key=lambda i: (-points[i][0], points[i][1]))
     front, best_y = [], float("inf")
     for i in idx:
-        if points[i][1] < best_y:
+        if points[i][1] < best_y - tol:
             front.append(i)
             best_y = points[i][1]
     return front
@@ -263,7 +274,8 @@ def _groups(ls: list[Line]) -> dict[str, list[Line]]:
     return g
 
 
-def plot_pareto(ls: list[Line], path: Path) -> Optional[Path]:
+def pareto_figure(ls: list[Line]):
+    """The throughput-vs-perplexity figure, one panel per workload; None without finished points."""
     groups = {k: [ln for ln in v if ln.row.finished and ln.values["ppl"] and ln.values["output_tok_s"]] for k, v in _groups(ls).items()}
     groups = {k: v for k, v in groups.items() if v}
     if not groups:
@@ -274,7 +286,13 @@ def plot_pareto(ls: list[Line], path: Path) -> Optional[Path]:
     fig, axs = plt.subplots(1, n, figsize=(6 * n, 5 + 0.15 * rows), squeeze=False)
     for a, (wl, pts) in zip(axs[0], sorted(groups.items())):
         xy = [(ln.values["output_tok_s"], ln.values["ppl"]) for ln in pts]
-        front = pareto_front(xy)
+        ys = [p[1] for p in xy]
+        tol = accuracy_tolerance(ys)
+        flat = max(ys) - min(ys) <= tol
+        if flat:  # one accuracy: draw it as one line, not the float noise around it magnified
+            level = sum(ys) / len(ys)
+            xy = [(x, level) for x, _ in xy]
+        front = pareto_front(xy, tol)
         fx = sorted((xy[i] for i in front), key=lambda p: p[0])
         a.plot([p[0] for p in fx], [p[1] for p in fx], "k--", lw=1, label="Pareto front", zorder=2)
         for i, ln in enumerate(pts):  # numbered points, named in the legend (long labels would overlap)
@@ -288,13 +306,28 @@ def plot_pareto(ls: list[Line], path: Path) -> Optional[Path]:
 
         a.xaxis.set_minor_formatter(NullFormatter())  # minor labels of a short log axis overlap
         a.set_xlabel("output tok/s (log; right is faster)")
-        a.set_ylabel("perplexity (lower is better)")
+        if flat:
+            a.set_ylim(level * 0.9, level * 1.1)
+            a.set_yticks([level], [f"{level:.4g}"])
+            a.set_ylabel("perplexity (all points equal)")
+            a.text(0.5, 0.92, f"all points equal accuracy: ppl {level:.4g}\n(spread {max(ys) - min(ys):.1e}, "
+                   f"within {ACCURACY_RTOL:.0e} relative)", transform=a.transAxes, ha="center", va="top", fontsize=8,
+                   bbox={"boxstyle": "round", "facecolor": "white", "alpha": 0.8})
+        else:
+            a.set_ylabel("perplexity (lower is better)")
         a.set_title(f"throughput vs accuracy: {wl}", fontsize=9)
         a.grid(True, alpha=0.3)
         a.legend(fontsize=6, loc="upper center", bbox_to_anchor=(0.5, -0.15), ncol=1, frameon=False)
     fig.tight_layout()
+    return fig
+
+
+def plot_pareto(ls: list[Line], path: Path) -> Optional[Path]:
+    fig = pareto_figure(ls)
+    if fig is None:
+        return None
     fig.savefig(path, dpi=110)
-    plt.close(fig)
+    _plt().close(fig)
     return path
 
 

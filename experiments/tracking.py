@@ -24,6 +24,7 @@ from typing import Any, Iterable, Optional
 import yaml
 
 from .compose import PROJECT_ROOT
+from .dashboard import experiment_tags, tag_experiment
 from .hashing import HASH_VERSION
 from .spec import TrialSpec
 from .trial import TrialOutcome
@@ -174,11 +175,12 @@ class Tracker:
         exp = self.client.get_experiment_by_name(name)
         if exp is not None:
             eid = exp.experiment_id
+            tag_experiment(self.client, exp)  # made before these tags existed, or by plain MLflow
         else:
             # through a server, artifacts go where the server proxies them (no shared filesystem)
             location = None if is_http(self.uri) else f"{self.artifact_root}/{name}"
             try:
-                eid = self.client.create_experiment(name, artifact_location=location)
+                eid = self.client.create_experiment(name, artifact_location=location, tags=experiment_tags())
             except Exception:
                 exp = self.client.get_experiment_by_name(name)  # another sweep of that name created it meanwhile
                 if exp is None:

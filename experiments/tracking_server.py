@@ -24,6 +24,24 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
+def port_in_use(host: str, port: int) -> Optional[str]:
+    """Why `host:port` cannot be bound now, or None. Binds the way uvicorn does (SO_REUSEADDR), so a
+    port that only has connections in TIME_WAIT counts as free."""
+    family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
+    with socket.socket(family, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, port))
+        except OSError as e:
+            return e.strerror or str(e)
+    return None
+
+
+# What the server logs when it cannot serve. `mlflow server` itself lingers about a minute after its
+# uvicorn/gunicorn child gave up and then exits 0, so its exit status comes too late and says nothing.
+FATAL_LOG_LINES = ("address already in use", "error while attempting to bind", "Connection in use")
+
+
 def mlflow_bin() -> str:
     here = os.path.join(os.path.dirname(sys.executable), "mlflow")
     return here if os.path.exists(here) else (shutil.which("mlflow") or "mlflow")
@@ -51,11 +69,15 @@ def healthy(url: str, timeout: float = 2.0) -> bool:
         return False
 
 
+class PortInUse(RuntimeError):
+    pass
+
+
 class MlflowServer:
     """A running `mlflow server`; `url` is what clients use."""
 
     def __init__(self, tracking: dict[str, Any], port: Optional[int] = None, log_path: Optional[Path] = None):
-        host = tracking.get("host") or "127.0.0.1"
+        self.host = host = tracking.get("host") or "127.0.0.1"
         self.port = port or int(tracking.get("port") or 0) or free_port(host)
         # clients on this machine reach a wildcard bind through loopback
         self.url = f"http://{'127.0.0.1' if host in ('0.0.0.0', '::') else host}:{self.port}"
@@ -65,6 +87,20 @@ class MlflowServer:
         self.proc: Optional[subprocess.Popen] = None
 
     def start(self, timeout_s: float = 90.0) -> "MlflowServer":
+        """Check the port, then launch: with the port taken, /health could be answered by whatever
+        server holds it (another store) while ours fails to bind."""
+        self.check_port()
+        return self.launch(timeout_s)
+
+    def check_port(self) -> None:
+        problem = port_in_use(self.host, self.port)
+        if problem is not None:
+            raise PortInUse(f"port {self.port} on {self.host} is not free ({problem}): another `infersweep ui` "
+                            f"or mlflow server? Stop it, or choose another port")
+
+    def launch(self, timeout_s: float = 90.0) -> "MlflowServer":
+        """Start the server and wait until it answers; fail as soon as it dies or logs that it cannot
+        serve, with the log's last lines in the message."""
         from .tracking import open_store, resolve_uri, sqlite_path
 
         uri = resolve_uri(self.store_uri)
@@ -72,6 +108,7 @@ class MlflowServer:
             open_store(uri)
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         log = open(self.log_path, "ab")
+        start = log.tell()  # the log is appended to: read only this start's lines
         env = dict(os.environ, PYTHONUNBUFFERED="1")
         # own process group: Ctrl-C at the terminal does not kill it before the sweep has recorded
         # its interrupted trials; stop() ends the whole group (gunicorn/uvicorn workers included)
@@ -80,12 +117,33 @@ class MlflowServer:
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"mlflow server exited with {self.proc.returncode}; see {self.log_path}")
+                raise RuntimeError(f"mlflow server exited with {self.proc.returncode} before it answered"
+                                   f"{self._log_excerpt(start)}\n(log: {self.log_path})")
+            fatal = self._fatal_line(start)
+            if fatal is not None:
+                self.stop()
+                raise RuntimeError(f"mlflow server failed to start on port {self.port}: {fatal}\n(log: {self.log_path})")
             if healthy(self.url, timeout=1.0):
                 return self
             time.sleep(0.25)
         self.stop()
-        raise RuntimeError(f"mlflow server did not answer {self.url}/health within {timeout_s:.0f} s; see {self.log_path}")
+        raise RuntimeError(f"mlflow server did not answer {self.url}/health within {timeout_s:.0f} s"
+                           f"{self._log_excerpt(start)}\n(log: {self.log_path})")
+
+    def _log_since(self, offset: int) -> str:
+        with open(self.log_path, "rb") as f:
+            f.seek(offset)
+            return f.read().decode(errors="replace")
+
+    def _fatal_line(self, offset: int) -> Optional[str]:
+        for line in self._log_since(offset).splitlines():
+            if any(m.lower() in line.lower() for m in FATAL_LOG_LINES):
+                return line.strip()
+        return None
+
+    def _log_excerpt(self, offset: int, n: int = 8) -> str:
+        lines = self._log_since(offset).strip().splitlines()[-n:]
+        return (":\n  " + "\n  ".join(lines)) if lines else ""
 
     def stop(self) -> None:
         if self.proc is None or self.proc.poll() is not None:

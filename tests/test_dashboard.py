@@ -1,6 +1,8 @@
-"""Dashboard check, end to end: `mlflow server` on the test store, a small sweep + report, then the MLflow UI
-in headless Chromium (Debian's chromium + chromium-driver, driven by Selenium) must show the experiment,
-its child runs and a logged plot. Screenshots are kept in test-artifacts/ (git-ignored).
+"""Dashboard check, end to end: a small sweep + report, `infersweep ui` on the test store, then the MLflow UI
+in headless Chromium (Debian's chromium + chromium-driver, driven by Selenium). The URL `ui` prints must
+open, in a fresh browser, on the latest experiment's runs table with the metric columns that matter
+(not MLflow 3.x's GenAI overview); the sweeps, their child runs and a logged plot must be there too.
+Screenshots are kept in test-artifacts/ (git-ignored).
 
 Skips locally when Chromium, its driver or Selenium is missing; fails instead under CI (CI=true), whose
 .ci/run installs them.
@@ -8,19 +10,20 @@ Skips locally when Chromium, its driver or Selenium is missing; fails instead un
 from __future__ import annotations
 
 import os
+import queue
 import shutil
-import socket
 import subprocess
-import time
-import urllib.request
+import sys
+import threading
 from pathlib import Path
 
 import pytest
 
-from experiments.cli import server_command
 from experiments.compose import PROJECT_ROOT
+from experiments.dashboard import METRIC_COLUMNS, column_id
 from experiments.report import build
 from experiments.sweep import run_sweep
+from experiments.tracking_server import free_port
 
 pytestmark = [pytest.mark.slow, pytest.mark.browser]
 
@@ -46,40 +49,6 @@ def _require_browser() -> tuple[str, str]:
     return chromium, driver
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@pytest.fixture(scope="module")
-def mlflow_server(tracking, tmp_path_factory):
-    _require_browser()
-    port = _free_port()
-    log = open(tmp_path_factory.mktemp("server") / "mlflow-server.log", "w")
-    proc = subprocess.Popen(server_command(tracking, port), stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    base = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 120
-    while True:
-        try:
-            with urllib.request.urlopen(base + "/health", timeout=2) as r:
-                if r.status == 200:
-                    break
-        except OSError:
-            pass
-        if proc.poll() is not None or time.monotonic() > deadline:
-            proc.kill()
-            pytest.fail(f"mlflow server did not answer /health (see {log.name})")
-        time.sleep(0.5)
-    yield base
-    proc.terminate()
-    try:
-        proc.wait(timeout=20)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-    log.close()
-
-
 @pytest.fixture(scope="module")
 def dashboard_sweep(ray_local, tiny_overrides, tracking, tmp_path_factory):
     res = run_sweep(tiny_overrides + ["sweep_name=t-dashboard", "kv_cache=off,contiguous", "attention=eager,sdpa"],
@@ -88,6 +57,46 @@ def dashboard_sweep(ray_local, tiny_overrides, tracking, tmp_path_factory):
     rep = build("t-dashboard", tracking, out_dir=tmp_path_factory.mktemp("dash-report"), progress=False)
     assert rep.logged_to == res.parent_run_id
     return res
+
+
+@pytest.fixture(scope="module")
+def ui(dashboard_sweep, tracking_overrides):
+    """`infersweep ui` as a user runs it, after the sweep: yields (server base URL, the URL it printed)."""
+    _require_browser()
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "experiments.cli", "ui", *tracking_overrides, "--port", str(port)],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=PROJECT_ROOT)
+    lines: queue.Queue = queue.Queue()
+
+    def read() -> None:
+        for ln in proc.stdout:
+            lines.put(ln)
+        lines.put(None)
+
+    threading.Thread(target=read, daemon=True).start()
+    seen: list[str] = []
+    url = None
+    try:
+        while url is None:
+            try:
+                line = lines.get(timeout=300)  # a safety net for a hung start, not a speed requirement
+            except queue.Empty:
+                break
+            if line is None:  # `ui` exited
+                break
+            seen.append(line)
+            if line.startswith("MLflow UI: "):
+                url = line.split()[2]
+        if url is None:
+            pytest.fail("`infersweep ui` printed no URL:\n" + "".join(seen))
+        yield f"http://127.0.0.1:{port}", url
+    finally:
+        proc.terminate()  # `ui` stops its server on SIGTERM
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
 
 
 @pytest.fixture
@@ -113,11 +122,69 @@ def _shot(d, name: str) -> Path:
     return path
 
 
-def test_mlflow_ui_shows_experiment_child_runs_and_a_logged_plot(mlflow_server, dashboard_sweep, mlflow_client, browser):
+def _trial_metrics(client, res) -> dict[str, dict[str, float]]:
+    return {r["run_id"]: client.get_run(r["run_id"]).data.metrics for r in res.rows}
+
+
+def test_printed_url_opens_the_runs_table_with_the_metric_columns(ui, dashboard_sweep, mlflow_client, browser):
+    """A fresh browser (no local storage: MLflow 3.x would default to its GenAI pages) opens the URL that
+    `infersweep ui` printed: the trial runs of the latest sweep's experiment, fastest first, with the metric
+    columns in view, without clicking anything."""
     from selenium.webdriver.common.by import By
     from selenium.webdriver.support.ui import WebDriverWait
 
     d = browser
+    _, url = ui
+    exp_id = mlflow_client.get_experiment_by_name("t-dashboard").experiment_id
+    assert f"/#/experiments/{exp_id}/runs?" in url  # t-dashboard holds the latest sweep
+    trials = _trial_metrics(mlflow_client, dashboard_sweep)
+    logged = set().union(*(m.keys() for m in trials.values()))
+    expected = [column_id(m) for m in METRIC_COLUMNS if m in logged]
+    assert {"output_tok_s", "ttft_ms_p50", "tpot_ms_p50", "ppl", "peak_mem_bytes"} <= logged
+
+    def headers() -> list:
+        cells = d.find_elements(By.CSS_SELECTOR, "[role='columnheader'][col-id^='metrics.']")
+        return sorted((c for c in cells if c.text), key=lambda c: c.location["x"])
+
+    def rows() -> dict[str, int]:
+        return {r.get_attribute("row-id"): int(r.get_attribute("row-index"))
+                for r in d.find_elements(By.CSS_SELECTOR, "[role='row'][row-id]")}
+
+    d.get(url)
+    try:
+        WebDriverWait(d, 90, poll_frequency=0.5).until(lambda _: len(headers()) == len(expected) and set(rows()) == set(trials))
+    finally:
+        _shot(d, "mlflow-printed-url")
+    # it stayed on the runs table of the classic (model training) view: no GenAI overview or evaluations
+    assert f"/#/experiments/{exp_id}/runs?" in d.current_url and "workflowType=machine_learning" in d.current_url
+    text = d.find_element(By.TAG_NAME, "body").text
+    assert "Overview" not in text and "Evaluation" not in text and "t-dashboard" in text
+    # the metric columns, left to right in the chosen order, each on screen (not scrolled away or covered)
+    hs = headers()
+    assert [h.get_attribute("col-id") for h in hs] == expected
+    for h in hs:
+        on_top = d.execute_script(
+            "const r = arguments[0].getBoundingClientRect();"
+            "const e = document.elementFromPoint(r.left + r.width / 2, r.top + r.height / 2);"
+            "return r.right <= window.innerWidth && e !== null && arguments[0].contains(e);", h)
+        assert on_top, f"column {h.get_attribute('col-id')} is not in view"
+    # one row per trial (the sweep's parent run, without metrics, is filtered out), fastest first, and the
+    # cells show the logged values
+    order = sorted(rows().items(), key=lambda kv: kv[1])
+    tok_s = [trials[rid]["output_tok_s"] for rid, _ in order]
+    assert tok_s == sorted(tok_s, reverse=True)
+    for rid, _ in order:
+        cell = d.find_element(By.CSS_SELECTOR, f"[role='row'][row-id='{rid}'] [col-id='{column_id('output_tok_s')}']")
+        assert float(cell.text) == pytest.approx(trials[rid]["output_tok_s"], rel=1e-2)
+
+
+def test_mlflow_ui_shows_experiment_child_runs_and_a_logged_plot(ui, dashboard_sweep, mlflow_client, browser):
+    """Without the saved view (the UI's "Default view"), sweeps are parent runs with their trials beneath."""
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    d = browser
+    base, _ = ui
     res = dashboard_sweep
     exp_id = mlflow_client.get_experiment_by_name("t-dashboard").experiment_id
     parent = res.parent_run_id
@@ -128,7 +195,7 @@ def test_mlflow_ui_shows_experiment_child_runs_and_a_logged_plot(mlflow_server, 
         return d.find_element(By.TAG_NAME, "body").text
 
     # 1. the experiment's runs table: the experiment and the sweep's parent run (a React SPA: wait for it)
-    d.get(f"{mlflow_server}/#/experiments/{exp_id}/runs")
+    d.get(f"{base}/#/experiments/{exp_id}/runs?workflowType=machine_learning")
     try:
         wait.until(lambda _: f"sweep-{res.sweep_id}" in body())
         assert "t-dashboard" in body()
@@ -139,7 +206,7 @@ def test_mlflow_ui_shows_experiment_child_runs_and_a_logged_plot(mlflow_server, 
     finally:
         _shot(d, "mlflow-runs")
     # 3. the parent run's artifacts: the report folder and a plot rendered as an image
-    d.get(f"{mlflow_server}/#/experiments/{exp_id}/runs/{parent}/artifacts/report/pareto.png")
+    d.get(f"{base}/#/experiments/{exp_id}/runs/{parent}/artifacts/report/pareto.png")
     try:
         wait.until(lambda _: "report/pareto.png" in body() and "regime_chain.png" in body())
         loaded = lambda _: any(  # noqa: E731

@@ -9,7 +9,7 @@ import pytest
 from experiments import advice as adv
 from experiments.cli import main
 from experiments.claims import ABSENT, ARITHMETIC, MISSING, evaluate
-from experiments.report import build, choose_baselines, parse_baseline, pareto_front
+from experiments.report import Line, build, choose_baselines, parse_baseline, pareto_figure, pareto_front, plot_pareto
 from experiments.results import TrialRow, axes, load, workload_key
 from experiments.sweep import run_sweep
 
@@ -223,6 +223,43 @@ def test_baseline_parsing_and_choice():
 def test_pareto_front():
     pts = [(10, 5.0), (20, 6.0), (15, 4.0), (5, 7.0), (20, 5.5)]
     assert sorted(pareto_front(pts)) == [2, 4]  # (15, 4.0) and (20, 5.5): nothing is faster and as accurate
+
+
+def test_pareto_front_ignores_accuracy_differences_within_the_tolerance():
+    pts = [(10, 20.0 - 2e-6), (20, 20.0), (15, 20.0 + 1e-6)]  # eager vs sdpa vs no cache: float noise only
+    assert pareto_front(pts) == [1, 0]
+    assert pareto_front(pts, tol=1e-3) == [1]  # nothing is more accurate than the fastest
+
+
+def _pareto_lines(ppls: list[float]) -> list[Line]:
+    return [Line(_row(i, tok_s=10.0 * (i + 1)), "ctx 24", f"opt{i}", None,
+                 {"output_tok_s": 10.0 * (i + 1), "ppl": p, "regime": "memory"}) for i, p in enumerate(ppls)]
+
+
+def _axis_view(fig) -> dict:
+    fig.canvas.draw()  # tick labels and the offset text exist only once drawn
+    a = fig.axes[0]
+    return {"offset": a.yaxis.get_offset_text().get_text(), "ylabel": a.get_ylabel(),
+            "ticks": [t.get_text() for t in a.get_yticklabels() if t.get_text()],
+            "notes": [t.get_text() for t in a.texts if "accuracy" in t.get_text()],
+            "front": [t for t in a.get_legend_handles_labels()[1] if t.endswith(" *")]}
+
+
+def test_pareto_plot_with_equal_accuracy_draws_one_labelled_level_not_float_noise(tmp_path):
+    ls = _pareto_lines([21.437, 21.437 + 1e-6, 21.437 - 2e-6, 21.437 + 3e-7])
+    v = _axis_view(pareto_figure(ls))
+    assert v["offset"] == "" and v["ticks"] == ["21.44"]  # before: offset "1e-6+2.1437e1", ticks -2.5..1.5
+    assert v["ylabel"] == "perplexity (all points equal)"
+    assert len(v["notes"]) == 1 and v["notes"][0].startswith("all points equal accuracy: ppl 21.44")
+    assert v["front"] == ["4: opt3 (memory-bound) *"]  # the fastest; the others only differ by noise
+    assert plot_pareto(ls, tmp_path / "p.png").read_bytes().startswith(PNG)
+
+
+def test_pareto_plot_with_different_accuracy_keeps_a_scaled_axis():
+    v = _axis_view(pareto_figure(_pareto_lines([21.4, 21.9, 23.0])))
+    assert v["ylabel"] == "perplexity (lower is better)" and not v["notes"] and v["offset"] == ""
+    assert len(v["ticks"]) > 2
+    assert v["front"] == ["1: opt0 (memory-bound) *", "2: opt1 (memory-bound) *", "3: opt2 (memory-bound) *"]
 
 
 def test_claims_rows_without_features_say_so():

@@ -1,0 +1,104 @@
+"""`infersweep ui`: a taken port fails at once, a server that cannot bind is caught from its log, the URL
+opens the latest sweep's experiment, and every experiment the tracker writes to carries the tags that make
+MLflow 3.x open it on its runs table. (The browser check of that URL is tests/test_dashboard.py.)"""
+from __future__ import annotations
+
+import json
+import socket
+
+import pytest
+
+from experiments import dashboard
+from experiments.cli import main
+from experiments.tracking import Tracker
+from experiments.tracking_server import MlflowServer, port_in_use
+
+
+@pytest.fixture
+def taken_port():
+    """A real listening socket on a free port, as another server would hold it."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        yield s.getsockname()[1]
+
+
+def test_ui_on_a_port_in_use_fails_at_once_without_starting_a_server(taken_port, tracking_overrides, tracking_dir, capsys):
+    assert main(["ui", *tracking_overrides, "--port", str(taken_port)]) == 1
+    out, err = capsys.readouterr()
+    assert f"error: port {taken_port} on 127.0.0.1 is not free (Address already in use)" in err
+    assert "--port" in err and "http://" not in out  # no URL printed for a server that never runs
+    assert not (tracking_dir / f"server-{taken_port}.log").exists()  # no server was started
+
+
+def test_port_check_sees_a_wildcard_listener_and_frees_a_closed_port(taken_port):
+    with socket.socket() as s:
+        s.bind(("0.0.0.0", 0))
+        s.listen()
+        assert port_in_use("127.0.0.1", s.getsockname()[1]) is not None
+    assert port_in_use("127.0.0.1", taken_port) is not None
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    assert port_in_use("127.0.0.1", port) is None
+
+
+def test_a_server_that_cannot_bind_is_reported_from_its_log_not_after_it_exits(taken_port, tmp_path):
+    """Past the port check (a race: someone binds in between), the real `mlflow server` logs "address
+    already in use" and then lingers about a minute before exiting 0; launch() fails on the log line and
+    ends the process group."""
+    tracking = {"uri": f"sqlite:///{tmp_path}/mlflow.db", "artifact_root": str(tmp_path / "artifacts")}
+    server = MlflowServer(tracking, port=taken_port, log_path=tmp_path / "server.log")
+    with pytest.raises(RuntimeError) as e:
+        server.launch(timeout_s=300)
+    msg = str(e.value)
+    assert msg.startswith(f"mlflow server failed to start on port {taken_port}: ") and "address already in use" in msg
+    assert server.proc.poll() is not None
+
+
+def test_tracker_tags_new_and_existing_experiments_and_keeps_an_edited_view(tracking, mlflow_client):
+    tracker = Tracker(tracking)
+    view_key = dashboard.VIEW_TAG_PREFIX + dashboard.VIEW_KEY
+    new = mlflow_client.get_experiment(tracker.experiment_id("t-ui-new"))
+    plain_id = mlflow_client.create_experiment("t-ui-plain")  # made by plain MLflow (or before the tags)
+    edited_id = mlflow_client.create_experiment("t-ui-edited", tags={view_key: "{\"edited\": true}"})
+    tracker.experiment_id("t-ui-plain")
+    tracker.experiment_id("t-ui-edited")
+    for exp in (new, mlflow_client.get_experiment(plain_id)):
+        assert exp.tags[dashboard.KIND_TAG] == "custom_model_development"
+        envelope = json.loads(exp.tags[view_key])  # the shape the UI's saved-view reader accepts
+        assert envelope["name"] == "infersweep" and isinstance(envelope["createdAt"], int)
+        state = json.loads(envelope["state"])
+        assert state["selectedColumns"] == state["columnOrder"] == [
+            "metrics.`output_tok_s`", "metrics.`ttft_ms_p50`", "metrics.`tpot_ms_p50`", "metrics.`ppl`",
+            "metrics.`kl_div_mean`", "metrics.`peak_mem_bytes`"]
+        assert state["searchFilter"] == "tags.kind = 'trial'" and state["orderByAsc"] is False
+    edited = mlflow_client.get_experiment(edited_id)
+    assert edited.tags[view_key] == "{\"edited\": true}" and edited.tags[dashboard.KIND_TAG] == "custom_model_development"
+
+
+def test_latest_experiment_is_the_one_of_the_newest_sweep(tmp_path):
+    from mlflow.tracking import MlflowClient
+
+    c = MlflowClient(f"sqlite:///{tmp_path}/mlflow.db")
+    assert dashboard.latest_experiment(c) is None  # only MLflow's empty Default experiment
+    a, b, late = (c.create_experiment(n, artifact_location=(tmp_path / n).as_uri()) for n in ("a", "b", "late"))
+    c.create_run(a, start_time=1_000, tags={"kind": "sweep"})
+    c.create_run(b, start_time=2_000, tags={"kind": "sweep"})
+    c.create_run(late, start_time=3_000, tags={"kind": "trial"})  # a lone `infersweep run`, no sweep
+    assert dashboard.latest_experiment(c).experiment_id == b
+    assert dashboard.runs_url("http://127.0.0.1:5000/", b) == (
+        f"http://127.0.0.1:5000/#/experiments/{b}/runs?workflowType=machine_learning&viewStateShareKey=infersweep")
+
+
+def test_ui_against_a_running_tracking_server_prints_its_runs_url(mlflow_server, capsys):
+    """tracking.uri=http://...: that server already serves the UI; `ui` tags and prints, starts nothing."""
+    from mlflow.tracking import MlflowClient
+
+    c = MlflowClient(mlflow_server)
+    eid = c.create_experiment("t-ui-remote")
+    c.set_terminated(c.create_run(eid, tags={"kind": "sweep"}).info.run_id)
+    capsys.readouterr()  # MLflow's own "View run at" lines
+    assert main(["ui", f"tracking.uri={mlflow_server}"]) == 0
+    assert capsys.readouterr().out.strip() == dashboard.runs_url(mlflow_server, eid)
+    assert c.get_experiment(eid).tags[dashboard.KIND_TAG] == "custom_model_development"
