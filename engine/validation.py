@@ -29,7 +29,6 @@ from .config import (
 )
 from .models import PREPARED_MODELS, PREPARED_SCHEME, TINY_SCHEME, local_config, max_positions
 
-HF_KV_MODES = ("off", "contiguous")
 
 
 def _choice(field: str, value, allowed) -> list[tuple[str, str]]:
@@ -114,8 +113,7 @@ def check_trial(trial: TrialConfig, gpu_available: bool) -> list[tuple[str, str]
     p += _choice("engine.backend", trial.engine.backend, BACKENDS)
     p += _choice("attention.impl", trial.attention.impl, ATTENTION_IMPLS)
     p += _choice("kv_cache.mode", trial.kv_cache.mode, KV_CACHE_MODES)
-    if trial.engine.backend == "hf" and trial.kv_cache.mode not in HF_KV_MODES:
-        p.append(("kv_cache.mode", f"backend hf supports {', '.join(HF_KV_MODES)}; paged needs backend native"))
+    p += _engine_support(trial)
     q = trial.quant
     p += _choice("quant.level", q.level, QUANT_LEVELS)
     p += _choice("quant.compute_dtype", q.compute_dtype, DTYPES)
@@ -132,7 +130,6 @@ def check_trial(trial: TrialConfig, gpu_available: bool) -> list[tuple[str, str]
     if trial.attention.impl == "flash" and not gpu_available and trial.engine.backend != "llamacpp":
         p.append(("attention.impl", "flash needs a CUDA GPU (none requested/available); use sdpa or eager "
                                     "(or engine=llamacpp, whose flash attention runs on CPU)"))
-    p += _llamacpp(trial)
     if m.path.startswith(PREPARED_SCHEME):
         name = m.path[len(PREPARED_SCHEME):]
         if name not in PREPARED_MODELS:
@@ -248,21 +245,25 @@ def _quant_layers(trial: TrialConfig) -> list[tuple[str, str]]:
                                        f"to quantize; use quant=none for an unquantized run), got {q.keep_last_layers}")]
 
 
-def _llamacpp(trial: TrialConfig) -> list[tuple[str, str]]:
-    """engine=llamacpp's own knobs, and what it cannot honour (engine/backends/llamacpp.py)."""
-    backend, q, kv_dtype = trial.engine.backend, trial.quant, trial.kv_cache.dtype
-    p = _choice("kv_cache.dtype", kv_dtype, KV_CACHE_DTYPES)
-    if backend != "llamacpp":
-        if q.level in GGUF_QUANT_LEVELS:
-            p.append(("quant.level", f"{q.level} is a GGUF weight type written by llama.cpp: it needs engine=llamacpp "
-                                     f"(engine {backend} quantizes with int8-*/bnb-* levels)"))
-        if kv_dtype != "auto":
-            p.append(("kv_cache.dtype", f"kv_cache.dtype is an engine=llamacpp knob; engine {backend} "
-                                        "keeps K/V in model.dtype: leave it auto"))
-        return p
-    from .backends.llamacpp import unsupported
+def _engine_support(trial: TrialConfig) -> list[tuple[str, str]]:
+    """What the chosen engine cannot honour: the axis registry's table (engine/axes.py) for every engine,
+    then the engine's own rules that depend on several keys or on the model."""
+    from . import axes
 
-    return p + unsupported(trial)
+    backend = trial.engine.backend
+    flat = {key: _get(trial, key) for key in {k for table in axes.SUPPORT.values() for k in table}}
+    p = _choice("kv_cache.dtype", trial.kv_cache.dtype, KV_CACHE_DTYPES) + axes.unsupported(backend, flat)
+    if backend == "llamacpp":
+        from .backends.llamacpp import unsupported
+
+        p += unsupported(trial)
+    return p
+
+
+def _get(obj, key: str):
+    for part in key.split("."):
+        obj = getattr(obj, part)
+    return obj
 
 
 def _length(field: str, s: LengthConfig) -> list[tuple[str, str]]:

@@ -48,14 +48,14 @@ def _problems(overrides: list[str]) -> str:
 
 def test_llamacpp_rejects_what_it_cannot_honour_naming_keys_and_engine():
     msg = _problems(["engine=llamacpp", "kv_cache=paged", "quant=int8-weight", "engine.compile=true"])
-    assert "kv_cache.mode: engine=llamacpp keeps its own KV cache" in msg
-    assert "quant.level: engine=llamacpp quantizes to GGUF weight types" in msg
-    assert "engine.compile: engine=llamacpp runs llama.cpp's C++ graph" in msg
+    assert "kv_cache.mode: engine=llamacpp cannot honour kv_cache.mode=paged: llama.cpp keeps its own KV cache" in msg
+    assert "quant.level: engine=llamacpp cannot honour quant.level=int8-weight: llama.cpp quantizes to GGUF" in msg
+    assert "engine.compile: engine=llamacpp cannot honour engine.compile=True: llama.cpp runs its own C++ graph" in msg
 
 
 def test_llamacpp_rejects_model_drafters_and_serving():
     msg = _problems(["engine=llamacpp", "speculative=self-draft"])
-    assert "speculative.method: engine=llamacpp supports speculative=prompt-lookup only" in msg
+    assert "speculative.method: engine=llamacpp cannot honour speculative.method=self-draft" in msg
     msg = _problems(["engine=llamacpp", "workload=serving-mixed", "kv_cache=paged"])
     assert "engine llamacpp runs one static batch only" in msg
 
@@ -70,8 +70,8 @@ def test_quantized_kv_cache_needs_flash_attention():
 
 def test_gguf_levels_and_kv_dtype_belong_to_llamacpp():
     msg = _problems(["engine=hf", "quant=gguf-q8_0", "kv_cache.dtype=q8_0"])
-    assert "quant.level: gguf-q8_0 is a GGUF weight type written by llama.cpp: it needs engine=llamacpp" in msg
-    assert "kv_cache.dtype: kv_cache.dtype is an engine=llamacpp knob; engine hf" in msg
+    assert "quant.level: engine=hf cannot honour quant.level=gguf-q8_0: gguf-* levels are GGUF weight types written by llama.cpp (engine=llamacpp)" in msg
+    assert "kv_cache.dtype: engine=hf cannot honour kv_cache.dtype=q8_0: K/V stay in model.dtype" in msg
 
 
 def test_llamacpp_accepts_flash_on_cpu_and_gguf_levels():

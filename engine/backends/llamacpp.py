@@ -85,27 +85,18 @@ def available() -> bool:
 # --- what this engine cannot do ------------------------------------------------------------------------
 
 def unsupported(trial: TrialConfig) -> list[tuple[str, str]]:
-    """(config key, message) for each part of `trial` engine=llamacpp cannot honour; [] when it can."""
+    """(config key, message) for each part of `trial` engine=llamacpp cannot honour beyond the axis
+    registry's table (engine/axes.py SUPPORT, checked by validation for every engine): rules that depend on
+    the model or on several keys; [] when it can."""
     q, s, kv = trial.quant, trial.speculative, trial.kv_cache
     attention = trial.attention.impl
     p: list[tuple[str, str]] = []
     if not available():
         p.append(("engine.backend", f"{ENGINE} needs llama-cpp-python, which is not installed: run "
-                                          "`make setup-llamacpp`"))
-    if kv.mode != "contiguous":
-        p.append(("kv_cache.mode", f"{ENGINE} keeps its own KV cache (one contiguous stream per sequence); "
-                                           f"kv_cache={kv.mode} is not supported: use kv_cache=contiguous"))
-    if trial.engine.compile:
-        p.append(("engine.compile", f"{ENGINE} runs llama.cpp's C++ graph: torch.compile does not apply"))
-    if q.level != "none" and q.level not in GGUF_QUANT_LEVELS:
-        p.append(("quant.level", f"{ENGINE} quantizes to GGUF weight types ({', '.join(GGUF_QUANT_LEVELS)}); "
-                                 f"{q.level} is a PyTorch level of engine=hf/native"))
+                                    "`make setup-llamacpp`"))
     if q.keep_last_layers:
         p.append(("quant.keep_last_layers", f"{ENGINE}: llama.cpp's quantizer picks per-tensor types itself "
                                             "(gguf-q4_k_m mixes them); keep_last_layers is not supported"))
-    if s.method in ("draft", "self-draft"):
-        p.append(("speculative.method", f"{ENGINE} supports speculative=prompt-lookup only ({s.method} needs a "
-                                        "draft model on this engine)"))
     if kv.dtype in QUANTIZED_KV:
         if attention != "flash":
             p.append(("kv_cache.dtype", f"{ENGINE}: a quantized V cache ({kv.dtype}) needs flash "
