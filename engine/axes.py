@@ -19,6 +19,7 @@ class Axis:
     off: str  # the value meaning "not applied"
     label: str  # what the seed calls the step
     chain: Optional[int]  # position in the seed's chain; None: an axis that is not a step of it
+    whole_group: bool = True  # every key of the group belongs to the optimization (kv_cache.block_size does)
 
     def value(self, params: Mapping[str, Any]) -> Optional[str]:
         """The axis' value in a flat {config key: value} mapping (None when the key is absent)."""
@@ -37,12 +38,15 @@ ATTENTION = Axis("attention", "attention.impl", "eager", "fused (flash) attentio
 QUANT = Axis("quant", "quant.level", "none", "quantization", 3)
 SPECULATIVE = Axis("speculative", "speculative.method", "off", "speculative decoding", 4)
 BACKEND = Axis("engine", "engine.backend", "hf", "engine", None)
+# the number format the weights and activations run in: an optimization like quantization, though its key
+# lives in the model's group (whose other keys -- name, path -- say which model, not how it runs)
+PRECISION = Axis("model", "model.dtype", "float32", "half precision", None, whole_group=False)
 
-AXES: tuple[Axis, ...] = (KV_CACHE, BATCHING, ATTENTION, QUANT, SPECULATIVE, BACKEND)
+AXES: tuple[Axis, ...] = (KV_CACHE, BATCHING, ATTENTION, QUANT, SPECULATIVE, BACKEND, PRECISION)
 CHAIN: tuple[Axis, ...] = tuple(sorted((a for a in AXES if a.chain is not None), key=lambda a: a.chain))
 RIGHT_SIZE = "right-size the model"  # the chain's last step: a different model, not a switch
 
-_BY_GROUP = {a.group: a for a in AXES}
+_BY_GROUP = {a.group: a for a in AXES if a.whole_group}
 _BY_KEY = {a.key: a for a in AXES}
 
 
@@ -55,8 +59,12 @@ def by_key(key: str) -> Optional[Axis]:
 
 
 def is_optimization_key(key: str) -> bool:
-    """Whether a config key belongs to an optimization axis' group (`kv_cache.block_size` does)."""
-    return key.split(".", 1)[0] in _BY_GROUP
+    """Whether a config key belongs to an optimization axis (`kv_cache.block_size` does, `model.name`
+    does not)."""
+    if key in _BY_KEY:
+        return True
+    a = _BY_GROUP.get(key.split(".", 1)[0])
+    return a is not None and a.whole_group
 
 
 def resolve_key(name: str) -> str:
@@ -68,7 +76,7 @@ def resolve_key(name: str) -> str:
 def short_key(key: str) -> str:
     """The label of a config key in tables: an axis' choice key shows as its group (`kv_cache`)."""
     a = _BY_KEY.get(key)
-    return a.group if a is not None else key
+    return a.group if a is not None and a.whole_group else key
 
 
 def is_off(key: str, value: Any) -> bool:

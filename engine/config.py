@@ -38,6 +38,28 @@ PROMPT_STYLES = ("window", "repeat")
 TEXT_KINDS = ("pydoc", "file", "datasets")
 
 
+def added(implicit: Any) -> dict[str, Any]:
+    """Field metadata of a key added after the first schema: `implicit` is the value every config written
+    before it existed had (what that code did). A config hash leaves the key out at that value, so runs
+    recorded earlier keep their hashes (experiments/hashing.py)."""
+    return {"added_implicit": implicit}
+
+
+def added_keys(cls=None, prefix: str = "") -> dict[str, Any]:
+    """{dotted key: implicit value} of every `added` field under `cls` (default: TrialConfig)."""
+    cls = cls or TrialConfig
+    out: dict[str, Any] = {}
+    hints = _hints(cls)
+    for f in dataclasses.fields(cls):
+        key = prefix + f.name
+        if "added_implicit" in f.metadata:
+            out[key] = f.metadata["added_implicit"]
+        sub = _dataclass_of(hints[f.name])
+        if sub is not None:
+            out.update(added_keys(sub, key + "."))
+    return out
+
+
 class EngineError(RuntimeError):
     """A request the engine cannot honour (bad path, unsupported backend on this device, ...)."""
 
@@ -82,7 +104,8 @@ class KVCacheConfig:
     block_size: int = 16  # tokens per block (paged)
     prefix_caching: bool = False  # serving: reuse computed full blocks of a shared prompt prefix (paged)
     num_blocks: int = 0  # serving: blocks in the shared pool; 0 = max_batch_size x the longest request
-    dtype: str = "auto"  # K/V element type, one of KV_CACHE_DTYPES (engine=llamacpp)
+    # K/V element type, one of KV_CACHE_DTYPES (engine=llamacpp, vllm); added after the first schema
+    dtype: str = field(default="auto", metadata=added("auto"))
 
 
 @dataclass

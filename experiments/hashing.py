@@ -3,11 +3,12 @@
 Everything in the resolved trial config counts except the keys in EXCLUDED_TOP (where results go, how
 trials are placed), so a new optimization group is part of the hash by default.
 
-Hashes stay stable when the schema grows: a key added after hash_version 1 is listed in ADDED_KEYS with
-the value every earlier config implicitly had, and a config holding exactly that value hashes as it did
-before the key existed. So runs recorded earlier keep resuming and reproducing by hash, and a config that
-sets the new key to anything else gets a hash of its own. (The neutral value is frozen here, not read from
-the schema: changing a schema default later must not silently re-hash old runs.)
+Hashes stay stable when the schema grows: a key added after hash_version 1 is declared with
+`engine.config.added(value)`, the value every earlier config implicitly had, and a config holding exactly
+that value hashes as it did before the key existed (a section left empty by that is dropped too). So runs
+recorded earlier keep resuming and reproducing by hash, and a config that sets the new key to anything else
+gets a hash of its own. (The implicit value is declared beside the field, not read from its default:
+changing a default later must not silently re-hash old runs.)
 """
 from __future__ import annotations
 
@@ -22,21 +23,29 @@ EXCLUDED_TOP = ("cluster", "tracking", "sweep_name", "hydra")
 SHORT = 12
 
 
-# dotted key -> its value in every config recorded before the key existed
-ADDED_KEYS: dict[str, Any] = {
-    "kv_cache.dtype": "auto",  # engine=llamacpp / vllm K/V element type
-}
+def _added() -> dict[str, Any]:
+    from engine.config import added_keys
+
+    return added_keys()
 
 
 def measured_view(config: dict[str, Any], added: dict[str, Any] | None = None) -> dict[str, Any]:
     view = {k: copy.deepcopy(v) for k, v in config.items() if k not in EXCLUDED_TOP}
-    for key, neutral in (ADDED_KEYS if added is None else added).items():
+    for key, neutral in {**_added(), **(added or {})}.items():  # `added`: more, as a test declares them
         *parents, leaf = key.split(".")
-        node: Any = view
+        chain: list[dict] = [view]
         for p in parents:
-            node = node.get(p) if isinstance(node, dict) else None
-        if isinstance(node, dict) and leaf in node and node[leaf] == neutral:
-            del node[leaf]
+            nxt = chain[-1].get(p) if isinstance(chain[-1], dict) else None
+            if not isinstance(nxt, dict):
+                break
+            chain.append(nxt)
+        else:
+            if leaf in chain[-1] and chain[-1][leaf] == neutral:
+                del chain[-1][leaf]
+                for parent, name in zip(reversed(chain[:-1]), reversed(parents)):  # a new section, now empty
+                    if parent[name]:
+                        break
+                    del parent[name]
     return view
 
 

@@ -9,6 +9,7 @@ from engine.config import (
     ATTENTION_IMPLS,
     BACKENDS,
     BATCHING_MODES,
+    DTYPES,
     KV_CACHE_MODES,
     QUANT_LEVELS,
     SPECULATIVE_METHODS,
@@ -18,7 +19,8 @@ from engine.config import (
 from engine.validation import _get
 
 ALLOWED = {axes.KV_CACHE.key: KV_CACHE_MODES, axes.BATCHING.key: BATCHING_MODES, axes.ATTENTION.key: ATTENTION_IMPLS,
-           axes.QUANT.key: QUANT_LEVELS, axes.SPECULATIVE.key: SPECULATIVE_METHODS, axes.BACKEND.key: BACKENDS}
+           axes.QUANT.key: QUANT_LEVELS, axes.SPECULATIVE.key: SPECULATIVE_METHODS, axes.BACKEND.key: BACKENDS,
+           axes.PRECISION.key: DTYPES}
 
 
 def test_every_axis_is_a_config_key_with_a_valid_off_value():
@@ -27,6 +29,8 @@ def test_every_axis_is_a_config_key_with_a_valid_off_value():
         _get(trial, a.key)  # raises for a key the config does not have
         assert a.off in ALLOWED[a.key], a
         assert a.key.split(".")[0] == a.group
+    assert axes.is_optimization_key("kv_cache.block_size") and axes.is_optimization_key("model.dtype")
+    assert not axes.is_optimization_key("model.name") and not axes.is_optimization_key("workload.context_len")
     assert [a.label for a in axes.CHAIN] == ["KV cache", "continuous batching", "fused (flash) attention",
                                             "quantization", "speculative decoding"]
 

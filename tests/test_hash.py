@@ -112,7 +112,16 @@ def test_a_key_added_later_keeps_old_hashes_at_its_neutral_value():
     assert config_hash(grown, added={"kv_cache.new_knob": "auto"}) == h
     grown["kv_cache"]["new_knob"] = "q8_0"
     assert config_hash(grown, added={"kv_cache.new_knob": "auto"}) != h
-    assert config_hash(grown) != h  # an unregistered key always counts
+    assert config_hash(grown, added={}) != h  # an undeclared key always counts
+    section = copy.deepcopy(cfg)
+    section["prefill"] = {"chunk": 0}  # a whole new section at its implicit value
+    assert config_hash(section, added={"prefill.chunk": 0}) == h
+
+
+def test_declared_added_keys_are_found_in_the_config_model():
+    from engine.config import added_keys
+
+    assert added_keys()["kv_cache.dtype"] == "auto"
 
 
 @pytest.mark.parametrize("bf16", ["0", "1"])
