@@ -11,7 +11,7 @@ import time
 import torch
 
 from engine import TrialConfig, ModelConfig
-from engine.config import BatchingConfig, LengthConfig, WorkloadConfig, TextConfig
+from engine.config import BatchingConfig, EngineConfig, KVCacheConfig, LengthConfig, TextConfig, WorkloadConfig
 from engine.models import load_model
 from engine.backends import make_backend
 from engine.serving.run import ServingSetup, warmup_requests

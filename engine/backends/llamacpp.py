@@ -88,7 +88,7 @@ def unsupported(trial: TrialConfig) -> list[tuple[str, str]]:
     """(config key, message) for each part of `trial` engine=llamacpp cannot honour beyond the axis
     registry's table (engine/axes.py SUPPORT, checked by validation for every engine): rules that depend on
     the model or on several keys; [] when it can."""
-    q, s, kv = trial.quant, trial.speculative, trial.kv_cache
+    q, kv = trial.quant, trial.kv_cache
     attention = trial.attention.impl
     p: list[tuple[str, str]] = []
     if not available():
