@@ -14,9 +14,9 @@ from engine import TrialConfig, ModelConfig
 from engine.config import BatchingConfig, EngineConfig, KVCacheConfig, LengthConfig, TextConfig, WorkloadConfig
 from engine.models import load_model
 from engine.backends import make_backend
-from engine.serving.run import ServingSetup, warmup_requests
-from engine.serving.workload import make_requests
-from engine.workload import corpus_ids
+from engine.serving.serve import ServingSetup, warmup_requests
+from engine.serving.requests import make_requests
+from engine.prompts import corpus_ids
 torch.set_num_threads(1)
 spec_m = ModelConfig(name="smol", path="prepared://smollm2-135m-instruct")
 loaded = load_model(spec_m, attention="sdpa")

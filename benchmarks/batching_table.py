@@ -13,7 +13,7 @@ os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")
 
 from mlflow.tracking import MlflowClient  # noqa: E402
 
-from experiments.tracking import TOKENS_ARTIFACT, Tracker, resolve_uri  # noqa: E402
+from experiments.tracking.store import TOKENS_ARTIFACT, Tracker, resolve_uri  # noqa: E402
 
 MODES = ("static", "continuous")
 

@@ -23,9 +23,9 @@ os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from experiments import spool as spool_mod  # noqa: E402
-from experiments.compose import expand  # noqa: E402
-from experiments.sweep import run_specs  # noqa: E402
+from experiments.tracking import spool as spool_mod  # noqa: E402
+from experiments.config.compose import expand  # noqa: E402
+from experiments.run.sweep import run_specs  # noqa: E402
 
 CHEAP = ["model=tiny-llama", "workload.context_len=8", "workload.max_new_tokens=2", "workload.warmup=0",
          "workload.repeats=1", "eval.enabled=false", "cluster.num_cpus_per_trial=1", "cluster.local_num_cpus=2"]
@@ -43,7 +43,7 @@ def start_postgres(tmp: Path) -> str:
     import shutil
     import subprocess
 
-    from experiments.tracking_server import free_port
+    from experiments.tracking.server import free_port
 
     bindir = sorted(glob.glob("/usr/lib/postgresql/*/bin"))[-1]
     root = tmp / "pg"

@@ -1,11 +1,11 @@
 """Speculative decoding on SmolLM2-135M (issue 5's check): `experiment=speculative`, measured in-process.
 
-The trials are exactly the sweep's -- `experiments.compose.expand(["experiment=speculative", ...])`, the same
+The trials are exactly the sweep's -- `experiments.config.compose.expand(["experiment=speculative", ...])`, the same
 expansion `infersweep sweep experiment=speculative` runs on Ray -- but they run here, one after the other,
 on one loaded model (what a warm worker does), without Ray or MLflow in the process. Per workload
 (prompt_style repeat | window) the speculative=off trial runs first and again last; its mean is the
 baseline. For every trial: alpha, measured vs predicted tokens/step, draft cost ratio c, per-step clocks,
-and the speedup over off (`experiments.speculative.speculative_speedups`, what a report computes from the
+and the speedup over off (`experiments.analysis.speedups.speculative_speedups`, what a report computes from the
 MLflow rows). Writes the section "## Speculative decoding" of BENCHMARKS.md (other sections are kept).
 
     flock /tmp/infersweep-bench.lock python benchmarks/bench_speculative.py          # ~15 min on 2 cores
@@ -27,16 +27,16 @@ sys.path.insert(0, str(ROOT))
 from bench_native import _cpu_jiffies, foreign_share, wait_until_quiet  # noqa: E402
 from engine import load_model, run_engine_trial  # noqa: E402
 from engine.runner import device_info  # noqa: E402
-from experiments.compose import expand  # noqa: E402
-from experiments.results import TrialRow  # noqa: E402
-from experiments.spec import build_trial  # noqa: E402
-from experiments.speculative import speculative_speedups  # noqa: E402
+from experiments.config.compose import expand  # noqa: E402
+from experiments.analysis.results import TrialRow  # noqa: E402
+from experiments.config.spec import build_trial  # noqa: E402
+from experiments.analysis.speedups import speculative_speedups  # noqa: E402
 
 SECTION = "## Speculative decoding"
 
 
 def flatten(d: dict, prefix: str = "") -> dict[str, str]:
-    """The config as MLflow params (experiments.tracking.flatten, without importing mlflow here)."""
+    """The config as MLflow params (experiments.tracking.store.flatten, without importing mlflow here)."""
     out: dict[str, str] = {}
     for k, v in d.items():
         if isinstance(v, dict):
@@ -173,7 +173,7 @@ def main(argv=None) -> int:
         L.append("")
     L.append(f"† other processes used more than {100 * a.max_foreign:.0f}% of the CPU during that trial, after "
              f"{a.retries} re-measurements: its clocks are inflated. Speedup = tpot(off) / tpot(trial) "
-             "(`experiments.speculative.speculative_speedups`); c = draft time per drafted token / verify time "
+             "(`experiments.analysis.speedups.speculative_speedups`); c = draft time per drafted token / verify time "
              "per step; \"verify / off step\" = one verification forward over 1 + k' tokens / one plain decode step.")
     L.append("")
     section = "\n".join(L) + "\n"

@@ -55,15 +55,15 @@ from engine.config import (  # noqa: E402
     TrialConfig,
     WorkloadConfig,
 )
-from engine.costmodel import ModelShape, Precision, forward_cost  # noqa: E402
+from engine.measure.costmodel import ModelShape, Precision, forward_cost  # noqa: E402
 from engine.generate import device_synchronizer, generate  # noqa: E402
-from engine.hardware import device_name, gpu_spec, preferred_dtype  # noqa: E402
-from engine.memory import PeakMemory  # noqa: E402
-from engine.metrics import static_batch_metrics  # noqa: E402
+from engine.measure.hardware import device_name, gpu_spec, preferred_dtype  # noqa: E402
+from engine.measure.memory import PeakMemory  # noqa: E402
+from engine.measure.metrics import static_batch_metrics  # noqa: E402
 from engine.models import TORCH_DTYPES, LoadedModel, weights_bytes  # noqa: E402
 from engine.native.backend import NativeBackend  # noqa: E402
 from engine.quant import quantize_model  # noqa: E402
-from engine.serving.run import run_serving  # noqa: E402
+from engine.serving.serve import run_serving  # noqa: E402
 from engine.speculative.verify import verify  # noqa: E402
 from engine.tokenizer import ByteTokenizer  # noqa: E402
 

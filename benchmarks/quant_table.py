@@ -9,8 +9,8 @@ from collections import defaultdict
 
 from mlflow.tracking import MlflowClient
 
-from experiments.results import load
-from experiments.tracking import resolve_uri
+from experiments.analysis.results import load
+from experiments.tracking.store import resolve_uri
 
 LEVELS = ["none", "int8-weight", "int8-dynamic", "bnb-int8", "bnb-nf4", "bnb-fp4"]
 

@@ -26,7 +26,7 @@ from .config import (
     TrialConfig,
     WorkloadConfig,
 )
-from .metrics import METRICS
+from .measure.metrics import METRICS
 from .models import LoadedModel, load_model, prepare_model
 from .runner import EngineResult, run_engine_trial
 

@@ -13,12 +13,12 @@ import torch
 
 from .backends import make_backend
 from .config import EngineError, TrialConfig, replace
-from .fidelity import ReferenceCache, compute_reference, fidelity, perplexity
+from .measure.fidelity import ReferenceCache, compute_reference, fidelity, perplexity
 from .generate import device_synchronizer, generate
-from .memory import PeakMemory
-from .metrics import median_metrics, speculative_metrics, static_batch_metrics, tokens_equal
+from .measure.memory import PeakMemory
+from .measure.metrics import median_metrics, speculative_metrics, static_batch_metrics, tokens_equal
 from .models import LoadedModel, cache_root, load_model
-from .workload import corpus_ids, windows, workload_prompts
+from .prompts import corpus_ids, windows, workload_prompts
 
 log = logging.getLogger(__name__)
 
@@ -109,7 +109,7 @@ def evaluate_fidelity(trial: TrialConfig, backend, loaded: LoadedModel, evw: tor
 def roofline(trial: TrialConfig, loaded: LoadedModel, metrics: dict[str, float]) -> dict[str, str]:
     """Add the cost model's roofline metrics to `metrics`; return its regime labels. A model the cost model
     cannot read (an unusual architecture) costs the trial nothing but these numbers."""
-    from .costmodel import assess_trial
+    from .measure.costmodel import assess_trial
 
     try:
         a = assess_trial(trial, loaded.config, loaded.device, metrics)
@@ -150,7 +150,7 @@ def run_engine_trial(
     backend = make_backend(loaded, trial)
     device = loaded.device
     if trial.workload.serving:  # requests arriving over time, scheduled (engine/serving)
-        from .serving.run import run_serving
+        from .serving.serve import run_serving
 
         metrics, token_ids = run_serving(trial, loaded, backend, say)
         evaluate(trial, backend, loaded, metrics, say)

@@ -198,7 +198,7 @@ def _native_support(trial: TrialConfig) -> list[tuple[str, str]]:
     if why is None:
         need = w.context_len + w.max_new_tokens
         if w.serving:
-            from .serving.workload import max_request_tokens
+            from .serving.requests import max_request_tokens
 
             need = max_request_tokens(w)
         why = window_exceeded(sliding_window(cfg), need)
@@ -217,7 +217,7 @@ def _native_support(trial: TrialConfig) -> list[tuple[str, str]]:
 def _repeat_prompt(trial: TrialConfig) -> list[tuple[str, str]]:
     """prompt_style=repeat fits an instruction, a cue and a passage in context_len tokens of this tokenizer."""
     from .models import local_tokenizer
-    from .workload import REPEAT_PRIMER, repeat_min_context
+    from .prompts import REPEAT_PRIMER, repeat_min_context
 
     w = trial.workload
     if w.serving or w.prompt_style != "repeat":
@@ -280,7 +280,7 @@ def _length(field: str, s: LengthConfig) -> list[tuple[str, str]]:
 
 def _batching(trial: TrialConfig) -> list[tuple[str, str]]:
     """Batching, SLO, prefix-caching and serving-workload checks."""
-    from .serving.workload import max_prompt_tokens, max_request_tokens, read_length_trace
+    from .serving.requests import max_prompt_tokens, max_request_tokens, read_length_trace
 
     p: list[tuple[str, str]] = []
     b, s = trial.batching, trial.workload

@@ -8,7 +8,7 @@ import sys
 import textwrap
 from pathlib import Path
 
-from .compose import SweepError
+from .config.compose import SweepError
 from .errors import UserError
 
 EPILOG = """\
@@ -34,7 +34,7 @@ examples:
 
 def _groups_help() -> str:
     """`group: option, option` for every config group in conf/, read from disk so it never goes stale."""
-    from .compose import conf_dir
+    from .config.compose import conf_dir
 
     lines = ["groups and their options:"]
     for d in sorted(p for p in conf_dir().iterdir() if p.is_dir()):
@@ -46,7 +46,7 @@ def _groups_help() -> str:
 
 
 def _tracking(overrides: list[str]) -> dict:
-    from .compose import Composer
+    from .config.compose import Composer
 
     with Composer() as c:
         cfg, _ = c.compose(overrides)
@@ -54,7 +54,7 @@ def _tracking(overrides: list[str]) -> dict:
 
 
 def cmd_sweep(args) -> int:
-    from .sweep import run_sweep
+    from .run.sweep import run_sweep
 
     res = run_sweep(args.overrides, in_process=args.in_process, force=args.force)
     print(f"\nMLflow: experiment '{res.sweep_name}', sweep {res.sweep_id} in {res.store_uri or res.tracking_uri}")
@@ -66,8 +66,8 @@ def cmd_sweep(args) -> int:
 
 
 def cmd_sync(args) -> int:
-    from .spool import pending_summary, spool_root, sync
-    from .tracking_server import serving
+    from .tracking.spool import pending_summary, spool_root, sync
+    from .tracking.server import serving
 
     tracking = _tracking(args.overrides)
     pending = list(pending_summary(tracking))
@@ -86,9 +86,9 @@ def cmd_sync(args) -> int:
 
 
 def cmd_run(args) -> int:
-    from .compose import expand
-    from .summary import table
-    from .sweep import run_specs
+    from .config.compose import expand
+    from .analysis.summary import table
+    from .run.sweep import run_specs
 
     specs = expand(args.overrides)
     if len(specs) != 1:
@@ -104,7 +104,7 @@ def cmd_run(args) -> int:
 
 
 def cmd_reproduce(args) -> int:
-    from .reproduce import format_comparison, reproduce
+    from .run.reproduce import format_comparison, reproduce
 
     cmp = reproduce(args.hash, _tracking(args.overrides))
     print(format_comparison(cmp))
@@ -112,8 +112,8 @@ def cmd_reproduce(args) -> int:
 
 
 def cmd_report(args) -> int:
-    from .report import ReportError, build, text_table
-    from .results import NotFound
+    from .analysis.report import ReportError, build, text_table
+    from .analysis.results import NotFound
 
     try:
         rep = build(args.sweep, _tracking(args.overrides), baseline=args.baseline, out_dir=args.out,
@@ -126,7 +126,7 @@ def cmd_report(args) -> int:
         if n is not None:
             print(f"\n[{a.workload}] best: {a.best.hash[:8]} {a.best.num('output_tok_s'):.2f} tok/s; next: {n.step} -- {n.verdict}")
     if rep.claims is not None:
-        from .claims import to_markdown
+        from .analysis.claims import to_markdown
 
         print("\n" + to_markdown(rep.claims))
     print(f"\nreport: {rep.markdown_path}" + (f"  (logged to run {rep.logged_to}, artifacts/report/)" if rep.logged_to else ""))
@@ -136,9 +136,9 @@ def cmd_report(args) -> int:
 def cmd_ui(args) -> int:
     from mlflow.tracking import MlflowClient
 
-    from .dashboard import latest_experiment, runs_url, tag_experiment
-    from .tracking import is_http, redact, resolve_uri
-    from .tracking_server import MlflowServer
+    from .tracking.dashboard import latest_experiment, runs_url, tag_experiment
+    from .tracking.store import is_http, redact, resolve_uri
+    from .tracking.server import MlflowServer
 
     tracking = _tracking(args.overrides)
     uri = resolve_uri(tracking["uri"])
@@ -188,7 +188,7 @@ def cmd_ui(args) -> int:
 def cmd_probe(args) -> int:
     import torch
 
-    from engine.hardware import cache_path, node_peaks, node_probe, preferred_dtype
+    from engine.measure.hardware import cache_path, node_peaks, node_probe, preferred_dtype
 
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     threads = args.threads or (torch.get_num_threads() if device.type == "cpu" else None)

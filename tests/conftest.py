@@ -41,7 +41,7 @@ def tracking(tracking_dir):
 def mlflow_client(tracking):
     from mlflow.tracking import MlflowClient
 
-    from experiments.tracking import resolve_uri
+    from experiments.tracking.store import resolve_uri
 
     return MlflowClient(tracking_uri=resolve_uri(tracking["uri"]))
 
@@ -54,7 +54,7 @@ def tiny_overrides(tracking_overrides):
 @pytest.fixture(scope="session")
 def mlflow_server(tmp_path_factory):
     """One `mlflow server` (127.0.0.1, --workers 1, own SQLite store) for the session; yields its URL."""
-    from experiments.tracking_server import MlflowServer
+    from experiments.tracking.server import MlflowServer
 
     d = tmp_path_factory.mktemp("mlflow-server")
     tracking = {"uri": f"sqlite:///{d}/mlflow.db", "artifact_root": f"{d}/artifacts", "host": "127.0.0.1", "workers": 1}

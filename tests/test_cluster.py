@@ -15,9 +15,9 @@ import pytest
 
 from cluster import Placement, TaskFailure, capacity, placement, run_on_ray
 from cluster.ray_runner import classify
-from experiments.compose import PROJECT_ROOT
-from experiments.sweep import run_sweep, run_specs
-from experiments.compose import expand
+from experiments.config.compose import PROJECT_ROOT
+from experiments.run.sweep import run_sweep, run_specs
+from experiments.config.compose import expand
 
 from conftest import TINY
 
@@ -52,7 +52,7 @@ def test_deterministic_errors_are_not_retried():
 
 
 def test_invalid_placement_config_is_rejected(tiny_overrides):
-    from experiments.compose import SweepError
+    from experiments.config.compose import SweepError
 
     with pytest.raises(SweepError) as e:
         expand(tiny_overrides + ["cluster.isolation=whole-rack", "+cluster.resources.accel=0"])

@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from experiments.compose import SweepError, conf_dir, expand
+from experiments.config.compose import SweepError, conf_dir, expand
 
 
 def test_comma_lists_expand_to_the_cartesian_product():
@@ -66,7 +66,7 @@ def test_appended_unknown_key_is_rejected():
 def test_paged_cache_needs_native_backend():
     with pytest.raises(SweepError) as ei:
         expand(["model=tiny-llama", "kv_cache=paged", "engine=hf"])
-    assert "paged needs backend native" in ei.value.problems[0]
+    assert "engine=hf cannot honour kv_cache.mode=paged: transformers' DynamicCache is contiguous; paged is engine=native's" in ei.value.problems[0]
 
 
 def test_duplicate_trials_are_rejected():

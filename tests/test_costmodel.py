@@ -6,7 +6,7 @@ import json
 import pytest
 import torch
 
-from engine.costmodel import (
+from engine.measure.costmodel import (
     COMPUTE,
     MEMORY,
     ModelShape,
@@ -17,7 +17,7 @@ from engine.costmodel import (
     predict,
     weight_bytes_per_param,
 )
-from engine.hardware import PROBE_DTYPES, HardwarePeaks, cache_path, gpu_spec, node_peaks
+from engine.measure.hardware import PROBE_DTYPES, HardwarePeaks, cache_path, gpu_spec, node_peaks
 
 # SmolLM2-135M (its config.json): 30 layers, hidden 576, MLP 1536, 9 heads / 3 KV heads of 64, vocab 49152, tied
 SMOL = ModelShape(num_layers=30, hidden=576, intermediate=1536, num_heads=9, num_kv_heads=3, head_dim=64, vocab=49152)

@@ -19,11 +19,11 @@ from pathlib import Path
 
 import pytest
 
-from experiments.compose import PROJECT_ROOT
-from experiments.dashboard import METRIC_COLUMNS, column_id
-from experiments.report import build
-from experiments.sweep import run_sweep
-from experiments.tracking_server import free_port
+from experiments.config.compose import PROJECT_ROOT
+from experiments.tracking.dashboard import METRIC_COLUMNS, column_id
+from experiments.analysis.report import build
+from experiments.run.sweep import run_sweep
+from experiments.tracking.server import free_port
 
 pytestmark = [pytest.mark.slow, pytest.mark.browser]
 

@@ -9,7 +9,7 @@ import torch
 from support import make_trial
 from engine import EngineError, TrialConfig, ModelConfig, SamplingConfig, WorkloadConfig, load_model, run_engine_trial
 from engine.backends import make_backend
-from engine.fidelity import perplexity
+from engine.measure.fidelity import perplexity
 
 TINY = ModelConfig(name="tiny", path="tiny://llama")
 
@@ -37,7 +37,7 @@ def test_greedy_tokens_identical_across_kv_cache_and_attention(kv, attn, greedy_
 def test_greedy_matches_transformers_generate():
     lm = load_model(TINY, "sdpa")
     r = run_engine_trial(_trial(batch_size=1), loaded=lm)
-    from engine.workload import static_batch_prompts
+    from engine.prompts import static_batch_prompts
     from engine.config import TextConfig
 
     prompt = static_batch_prompts(lm.tokenizer, TextConfig(), 40, 1)

@@ -6,7 +6,7 @@ import time
 
 import pytest
 
-from experiments.compose import Composer, SweepError, expand
+from experiments.config.compose import Composer, SweepError, expand
 
 
 def test_fast_expansion_equals_full_compose_per_trial():

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from engine.config import EngineError, TrialConfig, ModelConfig
-from engine.costmodel import assess_trial
-from engine.hardware import (
+from engine.measure.costmodel import assess_trial
+from engine.measure.hardware import (
     CPU_BF16_ENV,
     DtypeRates,
     NodeProbe,

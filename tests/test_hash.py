@@ -7,8 +7,8 @@ import json
 import pytest
 from pathlib import Path
 
-from experiments.compose import expand
-from experiments.hashing import EXCLUDED_TOP, config_hash
+from experiments.config.compose import expand
+from experiments.config.hashing import EXCLUDED_TOP, config_hash
 
 
 def _base():

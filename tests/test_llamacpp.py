@@ -25,7 +25,7 @@ from engine.config import (
     WorkloadConfig,
     replace,
 )
-from experiments.compose import SweepError, expand
+from experiments.config.compose import SweepError, expand
 from support import make_trial
 
 HAVE_LLAMA_CPP = importlib.util.find_spec("llama_cpp") is not None
@@ -225,7 +225,7 @@ def test_engine_trial_metrics_and_fidelity_through_the_runner():
 @pytest.mark.llamacpp
 @needs_llamacpp
 def test_sweep_engine_llamacpp_end_to_end(ray_local, tiny_overrides, mlflow_client):
-    from experiments.sweep import run_sweep
+    from experiments.run.sweep import run_sweep
 
     res = run_sweep(tiny_overrides + ["sweep_name=t-llamacpp", "seed=1313", "engine=llamacpp", "attention=flash",
                                       "quant=none,gguf-q8_0"], echo=lambda *_: None)
@@ -249,7 +249,7 @@ def test_smollm2_greedy_tokens_equal_transformers():
     from engine.backends.hf import HFBackend
     from engine.backends.llamacpp import load_gguf_model
     from engine.models import load_model
-    from engine.workload import workload_prompts
+    from engine.prompts import workload_prompts
 
     spec = ModelConfig(name="smollm2-135m-instruct", path="prepared://smollm2-135m-instruct")
     hf = load_model(spec, attention="sdpa", device="cpu")

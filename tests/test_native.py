@@ -15,7 +15,7 @@ from engine import TrialConfig, EvalConfig, ModelConfig, SamplingConfig, Workloa
 from engine.backends import make_backend
 from engine.config import EngineError
 from engine.generate import generate
-from engine.metrics import METRICS
+from engine.measure.metrics import METRICS
 from engine.models import LoadedModel, load_model, weights_bytes
 from engine.native.attention import EagerAttention, SdpaAttention
 from engine.native.block_manager import BlockManager, OutOfBlocks
@@ -378,7 +378,7 @@ def smol():
 @pytest.fixture(scope="module")
 def smol_ids(smol):
     from engine.config import TextConfig
-    from engine.workload import static_batch_prompts
+    from engine.prompts import static_batch_prompts
 
     return static_batch_prompts(smol.tokenizer, TextConfig(), 96, 2)
 

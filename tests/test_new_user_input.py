@@ -13,7 +13,7 @@ import pytest
 
 from conftest import TINY
 from experiments.cli import main
-from experiments.compose import SweepError, expand
+from experiments.config.compose import SweepError, expand
 
 ROOT = Path(__file__).resolve().parents[1]
 SHORT = ["workload.context_len=24", "workload.max_new_tokens=6", "eval.num_windows=1"]
@@ -141,7 +141,7 @@ def test_self_draft_engine_error_does_not_advise_hf():
 def test_repeat_prompt_needs_room_for_its_parts():
     from engine.config import EngineError, TextConfig
     from engine.tokenizer import ByteTokenizer
-    from engine.workload import repeat_min_context, repeat_prompts
+    from engine.prompts import repeat_min_context, repeat_prompts
 
     need = repeat_min_context(ByteTokenizer())
     (msg,) = _problems(TINY_ANY_CONTEXT + ["workload.prompt_style=repeat", f"workload.context_len={need - 1}"])

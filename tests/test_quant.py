@@ -7,7 +7,7 @@ from torch import nn
 
 from engine import TrialConfig, EvalConfig, ModelConfig, WorkloadConfig, load_model, run_engine_trial
 from engine.config import EngineError, QuantConfig
-from engine.fidelity import ReferenceCache
+from engine.measure.fidelity import ReferenceCache
 from engine.models import cache_root, weights_bytes
 from engine.quant import DynamicInt8Linear, WeightOnlyInt8Linear, quantize_per_channel
 
@@ -138,7 +138,7 @@ def test_reference_is_computed_once_and_corruption_is_detected(fresh_cache):
 
 
 def test_quant_levels_are_config_options():
-    from experiments.compose import SweepError, expand
+    from experiments.config.compose import SweepError, expand
 
     specs = expand(["model=tiny-llama", "quant=none,int8-weight,int8-dynamic,bnb-int8,bnb-nf4,bnb-fp4", "eval=fidelity"])
     assert len(specs) == 6 and len({s.config_hash for s in specs}) == 6
@@ -163,7 +163,7 @@ def test_native_backend_inherits_every_quantization_level(level):
 
 
 def test_int8_kernel_is_a_validated_config_option():
-    from experiments.compose import SweepError, expand
+    from experiments.config.compose import SweepError, expand
 
     trials = expand(["model=tiny-llama", "quant=int8-weight", "quant.kernel=dequant,int8pack"])
     assert [t.config["quant"]["kernel"] for t in trials] == ["dequant", "int8pack"]

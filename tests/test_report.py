@@ -6,12 +6,12 @@ import csv
 
 import pytest
 
-from experiments import advice as adv
+from experiments.analysis import advice as adv
 from experiments.cli import main
-from experiments.claims import ABSENT, ARITHMETIC, MISSING, evaluate
-from experiments.report import Line, build, choose_baselines, parse_baseline, pareto_figure, pareto_front, plot_pareto
-from experiments.results import TrialRow, axes, load, workload_key
-from experiments.sweep import run_sweep
+from experiments.analysis.claims import ABSENT, ARITHMETIC, MISSING, evaluate
+from experiments.analysis.report import Line, build, choose_baselines, parse_baseline, pareto_figure, pareto_front, plot_pareto
+from experiments.analysis.results import TrialRow, axes, load, workload_key
+from experiments.run.sweep import run_sweep
 
 PNG = b"\x89PNG\r\n\x1a\n"
 
@@ -270,7 +270,7 @@ def test_claims_rows_without_features_say_so():
 
 
 def test_load_unknown_reference(mlflow_client, grid_sweep):
-    from experiments.results import NotFound
+    from experiments.analysis.results import NotFound
 
     with pytest.raises(NotFound):
         load(mlflow_client, "zz-not-a-sweep")

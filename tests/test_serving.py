@@ -17,15 +17,15 @@ from engine import TrialConfig, EvalConfig, ModelConfig, WorkloadConfig
 from engine.backends import make_backend
 from engine.config import BatchingConfig, EngineError, LengthConfig, SamplingConfig, WorkloadConfig, SLOConfig
 from engine.generate import generate
-from engine.metrics import METRICS
+from engine.measure.metrics import METRICS
 from engine.models import load_model
 from engine.native.block_manager import BlockManager
 from engine.runner import run_engine_trial
 from engine.serving.block_space import BlockSpace
-from engine.serving.run import ServingSetup, pool_blocks
+from engine.serving.serve import ServingSetup, pool_blocks
 from engine.serving.scheduler import ContinuousScheduler, StaticScheduler
 from engine.serving.sequence import Sequence, Status
-from engine.serving.workload import Request, arrival_times, make_requests
+from engine.serving.requests import Request, arrival_times, make_requests
 
 TINY = ModelConfig(name="tiny", path="tiny://llama")
 CORPUS = torch.arange(3, 3 + 5000) % 300 + 3  # deterministic "text"
@@ -342,7 +342,7 @@ def test_serving_with_hf_backend_is_refused():
 
 
 def test_config_validation_names_the_keys():
-    from experiments.compose import SweepError, expand
+    from experiments.config.compose import SweepError, expand
 
     base = ["model=tiny-llama", "workload=serving-mixed", "engine=native", "kv_cache=paged"]
     assert len(expand(base + ["batching=static,continuous", "kv_cache.prefix_caching=false,true"])) == 4
@@ -378,7 +378,7 @@ def test_config_validation_names_the_keys():
 @pytest.mark.slow
 def test_smollm2_continuous_with_preemption_and_prefix_cache_equals_alone():
     smol = load_model(ModelConfig(name="smollm2", path="prepared://smollm2-135m-instruct"), attention="sdpa")
-    from engine.workload import corpus_ids
+    from engine.prompts import corpus_ids
     from engine.config import TextConfig
 
     spec = WorkloadConfig(num_requests=6, input_len=LengthConfig("uniform", 0, 8, 40), output_len=LengthConfig("uniform", 0, 4, 12),

@@ -19,7 +19,7 @@ from engine import TrialConfig, EvalConfig, ModelConfig, SamplingConfig, TinyMod
 from engine.backends import make_backend
 from engine.config import EngineError, SpeculativeConfig
 from engine.generate import generate
-from engine.metrics import METRICS, expected_tokens_per_step, speculative_metrics
+from engine.measure.metrics import METRICS, expected_tokens_per_step, speculative_metrics
 from engine.models import LoadedModel
 from engine.sampling import probabilities
 from engine.speculative import generate_speculative, make_draft_source, verify
@@ -363,7 +363,7 @@ def test_run_engine_trial_speculative_metrics_and_tokens():
 
 
 def test_sweep_runs_one_off_trial_and_reports_bad_settings():
-    from experiments.compose import SweepError, expand
+    from experiments.config.compose import SweepError, expand
 
     specs = expand(["model=tiny-llama", "speculative=off,self-draft,prompt-lookup", "speculative.k=1,2",
                     "speculative.draft_layers=1"])
@@ -383,8 +383,8 @@ def test_sweep_runs_one_off_trial_and_reports_bad_settings():
 
 
 def test_speedup_over_the_matching_off_trial():
-    from experiments.results import TrialRow
-    from experiments.speculative import speculative_speedups
+    from experiments.analysis.results import TrialRow
+    from experiments.analysis.speedups import speculative_speedups
 
     def row(rid, method, k, style, tpot):
         return TrialRow(run_id=rid, name=rid, status="FINISHED", metrics={"tpot_ms": tpot},
@@ -402,7 +402,7 @@ def test_smollm2_greedy_speculation_equals_greedy_decoding():
     """The real model, native paged cache: prompt lookup on the repeat workload (which it accepts often) and a
     24-layer self-draft both give exactly the greedy tokens."""
     from engine.models import load_model
-    from engine.workload import workload_prompts
+    from engine.prompts import workload_prompts
 
     smol = load_model(ModelConfig(name="smollm2-135m-instruct", path="prepared://smollm2-135m-instruct"))
     o = make_trial(ModelConfig(name="smol", path="prepared://smollm2-135m"), backend="native", kv_cache="paged", kv_block_size=16)

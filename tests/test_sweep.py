@@ -8,9 +8,9 @@ import sys
 import pytest
 
 from experiments.cli import main
-from experiments.reproduce import reproduce
-from experiments.sweep import run_sweep
-from experiments.tracking import TOKENS_ARTIFACT
+from experiments.run.reproduce import reproduce
+from experiments.run.sweep import run_sweep
+from experiments.tracking.store import TOKENS_ARTIFACT
 
 REQUIRED = ["ttft_ms_mean", "ttft_ms_p50", "ttft_ms_p99", "tpot_ms_p50", "output_tok_s", "prefill_tok_s",
             "peak_mem_bytes", "weights_bytes", "kv_cache_bytes", "ppl"]

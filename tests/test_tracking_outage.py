@@ -13,9 +13,9 @@ from pathlib import Path
 import pytest
 
 from experiments.cli import main
-from experiments.spool import Spool, sync
-from experiments.sweep import run_sweep
-from experiments.tracking_server import free_port, server_command
+from experiments.tracking.spool import Spool, sync
+from experiments.run.sweep import run_sweep
+from experiments.tracking.server import free_port, server_command
 
 from conftest import TINY
 
@@ -98,10 +98,10 @@ def test_parallel_writer_threads_record_each_trial_once(mlflow_server, tmp_path)
 def test_sync_replaces_a_half_written_run_and_is_idempotent(mlflow_server, tmp_path):
     """A write that broke off left a RUNNING run; the spooled record replaces it, and a sync that died
     after uploading (file still there) does not upload it twice."""
-    from experiments.spec import TrialSpec
-    from experiments.spool import trial_record
-    from experiments.compose import expand
-    from experiments.trial import TrialOutcome
+    from experiments.config.spec import TrialSpec
+    from experiments.tracking.spool import trial_record
+    from experiments.config.compose import expand
+    from experiments.run.trial import TrialOutcome
 
     spec = expand(TINY + ["sweep_name=t-partial"])[0]
     client = _client(mlflow_server)
@@ -208,7 +208,7 @@ def test_tracking_postgres_config_behind_mlflow_server(postgres, tmp_path):
 
 def test_sweep_run_of_a_dead_driver_is_marked_killed(mlflow_server):
     """A driver killed with SIGKILL cannot end its parent run; the next sweep of the experiment does."""
-    from experiments.tracking import Tracker
+    from experiments.tracking.store import Tracker
 
     proc = subprocess.Popen(["true"])
     proc.wait()  # a pid that is gone
@@ -241,7 +241,7 @@ def test_tracker_sets_mlflow_http_settings_only_during_its_own_calls(tmp_path):
     import os
     import socket
 
-    from experiments.tracking import Tracker
+    from experiments.tracking.store import Tracker
 
     keys = ("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "MLFLOW_HTTP_REQUEST_TIMEOUT")
     before = {k: os.environ.get(k) for k in keys}

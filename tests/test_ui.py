@@ -8,10 +8,10 @@ import socket
 
 import pytest
 
-from experiments import dashboard
+from experiments.tracking import dashboard
 from experiments.cli import main
-from experiments.tracking import Tracker
-from experiments.tracking_server import MlflowServer, port_in_use
+from experiments.tracking.store import Tracker
+from experiments.tracking.server import MlflowServer, port_in_use
 
 
 @pytest.fixture

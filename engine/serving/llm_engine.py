@@ -18,7 +18,7 @@ from .model_runner import ModelRunner
 from .sampler import Sampler
 from .scheduler import Scheduler, SchedulerStats
 from .sequence import Sequence
-from .workload import Request
+from .requests import Request
 
 
 @dataclass

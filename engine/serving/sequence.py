@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import enum
 
-from .workload import Request
+from .requests import Request
 
 
 class Status(enum.Enum):

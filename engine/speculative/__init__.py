@@ -10,7 +10,7 @@ One concept per file:
   decode.py         the loop: prefill, propose, verify, roll back; returns a GenerationTrace + statistics
 
 Expected tokens per target step with per-token acceptance probability a and lookahead k:
-(1 - a^(k+1)) / (1 - a)  (Leviathan et al. 2023; the seed's formula) -- `engine.metrics.expected_tokens_per_step`.
+(1 - a^(k+1)) / (1 - a)  (Leviathan et al. 2023; the seed's formula) -- `engine.measure.metrics.expected_tokens_per_step`.
 """
 from dataclasses import dataclass
 from typing import Callable

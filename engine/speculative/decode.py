@@ -27,7 +27,7 @@ from .verify import Verdict, verify
 
 @dataclass
 class SpeculativeStats:
-    """Counts and clocks of one speculative generation (what engine.metrics.speculative_metrics reads)."""
+    """Counts and clocks of one speculative generation (what engine.measure.metrics.speculative_metrics reads)."""
 
     k: int  # the configured lookahead
     steps: int = 0  # target forwards after the prefill; each verifies the drafts and adds one token of its own

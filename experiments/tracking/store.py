@@ -23,11 +23,11 @@ from typing import Any, Iterable, Optional
 
 import yaml
 
-from .compose import PROJECT_ROOT
+from ..config.compose import PROJECT_ROOT
 from .dashboard import experiment_tags, tag_experiment
-from .hashing import HASH_VERSION
-from .spec import TrialSpec
-from .trial import TrialOutcome
+from ..config.hashing import HASH_VERSION
+from ..config.spec import TrialSpec
+from ..run.trial import TrialOutcome
 
 PARENT_TAG = "mlflow.parentRunId"
 CONFIG_ARTIFACT = "config.yaml"

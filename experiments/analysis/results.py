@@ -14,7 +14,7 @@ from typing import Any, Callable, Iterable, Optional
 
 from engine import axes as axis_registry
 
-from .tracking import PARENT_TAG
+from ..tracking.store import PARENT_TAG
 
 CONTEXT = "workload.context_len"
 # Params that differ between trials without being a measured axis.

@@ -19,10 +19,10 @@ from omegaconf import OmegaConf, open_dict
 from engine.config import EngineError
 
 from . import schema
-from .errors import UserError
+from ..errors import UserError
 from .spec import TrialSpec, build_trial, normalize
 
-PROJECT_ROOT = Path(__file__).resolve().parents[1]
+PROJECT_ROOT = Path(__file__).resolve().parents[2]
 
 
 def conf_dir() -> Path:
@@ -354,9 +354,9 @@ def expand(overrides: list[str], gpu_available: bool | None = None) -> list[Tria
 
 def resolve_auto_dtype(config: dict[str, Any], gpu_available: bool | None = None) -> tuple[dict[str, Any], bool]:
     """(config with `model.dtype: auto` replaced by the dtype this hardware runs fastest, whether it was).
-    CPU: bfloat16 where the CPU has bf16 units, else float32 (engine.hardware detects it; bitsandbytes on
+    CPU: bfloat16 where the CPU has bf16 units, else float32 (engine.measure.hardware detects it; bitsandbytes on
     CPU needs float32). GPU trials: what the local GPU supports, or bfloat16 when the driver has none."""
-    from engine.hardware import preferred_cpu_dtype, preferred_dtype
+    from engine.measure.hardware import preferred_cpu_dtype, preferred_dtype
 
     model = config.get("model") or {}
     if model.get("dtype") != "auto":

@@ -14,7 +14,7 @@ from typing import Optional
 
 import torch
 
-from .backends.base import Backend
+from ..backends.base import Backend
 
 log = logging.getLogger(__name__)
 

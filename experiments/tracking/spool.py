@@ -21,10 +21,10 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Iterable, Optional
 
-from .compose import PROJECT_ROOT
-from .spec import TrialSpec
-from .tracking import _stored_config
-from .trial import TrialOutcome
+from ..config.compose import PROJECT_ROOT
+from ..config.spec import TrialSpec
+from .store import _stored_config
+from ..run.trial import TrialOutcome
 
 log = logging.getLogger(__name__)
 
@@ -114,7 +114,7 @@ class Recorder:
     """The driver's single path to the store: tracker while it answers, spool after it fails once."""
 
     def __init__(self, tracking: dict[str, Any], echo=print):
-        from .tracking import is_http
+        from .store import is_http
 
         self.tracking = tracking
         self.spool = Spool(spool_root(tracking))
@@ -131,7 +131,7 @@ class Recorder:
         self._pool = ThreadPoolExecutor(writers, thread_name_prefix="mlflow-writer") \
             if writers > 1 and is_http(str(tracking.get("uri", ""))) else None
         try:
-            from .tracking import Tracker
+            from .store import Tracker
 
             self.tracker = Tracker(tracking)
         except Exception as e:  # a bad/unreachable store at start: everything goes to the spool
@@ -249,7 +249,7 @@ def _complete(run) -> bool:
 
 def sync(tracking: dict[str, Any], echo=print) -> SyncReport:
     """Upload everything in the spool to `tracking`; what uploads is removed from the spool."""
-    from .tracking import Tracker
+    from .store import Tracker
 
     spool = Spool(spool_root(tracking))
     tracker = Tracker(tracking)

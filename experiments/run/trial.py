@@ -14,7 +14,7 @@ import traceback
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from .spec import TrialSpec, model_key
+from ..config.spec import TrialSpec, model_key
 
 FINISHED, FAILED = "FINISHED", "FAILED"
 

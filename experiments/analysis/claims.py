@@ -15,7 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
-from engine.costmodel import ModelShape
+from engine.measure.costmodel import ModelShape
 
 from engine.axes import ATTENTION, BACKEND, BATCHING, KV_CACHE, QUANT, SPECULATIVE
 

@@ -15,7 +15,7 @@ from engine.axes import SPECULATIVE
 from .results import TrialRow, axes, counterpart
 
 METHOD = SPECULATIVE.key
-SPEEDUP = "speculative_speedup"  # engine.metrics.METRICS documents it
+SPEEDUP = "speculative_speedup"  # engine.measure.metrics.METRICS documents it
 
 
 def is_speculative(row: TrialRow) -> bool:

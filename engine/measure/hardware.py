@@ -31,8 +31,8 @@ from typing import Callable, Optional
 import torch
 import torch.nn.functional as F
 
-from .config import EngineError
-from .models import TORCH_DTYPES, cache_root
+from ..config import EngineError
+from ..models import TORCH_DTYPES, cache_root
 
 log = logging.getLogger(__name__)
 

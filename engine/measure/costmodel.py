@@ -19,8 +19,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import Any, Optional
 
-from . import axes
-from .config import EngineError
+from .. import axes
+from ..config import EngineError
 from .hardware import HardwarePeaks
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}

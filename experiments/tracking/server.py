@@ -14,8 +14,8 @@ import urllib.request
 from pathlib import Path
 from typing import Any, Iterator, Optional
 
-from .compose import PROJECT_ROOT
-from .tracking import redact
+from ..config.compose import PROJECT_ROOT
+from .store import redact
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -48,7 +48,7 @@ def mlflow_bin() -> str:
 
 
 def server_command(tracking: dict[str, Any], port: int, host: Optional[str] = None, workers: Optional[int] = None) -> list[str]:
-    from .tracking import resolve_artifact_root, resolve_uri
+    from .store import resolve_artifact_root, resolve_uri
 
     return [
         mlflow_bin(), "server",
@@ -101,7 +101,7 @@ class MlflowServer:
     def launch(self, timeout_s: float = 90.0) -> "MlflowServer":
         """Start the server and wait until it answers; fail as soon as it dies or logs that it cannot
         serve, with the log's last lines in the message."""
-        from .tracking import open_store, resolve_uri, sqlite_path
+        from .store import open_store, resolve_uri, sqlite_path
 
         uri = resolve_uri(self.store_uri)
         if sqlite_path(uri) is not None:  # a new store's schema, created once under its lock (see open_store)

@@ -6,11 +6,11 @@ from dataclasses import dataclass
 
 import yaml
 
-from engine.metrics import DETERMINISTIC
+from engine.measure.metrics import DETERMINISTIC
 
-from .compose import SweepError, load_trial
-from .errors import UserError
-from .tracking import CONFIG_ARTIFACT, TOKENS_ARTIFACT, Tracker
+from ..config.compose import SweepError, load_trial
+from ..errors import UserError
+from ..tracking.store import CONFIG_ARTIFACT, TOKENS_ARTIFACT, Tracker
 from .trial import FINISHED, execute_trial
 
 class ReproduceError(UserError):

@@ -13,9 +13,9 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from .compose import expand
-from .spec import TrialSpec, model_key
-from .summary import table
+from ..config.compose import expand
+from ..config.spec import TrialSpec, model_key
+from ..analysis.summary import table
 from .trial import FAILED, FINISHED, TrialOutcome, WarmModels, execute_trial
 
 log = logging.getLogger(__name__)
@@ -70,9 +70,9 @@ def run_specs(
 ) -> SweepResult:
     """Run and record `specs`. `skip_finished`: leave out hashes already FINISHED in the experiment
     (resume). `on_start(spec, meta)` is called as each trial is handed to a worker (Ray only)."""
-    from .spool import Recorder
-    from .tracking import sweep_record
-    from .tracking_server import redact, serving
+    from ..tracking.spool import Recorder
+    from ..tracking.store import sweep_record
+    from ..tracking.server import redact, serving
 
     first = specs[0].config
     sweep_name = first["sweep_name"]

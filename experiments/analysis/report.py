@@ -22,7 +22,7 @@ from engine.axes import BACKEND
 
 from . import advice as adv
 from . import claims as cl
-from .errors import UserError
+from ..errors import UserError
 from .results import (
     CONTEXT,
     Selection,
@@ -428,9 +428,9 @@ def build(
     """Read `ref` from MLflow, write the report files, log them to the sweep's parent run."""
     from tqdm.auto import tqdm
 
-    from .compose import PROJECT_ROOT
+    from ..config.compose import PROJECT_ROOT
     from .results import NotFound
-    from .tracking import open_store, resolve_uri, sqlite_path
+    from ..tracking.store import open_store, resolve_uri, sqlite_path
 
     # everything that can refuse (the baseline's syntax, the store, the reference) before a bar is drawn
     spec = parse_baseline(baseline)

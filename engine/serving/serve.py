@@ -6,18 +6,18 @@ from typing import Callable
 
 from ..config import BatchingConfig, EngineError, TrialConfig, WorkloadConfig
 from ..generate import device_synchronizer
-from ..memory import PeakMemory
-from ..metrics import median_metrics, serving_metrics
+from ..measure.memory import PeakMemory
+from ..measure.metrics import median_metrics, serving_metrics
 from ..models import LoadedModel
 from ..native.backend import NativeBackend
 from ..native.block_manager import BlockManager
-from ..workload import corpus_ids
+from ..prompts import corpus_ids
 from .block_space import BlockSpace
 from .llm_engine import ServingEngine, ServingTrace
 from .model_runner import ModelRunner
 from .sampler import Sampler
 from .scheduler import ContinuousScheduler, Scheduler, StaticScheduler
-from .workload import Request, make_requests, max_request_tokens
+from .requests import Request, make_requests, max_request_tokens
 
 
 def pool_blocks(spec: WorkloadConfig, batching: BatchingConfig, block_size: int, num_blocks: int) -> int:

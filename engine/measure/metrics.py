@@ -9,14 +9,14 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from .config import SLOConfig
-from .generate import GenerationTrace
+from ..config import SLOConfig
+from ..generate import GenerationTrace
 
 if TYPE_CHECKING:
-    from .speculative.decode import SpeculativeStats
+    from ..speculative.decode import SpeculativeStats
 
 if TYPE_CHECKING:  # no import at run time: the serving package imports the backends
-    from .serving.llm_engine import ServingTrace
+    from ..serving.llm_engine import ServingTrace
 
 # name -> definition; anything logged as a metric is listed here.
 METRICS: dict[str, str] = {

@@ -1,0 +1,1 @@
+"""Measurement: metric definitions, memory, fidelity, the cost model and the hardware probe."""

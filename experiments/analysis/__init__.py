@@ -1,0 +1,1 @@
+"""Analysis: recorded runs read back, reports, next-optimization advice, seed claims."""

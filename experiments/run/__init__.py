@@ -1,0 +1,1 @@
+"""Running: the sweep driver, one trial on a worker, reproduce."""
