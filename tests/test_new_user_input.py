@@ -58,7 +58,8 @@ def test_unknown_experiment_exits_2_and_records_nothing(tmp_path, capsys):
     assert not (tmp_path / "mlflow.db").exists() and not (tmp_path / "spool").exists()
     # a sweep axis over an optional group is checked per value the same way
     assert _problems(TINY + ["quant=none,bogus"]) == [
-        "quant=bogus: unknown option; available: bnb-fp4, bnb-int8, bnb-nf4, int8-dynamic, int8-weight, none"]
+        "quant=bogus: unknown option; available: bnb-fp4, bnb-int8, bnb-nf4, gguf-q4_0, gguf-q4_k_m, gguf-q8_0, int8-dynamic, "
+        "int8-weight, none"]
 
 
 # 2 ------------------------------------------------------------------------------------------------------
@@ -207,7 +208,7 @@ def test_reproduce_and_report_errors_have_their_own_heading(escaped_sweep, capsy
 # 6 ------------------------------------------------------------------------------------------------------
 RACER = """
 import json, os, sys, time
-from experiments.spool import Recorder
+from experiments.tracking.spool import Recorder
 d, me = sys.argv[1], sys.argv[2]
 tracking = {"uri": f"sqlite:///{d}/mlflow.db", "artifact_root": f"{d}/artifacts", "spool_dir": f"{d}/spool"}
 open(f"{d}/ready-{me}", "w").close()

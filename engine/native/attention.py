@@ -164,7 +164,10 @@ def check_flash(device: torch.device) -> None:
         raise EngineError("attention=flash needs the flash-attn package (pip install flash-attn); or use sdpa")
 
 
-def make_attention(name: str, device: torch.device) -> AttentionKernel:
+def make_attention(trial, device: torch.device) -> AttentionKernel:
+    """The attention kernel of `trial` (a TrialConfig: `attention.impl`, and any attention knob a kernel
+    reads) on `device`."""
+    name = trial.attention.impl
     if name == "eager":
         return EagerAttention()
     if name == "sdpa":

@@ -85,7 +85,7 @@ class NativeBackend:
         self.device = loaded.device
         self.model = Transformer.from_hf(loaded.model, num_layers=num_layers).eval()
         self.dtype = self.model.embed_tokens.weight.dtype
-        self.kernel = make_attention(trial.attention.impl, self.device)
+        self.kernel = make_attention(trial, self.device)
         self.decode_step = self.model
         if trial.engine.compile:
             self.decode_step = compile_decode_step(self.model, self.device)
