@@ -11,7 +11,9 @@ from typing import Optional
 
 ATTENTION_IMPLS = ("eager", "sdpa", "flash")
 KV_CACHE_MODES = ("off", "contiguous", "paged")
-BACKENDS = ("hf", "native")
+BACKENDS = ("hf", "native", "vllm")
+# KV cache element type: auto = the model dtype; fp8 (e4m3) is vLLM's (engine=vllm only)
+KV_CACHE_DTYPES = ("auto", "fp8")
 DTYPES = ("float32", "bfloat16", "float16")
 QUANT_LEVELS = ("none", "int8-weight", "int8-dynamic", "bnb-int8", "bnb-nf4", "bnb-fp4")
 # int8-weight matmul: dequant = cast the int8 weight to the activation dtype per call, then a float GEMM;
@@ -71,6 +73,7 @@ class OptimizationSpec:
     compile: bool = False
     prefix_caching: bool = False  # serving: reuse computed full blocks of a shared prompt prefix (paged cache)
     kv_num_blocks: int = 0  # serving: blocks in the shared pool; 0 = enough for max_batch_size longest requests
+    kv_cache_dtype: str = "auto"  # one of KV_CACHE_DTYPES
 
 
 @dataclass(frozen=True)

@@ -16,6 +16,7 @@ from .config import (
     BATCHING_MODES,
     DTYPES,
     INT8_KERNELS,
+    KV_CACHE_DTYPES,
     KV_CACHE_MODES,
     LENGTH_DISTS,
     QUANT_LEVELS,
@@ -112,6 +113,14 @@ def check_trial(trial: EngineTrial, gpu_available: bool) -> list[tuple[str, str]
     p += _choice("optimization.backend", o.backend, BACKENDS)
     p += _choice("optimization.attention", o.attention, ATTENTION_IMPLS)
     p += _choice("optimization.kv_cache", o.kv_cache, KV_CACHE_MODES)
+    p += _choice("optimization.kv_cache_dtype", o.kv_cache_dtype, KV_CACHE_DTYPES)
+    if o.kv_cache_dtype != "auto" and o.backend != "vllm":
+        p.append(("optimization.kv_cache_dtype", f"kv_cache.dtype={o.kv_cache_dtype} runs on engine=vllm only; "
+                                                 f"engine={o.backend} stores K/V in the model dtype (auto)"))
+    if o.backend == "vllm":
+        from .backends.vllm_runner import unsupported
+
+        p += unsupported(trial)
     if o.backend == "hf" and o.kv_cache not in HF_KV_MODES:
         p.append(("optimization.kv_cache", f"backend hf supports {', '.join(HF_KV_MODES)}; paged needs backend native"))
     q = trial.quant
@@ -202,10 +211,10 @@ def _batching(trial: EngineTrial) -> list[tuple[str, str]]:
     for field, value in (("slo.ttft_ms", trial.slo.ttft_ms), ("slo.tpot_ms", trial.slo.tpot_ms)):
         if not value > 0:
             p.append((field, f"must be > 0, got {value}"))
-    if (b.mode == "continuous" or s is not None) and o.backend != "native":
+    if (b.mode == "continuous" or s is not None) and o.backend not in ("native", "vllm"):
         what = "serving workloads run" if s is not None else "batching=continuous runs"
-        p.append(("optimization.backend", f"{what} on engine=native (varlen batches over a paged KV pool); "
-                                          "backend hf runs one static batch only"))
+        p.append(("optimization.backend", f"{what} on engine=native (varlen batches over a paged KV pool) or "
+                                          "engine=vllm; backend hf runs one static batch only"))
     if s is None:
         if b.mode == "continuous":
             p.append(("batching.mode", "continuous batching schedules requests arriving over time: use a serving "
@@ -213,14 +222,15 @@ def _batching(trial: EngineTrial) -> list[tuple[str, str]]:
         if o.prefix_caching:
             p.append(("optimization.prefix_caching", "prefix caching applies to serving workloads (workload.kind=serving)"))
         return p
-    if o.kv_cache != "paged":
+    native = o.backend != "vllm"  # vLLM's own scheduler has none of these limits (its own: vllm_runner.unsupported)
+    if native and o.kv_cache != "paged":
         p.append(("optimization.kv_cache", "serving workloads need kv_cache=paged: the scheduler admits requests by free KV blocks"))
-    if o.attention == "flash":
+    if native and o.attention == "flash":
         p.append(("optimization.attention", "flash has no varlen (continuous batching) path yet; use sdpa or eager"))
-    if o.compile:
+    if native and o.compile:
         p.append(("engine.compile", "torch.compile is not supported with serving workloads (shapes change every step)"))
     spec = getattr(trial, "speculative", None)
-    if spec is not None and getattr(spec, "method", "off") not in ("off", "none"):
+    if native and spec is not None and getattr(spec, "method", "off") not in ("off", "none"):
         p.append(("speculative", "speculative decoding is not implemented for serving workloads"))
     for field, value, lo in (("serving.num_requests", s.num_requests, 1), ("serving.prefix_len", s.prefix_len, 0),
                              ("serving.max_concurrency", s.max_concurrency, 0)):
@@ -254,7 +264,7 @@ def _batching(trial: EngineTrial) -> list[tuple[str, str]]:
     if o.kv_num_blocks and o.kv_num_blocks < blocks:
         p.append(("optimization.kv_num_blocks", f"{o.kv_num_blocks} blocks of {o.kv_block_size} tokens cannot hold the "
                                                 f"longest request ({total} tokens needs {blocks}); 0 sizes the pool automatically"))
-    if b.mode == "continuous" and not b.chunked_prefill:
+    if native and b.mode == "continuous" and not b.chunked_prefill:
         # a preempted request is re-prefilled with its generated tokens in one step
         need = total - 1 if o.kv_num_blocks else prompt
         if b.max_batch_tokens < need:

@@ -46,6 +46,7 @@ class KVCacheConf:
     block_size: int = 16  # tokens per block (paged)
     prefix_caching: bool = False  # serving: share computed full blocks of common prompt prefixes
     num_blocks: int = 0  # serving: blocks in the shared pool; 0 = max_batch_size x the longest request
+    dtype: str = "auto"  # KV element type: auto (the model dtype) | fp8 (engine=vllm only)
 
 
 @dataclass
@@ -59,7 +60,7 @@ class QuantConf:
 
 @dataclass
 class EngineConf:
-    backend: str = "hf"  # hf | native
+    backend: str = "hf"  # hf | native | vllm (its own venv: make setup-vllm)
     compile: bool = False
     threads: int = 0  # torch intra-op threads; 0 = the CPUs Ray gives the trial
 

@@ -83,6 +83,7 @@ def to_engine_trial(config: dict[str, Any]) -> EngineTrial:
         compile=config["engine"]["compile"],
         prefix_caching=kv.get("prefix_caching", False),
         kv_num_blocks=kv.get("num_blocks", 0),
+        kv_cache_dtype=kv.get("dtype", "auto"),
     )
     q = dict(config.get("quant") or {})
     quant = QuantSpec(**q) if q else QuantSpec()
@@ -170,6 +171,8 @@ ENGINE_TO_CONFIG = {
     "speculative.method": "speculative (speculative.method)",
     "optimization.prefix_caching": "kv_cache.prefix_caching",
     "optimization.kv_num_blocks": "kv_cache.num_blocks",
+    "optimization.kv_cache_dtype": "kv_cache.dtype",
+    "optimization.compile": "engine.compile",
 }
 
 

@@ -84,14 +84,18 @@ def execute_trial(spec: TrialSpec) -> TrialOutcome:
     reused = False
     try:
         trial = to_engine_trial(spec.config)
-        if key is not None and key in _WARM:
+        if trial.optimization.backend == "vllm":  # vLLM loads the model in its own interpreter
+            key, loaded = None, None
+            release_models()
+        elif key is not None and key in _WARM:
             loaded, reused = _WARM[key], True
         else:
             release_models()  # before loading the next one: never two models in memory
             loaded = load_model(trial.model, attention=trial.optimization.attention, quant=trial.quant)
             if key is not None:
                 _WARM[key] = loaded
-        _reset_between_trials(loaded.device)
+        if loaded is not None:
+            _reset_between_trials(loaded.device)
         result = run_engine_trial(trial, loaded=loaded)
     except Exception as e:
         _WARM.pop(key, None)  # a model that saw a failure is not trusted for the next trial
@@ -103,7 +107,8 @@ def execute_trial(spec: TrialSpec) -> TrialOutcome:
             **base,
         )
     metrics = dict(result.metrics)
-    metrics["model_load_s"] = 0.0 if reused else float(loaded.load_s)
+    if loaded is not None:  # engine=vllm reports its own start-up time
+        metrics["model_load_s"] = 0.0 if reused else float(loaded.load_s)
     info = dict(result.info, **proc, model_cache="hit" if reused else ("miss" if key else "off"))
     return TrialOutcome(
         status=FINISHED,

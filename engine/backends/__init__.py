@@ -17,7 +17,10 @@ def make_backend(loaded: LoadedModel, opt: OptimizationSpec) -> Backend:
         except ImportError as e:  # pragma: no cover - until the native engine lands
             raise EngineError(f"backend native is not available: {e}") from e
         return NativeBackend(loaded, opt)
-    raise EngineError(f"unknown backend {opt.backend!r}; choose hf or native")
+    if opt.backend == "vllm":
+        raise EngineError("backend vllm runs whole trials in its own interpreter (engine.backends.vllm_runner), "
+                          "not as a model backend of this process")
+    raise EngineError(f"unknown backend {opt.backend!r}; choose hf, native or vllm")
 
 
 __all__ = ["Backend", "DecodeSession", "make_backend"]
