@@ -5,7 +5,7 @@ BIN     = $(VENV)/bin
 STAMP   = $(VENV)/.infersweep-installed
 ARGS   ?=
 
-.PHONY: setup setup-vllm prepare sweep test test-all ui bench clean-store
+.PHONY: setup setup-vllm prepare sweep test test-vllm test-all ui bench clean-store
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -46,6 +46,10 @@ sweep: prepare
 
 test: setup
 	$(BIN)/python -m pytest $(ARGS)
+
+# the engine=vllm tests (real vLLM, a few minutes)
+test-vllm: setup setup-vllm
+	$(BIN)/python -m pytest -m vllm $(ARGS)
 
 # what CI runs: the fast tier and the real-model tier
 test-all: prepare

@@ -93,7 +93,7 @@ def _speculative(trial: EngineTrial) -> list[tuple[str, str]]:
         elif d.path.startswith(PREPARED_SCHEME) and d.path[len(PREPARED_SCHEME):] not in PREPARED_MODELS:
             p.append(("speculative.draft_model.path", f"unknown prepared model {d.path[len(PREPARED_SCHEME):]!r}; "
                                                       f"known: {', '.join(sorted(PREPARED_MODELS))}"))
-        elif (os.path.sep in d.path or d.path.startswith(".")) and not os.path.isdir(d.path):
+        elif not d.path.startswith(TINY_SCHEME) and (os.path.sep in d.path or d.path.startswith(".")) and not os.path.isdir(d.path):
             p.append(("speculative.draft_model.path", f"{d.path!r} does not exist (expected a local HF checkpoint directory or a hub id)"))
         if d is not None:
             p += _choice("speculative.draft_model.dtype", d.dtype, DTYPES)
