@@ -23,6 +23,7 @@ import json
 import logging
 import math
 import os
+import signal
 import subprocess
 import tempfile
 import time
@@ -76,6 +77,15 @@ def _head_dim(m: ModelSpec) -> Optional[int]:
         return None  # not prepared yet, or a hub id: vLLM reports it when it loads
 
 
+def cpu_has_fp8_kv() -> bool:
+    """vLLM's CPU fp8 KV cache needs AVX-512 or AMX (read from /proc/cpuinfo; True where unknown)."""
+    try:
+        flags = Path("/proc/cpuinfo").read_text().split()
+    except OSError:
+        return True
+    return "avx512f" in flags or "amx_tile" in flags
+
+
 def unsupported(trial: EngineTrial) -> list[tuple[str, str]]:
     """(engine field, message) for every part of `trial` that engine=vllm cannot honour."""
     o, q, s, b = trial.optimization, trial.quant, trial.speculative, trial.batching
@@ -100,6 +110,9 @@ def unsupported(trial: EngineTrial) -> list[tuple[str, str]]:
     if s.method == "self-draft":
         p.append(("speculative.method", "engine=vllm has no self-draft (layer-skip) speculative decoding; "
                                         "use speculative=prompt-lookup (vLLM's ngram) or speculative=draft"))
+    if o.kv_cache_dtype == "fp8" and not cpu_has_fp8_kv():
+        p.append(("optimization.kv_cache_dtype", "kv_cache.dtype=fp8 on vLLM's CPU backend needs x86 with AVX-512 or "
+                                                 "AMX; this machine's CPU has neither (use kv_cache.dtype=auto)"))
     hd = _head_dim(trial.model)
     if hd is not None and hd not in CPU_HEAD_DIMS:
         field = "model.tiny.num_heads" if trial.model.path.startswith("tiny://") else "model.path"
@@ -222,6 +235,19 @@ def _stderr_tail(path: Path) -> str:
     return ("root cause lines:\n" + "\n".join(causes) + "\n--- tail ---\n" if causes else "") + tail
 
 
+def _keep_log(path: Path) -> str:
+    """Copy a failed worker's log out of the temporary folder (vLLM's root cause may be far above the tail)."""
+    from ..models import cache_root
+
+    dest = cache_root() / "vllm-logs" / f"worker-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}.log"
+    try:
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        dest.write_bytes(path.read_bytes())
+        return str(dest)
+    except OSError as e:
+        return f"not kept ({e})"
+
+
 def worker_env(threads: int) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME", "VIRTUAL_ENV")}
     cpus = thread_cpus(threads)
@@ -244,15 +270,25 @@ def call_worker(job: dict[str, Any], workdir: Path, threads: int, python: Option
     # -P: the script's folder (engine/backends, with its hf.py, base.py ...) must not shadow vLLM's imports
     cmd = [str(python), "-P", str(worker_script()), str(job_path), str(result_path)]
     with open(log_path, "wb") as logf:
+        # its own session, so a timeout ends vLLM's engine-core and worker processes too, not just the worker
+        proc = subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT, env=worker_env(threads), cwd=str(workdir),
+                                start_new_session=True)
         try:
-            rc = subprocess.run(cmd, stdout=logf, stderr=subprocess.STDOUT, env=worker_env(threads),
-                                cwd=str(workdir), timeout=timeout_s).returncode
-        except subprocess.TimeoutExpired:
-            raise EngineError(f"the vLLM worker did not finish within {timeout_s:.0f} s (${VLLM_TIMEOUT_ENV}); "
-                              f"its output ends with:\n{_stderr_tail(log_path)}") from None
+            rc = proc.wait(timeout=timeout_s)
+        except BaseException as e:  # a timeout, or this process being interrupted: leave nothing running
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+            if not isinstance(e, subprocess.TimeoutExpired):
+                raise
+            raise EngineError(f"the vLLM worker did not finish within {timeout_s:.0f} s (${VLLM_TIMEOUT_ENV}; full "
+                              f"log: {_keep_log(log_path)}); its output ends with:\n{_stderr_tail(log_path)}") from None
+    try:  # anything of the session still alive (vLLM's processes after a crash) goes too
+        os.killpg(proc.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
     if rc != 0 or not result_path.exists():
-        raise EngineError(f"the vLLM worker ({python}) failed with exit code {rc}; its output ends with:\n"
-                          f"{_stderr_tail(log_path)}")
+        raise EngineError(f"the vLLM worker ({python}) failed with exit code {rc} (full log: {_keep_log(log_path)}); "
+                          f"its output ends with:\n{_stderr_tail(log_path)}")
     try:
         return json.loads(result_path.read_text())
     except ValueError as e:
