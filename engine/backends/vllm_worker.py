@@ -229,10 +229,13 @@ def _engine_args(job: dict):
     a = dict(job["engine_args"])
     if a.get("kv_cache_memory_bytes") is None:
         per_token = _kv_token_bytes(job["model"], a.get("kv_cache_dtype", "auto"), a["dtype"])
-        # every sequence at full length, rounded up to vLLM's CPU block of 128 tokens, plus slack for the
-        # draft tokens of speculative decoding: the pool is sized by the workload, not by the host's RAM
-        blocks = -(-(a["max_model_len"] + 16) // 128)
-        a["kv_cache_memory_bytes"] = max(16 << 20, int(1.1 * a["max_num_seqs"] * blocks * 128 * per_token))
+        draft = (a.get("speculative_config") or {}).get("model")
+        if draft and draft != "ngram":  # a draft model keeps its own K/V in the same pool
+            per_token += _kv_token_bytes(draft, a.get("kv_cache_dtype", "auto"), a["dtype"])
+        # every sequence at full length (plus room for draft tokens), in vLLM's CPU blocks of 128 tokens, plus
+        # the null block vLLM reserves and one spare: the pool is sized by the workload, not by the host's RAM
+        blocks = a["max_num_seqs"] * -(-(a["max_model_len"] + 16) // 128) + 2
+        a["kv_cache_memory_bytes"] = max(16 << 20, int(1.1 * blocks * 128 * per_token))
     return AsyncEngineArgs(model=job["model"], skip_tokenizer_init=True, disable_log_stats=True, **a), a
 
 
