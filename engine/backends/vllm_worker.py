@@ -148,7 +148,7 @@ def _sampling_params(s: dict, max_tokens: int, req_index: int):
               output_kind=RequestOutputKind.DELTA)
     if s["temperature"] > 0:
         # seeded per request: repeats reproduce their tokens whatever the batch composition
-        kw.update(temperature=s["temperature"], top_p=s["top_p"], top_k=s["top_k"] if s["top_k"] > 0 else -1,
+        kw.update(temperature=s["temperature"], top_p=s["top_p"], top_k=s["top_k"],
                   seed=s["seed"] + req_index)
     else:
         kw.update(temperature=0.0)
