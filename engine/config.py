@@ -19,13 +19,13 @@ from typing import Any, Optional
 
 ATTENTION_IMPLS = ("eager", "sdpa", "flash")
 KV_CACHE_MODES = ("off", "contiguous", "paged")
-BACKENDS = ("hf", "native", "llamacpp")
+BACKENDS = ("hf", "native", "llamacpp", "vllm")
 DTYPES = ("float32", "bfloat16", "float16")
 # gguf-*: GGUF weight types written by llama.cpp's quantizer (engine=llamacpp only; engine/gguf_export.py)
 GGUF_QUANT_LEVELS = ("gguf-q8_0", "gguf-q4_0", "gguf-q4_k_m")
 QUANT_LEVELS = ("none", "int8-weight", "int8-dynamic", "bnb-int8", "bnb-nf4", "bnb-fp4") + GGUF_QUANT_LEVELS
 # KV cache element type (engine=llamacpp); auto = the engine's default (llama.cpp: f16)
-KV_CACHE_DTYPES = ("auto", "f32", "f16", "q8_0", "q4_0")
+KV_CACHE_DTYPES = ("auto", "f32", "f16", "q8_0", "q4_0", "fp8")  # fp8 (e4m3): vLLM's
 # int8-weight matmul: dequant = cast the int8 weight to the activation dtype per call, then a float GEMM;
 # int8pack = torch._weight_int8pack_mm (gpt-fast's op; CPU/MPS only; unvectorized in some CPU builds)
 INT8_KERNELS = ("dequant", "int8pack")

@@ -141,6 +141,10 @@ def run_engine_trial(
 ) -> EngineResult:
     """Measure one configuration. `loaded` lets a warm worker reuse a model (same spec and attention)."""
     say = progress or (lambda msg: log.info(msg))
+    if trial.engine.backend == "vllm":  # vLLM runs in its own interpreter; no model is loaded here
+        from .backends.vllm_runner import run_vllm_trial
+
+        return run_vllm_trial(trial, say)
     if trial.engine.threads > 0:
         torch.set_num_threads(trial.engine.threads)
     seed_everything(trial.seed)

@@ -93,7 +93,7 @@ def _speculative(trial: TrialConfig) -> list[tuple[str, str]]:
         elif d.path.startswith(PREPARED_SCHEME) and d.path[len(PREPARED_SCHEME):] not in PREPARED_MODELS:
             p.append(("speculative.draft_model.path", f"unknown prepared model {d.path[len(PREPARED_SCHEME):]!r}; "
                                                       f"known: {', '.join(sorted(PREPARED_MODELS))}"))
-        elif (os.path.sep in d.path or d.path.startswith(".")) and not os.path.isdir(d.path):
+        elif not d.path.startswith(TINY_SCHEME) and (os.path.sep in d.path or d.path.startswith(".")) and not os.path.isdir(d.path):
             p.append(("speculative.draft_model.path", f"{d.path!r} does not exist (expected a local HF checkpoint directory or a hub id)"))
         if d.dtype is not None:  # None follows the target
             p += _choice("speculative.draft_model.dtype", d.dtype, DTYPES)
@@ -257,6 +257,10 @@ def _engine_support(trial: TrialConfig) -> list[tuple[str, str]]:
         from .backends.llamacpp import unsupported
 
         p += unsupported(trial)
+    elif backend == "vllm":
+        from .backends.vllm_runner import unsupported as vllm_unsupported
+
+        p += vllm_unsupported(trial)
     return p
 
 
@@ -294,9 +298,9 @@ def _batching(trial: TrialConfig) -> list[tuple[str, str]]:
     for field, value in (("slo.ttft_ms", trial.slo.ttft_ms), ("slo.tpot_ms", trial.slo.tpot_ms)):
         if not value > 0:
             p.append((field, f"must be > 0, got {value}"))
-    if (b.mode == "continuous" or serving) and trial.engine.backend != "native":
+    if (b.mode == "continuous" or serving) and trial.engine.backend not in ("native", "vllm"):
         what = "serving workloads run" if serving else "batching=continuous runs"
-        p.append(("engine.backend", f"{what} on engine=native (varlen batches over a paged KV pool); "
+        p.append(("engine.backend", f"{what} on engine=native (varlen batches over a paged KV pool) or engine=vllm; "
                                     f"engine {trial.engine.backend} runs one static batch only"))
     if not serving:
         if b.mode == "continuous":
@@ -305,13 +309,14 @@ def _batching(trial: TrialConfig) -> list[tuple[str, str]]:
         if trial.kv_cache.prefix_caching:
             p.append(("kv_cache.prefix_caching", "prefix caching applies to serving workloads (workload.kind=serving)"))
         return p
-    if trial.kv_cache.mode != "paged":
+    native = trial.engine.backend != "vllm"  # vLLM's own scheduler has none of these limits (its own: vllm_runner)
+    if native and trial.kv_cache.mode != "paged":
         p.append(("kv_cache.mode", "serving workloads need kv_cache=paged: the scheduler admits requests by free KV blocks"))
-    if trial.attention.impl == "flash":
+    if native and trial.attention.impl == "flash":
         p.append(("attention.impl", "flash has no varlen (continuous batching) path yet; use sdpa or eager"))
-    if trial.engine.compile:
+    if native and trial.engine.compile:
         p.append(("engine.compile", "torch.compile is not supported with serving workloads (shapes change every step)"))
-    if trial.speculative.enabled:
+    if native and trial.speculative.enabled:
         p.append(("speculative.method", "speculative decoding is not implemented for serving workloads"))
     for field, value, lo in (("workload.num_requests", s.num_requests, 1), ("workload.prefix_len", s.prefix_len, 0),
                              ("workload.max_concurrency", s.max_concurrency, 0)):
@@ -345,7 +350,7 @@ def _batching(trial: TrialConfig) -> list[tuple[str, str]]:
     if trial.kv_cache.num_blocks and trial.kv_cache.num_blocks < blocks:
         p.append(("kv_cache.num_blocks", f"{trial.kv_cache.num_blocks} blocks of {trial.kv_cache.block_size} tokens cannot hold the "
                                                 f"longest request ({total} tokens needs {blocks}); 0 sizes the pool automatically"))
-    if b.mode == "continuous" and not b.chunked_prefill:
+    if native and b.mode == "continuous" and not b.chunked_prefill:
         # a preempted request is re-prefilled with its generated tokens in one step
         need = total - 1 if trial.kv_cache.num_blocks else prompt
         if b.max_batch_tokens < need:

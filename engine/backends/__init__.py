@@ -20,7 +20,10 @@ def make_backend(loaded: LoadedModel, trial: TrialConfig) -> Backend:
         from ..native.backend import NativeBackend
 
         return NativeBackend(loaded, trial)
-    raise EngineError(f"engine.backend: unknown backend {name!r}; choose hf, native or llamacpp")
+    if name == "vllm":
+        raise EngineError("engine.backend=vllm runs whole trials in its own interpreter (engine.backends.vllm_runner), "
+                          "not as a model backend of this process")
+    raise EngineError(f"engine.backend: unknown backend {name!r}; choose hf, native, llamacpp or vllm")
 
 
 __all__ = ["Backend", "DecodeSession", "make_backend"]

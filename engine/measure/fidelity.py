@@ -107,6 +107,51 @@ def fidelity(backend: Backend, windows: torch.Tensor, ref: ReferenceStats) -> di
     }
 
 
+def fidelity_from_topk(cand_idx: torch.Tensor, cand_logp: torch.Tensor, cand_target_logp: torch.Tensor,
+                       ref: ReferenceStats) -> dict[str, float]:
+    """`fidelity` for a candidate seen only through its own top-k log-probs (engine=vllm: vLLM returns
+    prompt log-probs, not logits). cand_idx / cand_logp [W, T-1, k] (descending), cand_target_logp [W, T-1]
+    = the candidate's log-prob of each actual next token.
+
+    Approximation: a reference top-K token absent from the candidate's top-k has no known candidate
+    log-prob, so it joins the tail bucket. KL is then taken over a coarser partition -- the tokens in both
+    top sets, one by one, plus one tail -- which is still a lower bound of the full KL and 0 when the
+    distributions are identical, and equals `fidelity`'s K+1-bucket KL when the candidate's top-k contains
+    the reference's top-K (asked with k = K, near-identical distributions share nearly all of it). ppl and
+    top-1 agreement are exact."""
+    kls, agree, nll_sum, count = [], 0, 0.0, 0
+    for i in range(ref.topk_logp.shape[0]):
+        ridx = ref.topk_idx[i].long()  # [T-1, K]
+        logp_k = ref.topk_logp[i].double()
+        cidx, clogp = cand_idx[i].long(), cand_logp[i].double()  # [T-1, k]
+        hit = ridx[:, :, None] == cidx[:, None, :]  # [T-1, K, k]
+        found = hit.any(-1)  # [T-1, K]
+        logq_k = torch.where(hit, clogp[:, None, :], torch.zeros((), dtype=torch.float64)).sum(-1)
+        p_in = torch.where(found, logp_k.exp(), torch.zeros((), dtype=torch.float64))
+        q_in = torch.where(found, logq_k.exp(), torch.zeros((), dtype=torch.float64))
+        kl = torch.where(found, p_in * (logp_k - logq_k), torch.zeros((), dtype=torch.float64)).sum(-1)
+        p_tail = (1.0 - p_in.sum(-1)).clamp(min=1e-12)
+        q_tail = (1.0 - q_in.sum(-1)).clamp(min=1e-12)
+        kl = kl + p_tail * (p_tail.log() - q_tail.log())
+        kls.append(kl.clamp(min=0.0))
+        agree += int((cidx[:, 0] == ridx[:, 0]).sum())
+        nll_sum += float(-cand_target_logp[i].double().sum())
+        count += cand_target_logp[i].numel()
+    allkl = torch.cat(kls)
+    cand_nll = nll_sum / count
+    quarter = max(1, kls[0].numel() // 4)
+    return {
+        "kl_div_mean": float(allkl.mean()),
+        "kl_div_early": float(torch.cat([k[:quarter] for k in kls]).mean()),
+        "kl_div_late": float(torch.cat([k[-quarter:] for k in kls]).mean()),
+        "kl_div_p99": float(torch.quantile(allkl, 0.99)),
+        "top1_agreement": agree / count,
+        "ppl": math.exp(cand_nll),
+        "nll_mean": cand_nll,
+        "ppl_ratio": math.exp(cand_nll) / ref.ppl,
+    }
+
+
 class ReferenceCache:
     """Reference stats on the worker's disk, keyed by content hash; corrupt entries are recomputed.
 

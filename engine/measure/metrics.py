@@ -144,7 +144,7 @@ def static_batch_metrics(trace: GenerationTrace) -> dict[str, float]:
     m.update(distribution("ttft_ms", [ttft * 1e3] * b))
     tpot = (e2e - ttft) / (n - 1) * 1e3 if n > 1 else 0.0
     m.update(distribution("tpot_ms", [tpot] * b))
-    m.update(distribution("itl_ms", gaps * b if gaps else [0.0]))
+    m.update(distribution("itl_ms", [g * 1e3 for g in gaps] * b if gaps else [0.0]))
     m.update(distribution("e2e_s", [e2e] * b))
     m["output_tok_s"] = b * n / e2e
     m["decode_tok_s"] = b * (n - 1) / trace.decode_s if n > 1 and trace.decode_s > 0 else 0.0
@@ -155,29 +155,34 @@ def static_batch_metrics(trace: GenerationTrace) -> dict[str, float]:
     return m
 
 
-def serving_metrics(trace: "ServingTrace", slo: SLOConfig) -> dict[str, float]:
-    """Metrics of one serving run: latency distributions over requests (vLLM's definitions; requests with
-    one output token have no tpot), throughput over the run's duration, goodput against the SLOs."""
-    reqs = trace.requests
+def request_metrics(reqs, duration_s: float, slo: SLOConfig) -> dict[str, float]:
+    """Latency distributions over requests (vLLM's definitions; requests with one output token have no
+    tpot), throughput over the run's duration and goodput against the SLOs. `reqs`: records with
+    `ttft_s`, `e2e_s`, `output` and `token_times_s` (engine/serving's `RequestRecord`)."""
     ttft = [r.ttft_s * 1e3 for r in reqs]
     tpot = [(r.e2e_s - r.ttft_s) / (len(r.output) - 1) * 1e3 for r in reqs if len(r.output) > 1]
     itl = [(b - a) * 1e3 for r in reqs for a, b in zip(r.token_times_s, r.token_times_s[1:])]
     met = sum(1 for r in reqs if r.ttft_s * 1e3 <= slo.ttft_ms
               and (len(r.output) < 2 or (r.e2e_s - r.ttft_s) / (len(r.output) - 1) * 1e3 <= slo.tpot_ms))
-    dur = trace.duration_s
     m: dict[str, float] = {}
     m.update(distribution("ttft_ms", ttft))
     m.update(distribution("tpot_ms", tpot or [0.0]))
     m.update(distribution("itl_ms", itl or [0.0]))
     m.update(distribution("e2e_s", [r.e2e_s for r in reqs]))
-    m["output_tok_s"] = sum(len(r.output) for r in reqs) / dur
-    m["request_s"] = len(reqs) / dur
-    m["goodput"] = met / dur
+    m["output_tok_s"] = sum(len(r.output) for r in reqs) / duration_s
+    m["request_s"] = len(reqs) / duration_s
+    m["goodput"] = met / duration_s
     m["slo_attainment"] = met / len(reqs)
+    m["duration_s"] = duration_s
+    return m
+
+
+def serving_metrics(trace: "ServingTrace", slo: SLOConfig) -> dict[str, float]:
+    """Metrics of one serving run: `request_metrics` plus what the scheduler and KV pool did."""
+    m = request_metrics(trace.requests, trace.duration_s, slo)
     m["prefix_hit_rate"] = trace.stats.prefix_hit_rate
     m["preemptions"] = float(trace.stats.preemptions)
     m["mean_batch_size"] = trace.step_seqs / trace.steps
-    m["duration_s"] = dur
     m["kv_cache_bytes"] = float(trace.kv_pool_bytes)
     m["kv_peak_bytes"] = float(trace.kv_peak_bytes)
     return m

