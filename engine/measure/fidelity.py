@@ -92,6 +92,12 @@ def fidelity(backend: Backend, windows: torch.Tensor, ref: ReferenceStats) -> di
         nll = -logq.gather(-1, w[1:, None]).squeeze(-1)
         nll_sum += float(nll.double().sum())
         count += nll.numel()
+    return _summary(kls, agree, nll_sum, count, ref)
+
+
+def _summary(kls: list[torch.Tensor], agree: int, nll_sum: float, count: int, ref: ReferenceStats) -> dict[str, float]:
+    """The fidelity metrics from per-window KL [T-1] tensors, top-1 matches, the candidate's summed NLL and the
+    number of positions."""
     allkl = torch.cat(kls)
     cand_nll = nll_sum / count
     quarter = max(1, kls[0].numel() // 4)  # positions per quarter window (all windows have one length)
@@ -137,19 +143,7 @@ def fidelity_from_topk(cand_idx: torch.Tensor, cand_logp: torch.Tensor, cand_tar
         agree += int((cidx[:, 0] == ridx[:, 0]).sum())
         nll_sum += float(-cand_target_logp[i].double().sum())
         count += cand_target_logp[i].numel()
-    allkl = torch.cat(kls)
-    cand_nll = nll_sum / count
-    quarter = max(1, kls[0].numel() // 4)
-    return {
-        "kl_div_mean": float(allkl.mean()),
-        "kl_div_early": float(torch.cat([k[:quarter] for k in kls]).mean()),
-        "kl_div_late": float(torch.cat([k[-quarter:] for k in kls]).mean()),
-        "kl_div_p99": float(torch.quantile(allkl, 0.99)),
-        "top1_agreement": agree / count,
-        "ppl": math.exp(cand_nll),
-        "nll_mean": cand_nll,
-        "ppl_ratio": math.exp(cand_nll) / ref.ppl,
-    }
+    return _summary(kls, agree, nll_sum, count, ref)
 
 
 class ReferenceCache:
