@@ -4,7 +4,7 @@
 
 Rows: workloads (batch x context); columns: engine variants (the `engine_variant` a trial ran). Cells are
 decode tok/s (generated tokens after the first / decode time: the phase where the engines differ most) with
-output tok/s, TTFT, peak memory and ppl in the second table. The last columns are native's decode tok/s as a
+output tok/s, TTFT, peak memory, weight bytes and ppl in the second table. The last columns are native's decode tok/s as a
 ratio of llama.cpp's and vLLM's at equal weight bytes (all three fp32: 538 MB for SmolLM2-135M), measured in
 the same sweep.
 """
@@ -19,8 +19,16 @@ ORDER = ("hf-fp32", "native-fp32", "llamacpp-f32", "vllm-fp32", "hf-half", "nati
          "hf-int8", "native-int8", "llamacpp-q8_0")
 
 
-def variant(name: str) -> str:
-    return next(p.split("=", 1)[1] for p in name.split() if p.startswith("engine_variant="))
+def variant(optimizations: str) -> str:
+    """The engine variant a trial ran, from its optimization settings (a reproduced run keeps the config but
+    not the sweep's run name)."""
+    d = dict(p.split("=", 1) for p in optimizations.split() if "=" in p)
+    engine, dtype, quant = d.get("engine", "hf"), d.get("model.dtype", "float32"), d.get("quant", "none")
+    if quant != "none":
+        return f"{engine}-" + {"int8-weight": "int8", "gguf-q8_0": "q8_0"}.get(quant, quant)
+    if engine == "llamacpp":
+        return {"float32": "llamacpp-f32", "float16": "llamacpp-f16"}.get(dtype, "llamacpp-bf16")
+    return f"{engine}-" + ("fp32" if dtype == "float32" else "half")
 
 
 def num(x: str) -> float | None:
@@ -32,7 +40,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--csv", default=str(ROOT / "reports" / "engines" / "trials.csv"))
     a = ap.parse_args(argv)
     rows = [r for r in csv.DictReader(open(a.csv)) if r["status"] == "FINISHED"]
-    cells: dict[tuple[str, str], dict] = {(r["workload"], variant(r["name"])): r for r in rows}
+    cells: dict[tuple[str, str], dict] = {(r["workload"], variant(r["optimizations"])): r for r in rows}
 
     def key(w: str) -> tuple[int, int]:
         d = dict(p.split("=", 1) for p in w.split())
@@ -52,8 +60,8 @@ def main(argv: list[str] | None = None) -> None:
         out.append("| " + " | ".join(line) + " |")
     print("Decode tok/s (batch x tokens after the first / decode time):\n")
     print("\n".join(out))
-    out = ["| workload | variant | output tok/s | x hf-fp32 | ttft ms p50 | peak MB | weights MB | ppl | KL vs fp32 ref |",
-           "|---|---|---|---|---|---|---|---|---|"]
+    out = ["| workload | variant | output tok/s | x hf-fp32 | ttft ms p50 | peak MB | weights MB | ppl |",
+           "|---|---|---|---|---|---|---|---|"]
     for w in workloads:
         base = num(cells[(w, "hf-fp32")]["output_tok_s"]) if (w, "hf-fp32") in cells else None
         for v in variants:
@@ -61,11 +69,9 @@ def main(argv: list[str] | None = None) -> None:
             if r is None:
                 continue
             o = num(r["output_tok_s"])
-            kl = num(r["kl_div_mean"])
             out.append(f"| {label[w]} | {v} | {o:.1f} | " + (f"x{o / base:.2f}" if base else "-")
                        + f" | {num(r['ttft_ms_p50']):.0f} | {num(r['peak_mem_bytes']) / 1e6:.0f}"
-                       + f" | {num(r['weights_bytes']) / 1e6:.0f} | {num(r['ppl']):.3f} | "
-                       + (f"{kl:.4f}" if kl is not None else "-") + " |")
+                       + f" | {num(r['weights_bytes']) / 1e6:.0f} | {num(r['ppl']):.3f} |")
     print("\nEnd to end (prefill + 32 tokens), memory and accuracy:\n")
     print("\n".join(out))
 

@@ -127,6 +127,9 @@ def test_worker_result_becomes_the_engines_serving_metrics():
 
 def test_missing_vllm_interpreter_names_make_setup_vllm(monkeypatch, tmp_path):
     monkeypatch.setenv(vllm_runner.VLLM_PYTHON_ENV, str(tmp_path / "nowhere" / "python"))
+    with pytest.raises(SweepError) as ei:  # refused before launch
+        expand(TINY32_OVERRIDES + ["engine=vllm"])
+    assert ei.value.problems[0].startswith("engine.backend: engine=vllm needs vLLM's own interpreter")
     with pytest.raises(EngineError, match=r"make setup-vllm.*INFERSWEEP_VLLM_PYTHON|INFERSWEEP_VLLM_PYTHON.*make setup-vllm"):
         run_engine_trial(_trial())
 
@@ -169,6 +172,7 @@ def test_validation_names_what_vllm_cannot_honour():
     assert any(p.startswith("batching.mode: engine=vllm always schedules continuously") for p in ei.value.problems)
 
 
+@needs_vllm
 def test_vllm_trials_that_it_can_run_validate():
     specs = expand(TINY32_OVERRIDES + ["engine=vllm", "model.dtype=float32,bfloat16"])
     assert len(specs) == 2

@@ -100,6 +100,10 @@ def unsupported(trial: TrialConfig) -> list[tuple[str, str]]:
     if kv.num_blocks:
         p.append(("kv_cache.num_blocks", "engine=vllm sizes its KV pool in bytes from the workload; "
                                                 "kv_cache.num_blocks is not supported there"))
+    try:
+        vllm_python()
+    except EngineError as e:  # not installed here: refused before launch, not 48 failed trials
+        p.append(("engine.backend", str(e)))
     if kv.dtype == "fp8" and not cpu_has_fp8_kv():
         p.append(("kv_cache.dtype", "kv_cache.dtype=fp8 on vLLM's CPU backend needs x86 with AVX-512 or "
                                                  "AMX; this machine's CPU has neither (use kv_cache.dtype=auto)"))
