@@ -116,6 +116,7 @@ def server_overrides(mlflow_server, tmp_path_factory):
     return TINY + [f"tracking.uri={mlflow_server}", f"tracking.spool_dir={spool}"]
 
 
+@pytest.mark.slow  # a real multi-process cluster/server or a full re-probe: the slow tier (CI runs it)
 def test_two_node_sweep_exclusive_nodes_warm_workers_through_server(two_node, server_overrides, server_client):
     c, gpu_node = two_node
     res = run_sweep(server_overrides + ["sweep_name=t-two-node", "cluster.isolation=exclusive-node",
@@ -191,6 +192,7 @@ def test_killed_node_trials_move_to_another_node(two_node, server_overrides, ser
     assert all(r.data.tags["attempts"] == "1" for r in runs if r is not moved)
 
 
+@pytest.mark.slow  # a real multi-process cluster/server or a full re-probe: the slow tier (CI runs it)
 def test_ctrl_c_then_resume_skips_finished_and_force_reruns(two_node, mlflow_server, server_client, tmp_path, capsys):
     c, _ = two_node
     args = [sys.executable, "-m", "experiments.cli", "sweep", *TINY, *SLOW, f"tracking.uri={mlflow_server}",

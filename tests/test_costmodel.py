@@ -155,6 +155,7 @@ def test_cpu_peaks_are_probed_once_then_cached(tmp_path, monkeypatch):
     assert "float32" in entry["fast_dtypes"]
 
 
+@pytest.mark.slow  # a real multi-process cluster/server or a full re-probe: the slow tier (CI runs it)
 def test_refresh_reprobes_and_keeps_the_higher_peaks(tmp_path, monkeypatch):
     monkeypatch.setenv("INFERSWEEP_CACHE", str(tmp_path))
     first = node_peaks(torch.device("cpu"), "float32", threads=1)

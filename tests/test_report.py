@@ -290,6 +290,7 @@ def test_quantization_claims_from_constructed_trials():
     assert out["quant-int4"].holds == ABSENT  # quant exists, but no 4-bit trial here
 
 
+@pytest.mark.slow  # a real multi-process cluster/server or a full re-probe: the slow tier (CI runs it)
 def test_experiment_report_covers_the_latest_sweeps_plan_including_resumed_trials(ray_local, tiny_overrides, tracking, tmp_path):
     quiet = lambda *_: None  # noqa: E731
     run_sweep(tiny_overrides + ["sweep_name=t-scope", "kv_cache=off,contiguous"], echo=quiet)

@@ -133,6 +133,7 @@ def test_server_binds_loopback_unless_configured():
     assert cmd[cmd.index("--host") + 1] == "0.0.0.0"
 
 
+@pytest.mark.slow  # a real multi-process cluster/server or a full re-probe: the slow tier (CI runs it)
 def test_cli_started_server_for_the_sweep_lifetime(tmp_path):
     """tracking=server: the CLI starts `mlflow server` on the store, logs through it, stops it."""
     store = tmp_path / "store"
@@ -195,6 +196,7 @@ def postgres(tmp_path_factory):
         shutil.rmtree(root, ignore_errors=True)
 
 
+@pytest.mark.slow  # a real multi-process cluster/server or a full re-probe: the slow tier (CI runs it)
 def test_tracking_postgres_config_behind_mlflow_server(postgres, tmp_path):
     over = TINY + ["tracking=postgres", f"tracking.uri={postgres}", "tracking.workers=1",
                    f"tracking.artifact_root={tmp_path}/art", f"tracking.spool_dir={tmp_path}/spool",
