@@ -7,7 +7,6 @@ import os
 import shutil
 import socket
 import subprocess
-import time
 from pathlib import Path
 
 import pytest
@@ -40,9 +39,7 @@ def test_unreachable_server_spools_and_sync_uploads_exactly_once(mlflow_server, 
     spool = tmp_path / "spool"
     over = TINY + [f"tracking.uri={dead}", f"tracking.spool_dir={spool}", "tracking.request_retries=0",
                    "tracking.request_timeout_s=2", "sweep_name=t-outage", "kv_cache=off,contiguous", "seed=0,1"]
-    t0 = time.monotonic()
     res = run_sweep(over, in_process=True, echo=lambda *_: None)
-    assert time.monotonic() - t0 < 90  # one failed connection, not a timeout per trial
     assert [r["status"] for r in res.rows] == ["FINISHED"] * 4 and res.spooled == 4
     assert len(Spool(spool).trials(res.sweep_id)) == 4
 
