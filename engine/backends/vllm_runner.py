@@ -100,10 +100,6 @@ def unsupported(trial: TrialConfig) -> list[tuple[str, str]]:
     if kv.num_blocks:
         p.append(("kv_cache.num_blocks", "engine=vllm sizes its KV pool in bytes from the workload; "
                                                 "kv_cache.num_blocks is not supported there"))
-    try:
-        vllm_python()
-    except EngineError as e:  # not installed here: refused before launch, not 48 failed trials
-        p.append(("engine.backend", str(e)))
     if kv.dtype == "fp8" and not cpu_has_fp8_kv():
         p.append(("kv_cache.dtype", "kv_cache.dtype=fp8 on vLLM's CPU backend needs x86 with AVX-512 or "
                                                  "AMX; this machine's CPU has neither (use kv_cache.dtype=auto)"))
@@ -122,6 +118,10 @@ def unsupported(trial: TrialConfig) -> list[tuple[str, str]]:
             p.append(("batching.max_batch_tokens", f"engine=vllm without chunked prefill needs max_batch_tokens >= "
                                                    f"its max_model_len {total} (the longest request, and the eval "
                                                    f"window + 1), got {b.max_batch_tokens}; or batching.chunked_prefill=true"))
+    try:  # last: what is wrong with the trial itself reads first
+        vllm_python()
+    except EngineError as e:  # not installed here: refused before launch, not 48 failed trials
+        p.append(("engine.backend", str(e)))
     return p
 
 
