@@ -82,9 +82,14 @@ def _mb(x: Optional[float]) -> str:
 
 
 # --- measured claims ----------------------------------------------------------------------------------
-def kv_speedup(t: Trials) -> Optional[Finding]:
+def _kv_pair(t: Trials) -> tuple[Optional[int], Optional[tuple[TrialRow, TrialRow]]]:
+    """(context near 2k, (KV cache off, on) at it, other settings equal) -- what both KV claims compare."""
     ctx = t.context_near(2048)
-    p = t.pair({CONTEXT: ctx, KV_CACHE.key: KV_CACHE.off}, {KV_CACHE.key: lambda v: v in ("contiguous", "paged")})
+    return ctx, t.pair({CONTEXT: ctx, KV_CACHE.key: KV_CACHE.off}, {KV_CACHE.key: lambda v: v in ("contiguous", "paged")})
+
+
+def kv_speedup(t: Trials) -> Optional[Finding]:
+    ctx, p = _kv_pair(t)
     if p is None:
         return None
     off, on = p
@@ -95,8 +100,7 @@ def kv_speedup(t: Trials) -> Optional[Finding]:
 
 
 def kv_regime(t: Trials) -> Optional[Finding]:
-    ctx = t.context_near(2048)
-    p = t.pair({CONTEXT: ctx, KV_CACHE.key: KV_CACHE.off}, {KV_CACHE.key: lambda v: v in ("contiguous", "paged")})
+    ctx, p = _kv_pair(t)
     if p is None:
         return None
     off, on = p
