@@ -125,3 +125,33 @@ def test_cost_model_uses_the_trial_dtype_numbers(tmp_path, monkeypatch):
         assert m["decode_gemv_util"] > 0
     assert seen == {"float32": (158e9, 11e9), "bfloat16": (249e9, 17e9), "float16": (0.2e9, 0.15e9)}
     assert node_peaks(device, "bfloat16", threads).source == "cache"  # read, never re-probed
+
+
+def test_matmul_probe_skips_a_size_its_budget_cannot_pay_for(monkeypatch):
+    """An emulated dtype (100x slower) must not run a size whose predicted cost (n^3 scaling of the last
+    one, warm-up included) overruns the budget. Timings are injected: this checks the rule, not the clock."""
+    from engine.measure import hardware
+
+    tried, now, shape = [], [0.0], [0]
+
+    def fake_randn(n, m, device=None):  # the operands: remember the size
+        shape[0] = n
+        return torch.zeros(1, 1)
+
+    def fake_best_of(fn, sync, repeats):  # a timed matmul of that size: advance the clock as it would
+        n = shape[0]
+        tried.append(n)
+        now[0] += per_call[n] * (repeats + 1)
+        return per_call[n]
+
+    monkeypatch.setattr(hardware, "_best_of", fake_best_of)
+    monkeypatch.setattr(hardware.torch, "randn", fake_randn)
+    monkeypatch.setattr(hardware.time, "perf_counter", lambda: now[0])
+    per_call = {256: 0.024, 512: 0.19, 1024: 1.5, 2048: 12.0}  # ~1.4 GFLOP/s: bf16/fp16 emulated on a CPU
+    flops = hardware.probe_matmul(torch.device("cpu"), torch.float32, budget_s=1.0)
+    assert tried == [256, 512] and flops == pytest.approx(2 * 512**3 / 0.19)
+    tried.clear()
+    now[0] = 0.0
+    per_call = {256: 1e-4, 512: 1e-3, 1024: 8e-3, 2048: 0.07}  # fast fp32: every size fits
+    hardware.probe_matmul(torch.device("cpu"), torch.float32, budget_s=1.0)
+    assert tried == [256, 512, 1024, 2048]

@@ -188,19 +188,25 @@ def probe_bandwidth(device: torch.device, nbytes: int = 256 << 20, repeats: int 
 
 
 def probe_matmul(device: torch.device, dtype: torch.dtype, budget_s: float = 1.0, repeats: int = 3) -> float:
-    """Best FLOP/s of square matmuls of growing size; stops growing once one matmul takes > 0.2 s (a dtype
-    without hardware support, e.g. bf16 on many CPUs, is slow and must not make the probe slow)."""
+    """Best FLOP/s of square matmuls of growing size. The next size is tried only if its predicted cost
+    (n^3 from the last one, warm-up included) fits in what is left of `budget_s`: a dtype without hardware
+    support (bf16/fp16 on many CPUs, 100x slower) stops at a small size instead of running a 1024^3
+    matmul four times (that alone took 10 s here)."""
     sync = _synchronizer(device)
     sizes = (256, 512, 1024, 2048) if device.type == "cpu" else (1024, 2048, 4096, 8192)
     best = 0.0
     start = time.perf_counter()
+    prev: tuple[int, float] | None = None
     for n in sizes:
+        if prev is not None:
+            predicted = prev[1] * (n / prev[0]) ** 3 * (repeats + 1)
+            if time.perf_counter() - start + predicted > budget_s:
+                break
         a = torch.randn(n, n, device=device).to(dtype)
         b = torch.randn(n, n, device=device).to(dtype)
         dt = _best_of(lambda: a @ b, sync, repeats)
         best = max(best, 2 * n**3 / dt)
-        if dt > 0.2 or time.perf_counter() - start > budget_s:
-            break
+        prev = (n, dt)
     return best
 
 
