@@ -17,6 +17,12 @@ LEVELS = ["none", "int8-weight", "int8-dynamic", "bnb-int8", "bnb-nf4", "bnb-fp4
 
 @pytest.fixture
 def fresh_cache(tmp_path, monkeypatch):
+    """An empty fidelity-reference cache. This node's hardware probe is carried over: these tests are about
+    references, and re-probing would only cost seconds."""
+    import shutil
+
+    if (cache_root() / "hardware").is_dir():
+        shutil.copytree(cache_root() / "hardware", tmp_path / "hardware")
     monkeypatch.setenv("INFERSWEEP_CACHE", str(tmp_path))
     return tmp_path
 
