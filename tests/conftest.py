@@ -12,12 +12,16 @@ TINY = ["model=tiny-llama", "workload.context_len=24", "workload.max_new_tokens=
         "workload.warmup=1", "eval.num_windows=1", "cluster.num_cpus_per_trial=1"]
 
 
+FAKE_GPUS = 2  # the session's Ray node advertises two GPUs (no CUDA behind them: Ray only hands out device ids)
+
+
 @pytest.fixture(scope="session")
 def ray_local():
     import ray
 
     if not ray.is_initialized():
-        ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False, logging_level="WARNING")
+        ray.init(address="local", num_cpus=2, num_gpus=FAKE_GPUS, include_dashboard=False, log_to_driver=False,
+                 logging_level="WARNING")
     yield ray
     ray.shutdown()
 

@@ -140,21 +140,39 @@ def test_two_node_sweep_exclusive_nodes_warm_workers_through_server(two_node, se
     assert server_client.get_run(res.parent_run_id).info.status == "FINISHED"
 
 
-def test_fake_gpus_distinct_devices_never_more_trials_than_gpus(two_node, server_overrides, server_client):
+def _assert_gpus_shared_out(runs, n_gpus):
+    devices = [r.data.tags["env.cuda_visible_devices"] for r in runs]
+    assert set(devices) == {str(i) for i in range(n_gpus)}  # every GPU got work
+    spans = [(r.info.start_time, r.info.end_time) for r in runs]
+    assert _overlaps(spans) <= n_gpus  # never more trials than GPUs
+    for i, a in enumerate(runs):  # trials running at the same time hold different GPUs
+        for b in runs[i + 1:]:
+            if a.info.start_time < b.info.end_time and b.info.start_time < a.info.end_time:
+                assert a.data.tags["env.cuda_visible_devices"] != b.data.tags["env.cuda_visible_devices"]
+
+
+def test_fake_gpus_distinct_devices_never_more_trials_than_gpus(ray_local, tiny_overrides, mlflow_client):
+    """One node with 2 fake GPUs (the session's Ray) and CPU to spare: a GPU each, at most two at once."""
+    from conftest import FAKE_GPUS
+
+    res = run_sweep(tiny_overrides + ["sweep_name=t-gpu-local", "cluster.num_gpus_per_trial=1",
+                                      "cluster.num_cpus_per_trial=0.5", "workload.max_new_tokens=30",
+                                      "eval.enabled=false", "seed=0,1,2,3"], echo=lambda *_: None)
+    assert [r["status"] for r in res.rows] == ["FINISHED"] * 4
+    runs = _trial_runs(mlflow_client, "t-gpu-local", res.sweep_id)
+    assert len(runs) == 4
+    _assert_gpus_shared_out(runs, FAKE_GPUS)
+
+
+@pytest.mark.slow  # a real multi-process cluster/server or a full re-probe: the slow tier (CI runs it)
+def test_fake_gpus_only_on_the_node_that_has_them(two_node, server_overrides, server_client):
     c, gpu_node = two_node
     res = run_sweep(server_overrides + ["sweep_name=t-gpu", "cluster.num_gpus_per_trial=1", "cluster.num_cpus_per_trial=0.5",
                                         "workload.max_new_tokens=60", "seed=0,1,2,3,4,5"], echo=lambda *_: None)
     assert [r["status"] for r in res.rows] == ["FINISHED"] * 6
     runs = _trial_runs(server_client, "t-gpu", res.sweep_id)
     assert {r.data.tags["env.node_id"] for r in runs} == {gpu_node.node_id}  # only node B has GPUs
-    devices = [r.data.tags["env.cuda_visible_devices"] for r in runs]
-    assert set(devices) == {"0", "1"}
-    spans = [(r.info.start_time, r.info.end_time) for r in runs]
-    assert _overlaps(spans) <= 2  # never more trials than GPUs
-    for i, a in enumerate(runs):  # trials running at the same time hold different GPUs
-        for b in runs[i + 1:]:
-            if a.info.start_time < b.info.end_time and b.info.start_time < a.info.end_time:
-                assert a.data.tags["env.cuda_visible_devices"] != b.data.tags["env.cuda_visible_devices"]
+    _assert_gpus_shared_out(runs, 2)
 
 
 def _kill_later(delay, fn):
@@ -233,7 +251,7 @@ def test_ctrl_c_then_resume_skips_finished_and_force_reruns(two_node, mlflow_ser
     assert len(fin) == 12 and len(set(fin)) == 6
 
 
-def test_run_on_ray_generic_function_and_unplaceable(two_node):
+def test_run_on_ray_generic_function_and_unplaceable(ray_local):
     """The placement layer alone (no engine): results in, and a demand no node has fails fast."""
     results = {}
 
