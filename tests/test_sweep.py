@@ -22,20 +22,20 @@ def _children(client, parent_run_id):
 
 
 @pytest.fixture(scope="module")
-def four_trial_sweep(ray_local, tiny_overrides):
-    # a seed no other test uses: the hash ignores sweep_name, and reproduce must find exactly these runs
-    res = run_sweep(tiny_overrides + ["sweep_name=t-four", "seed=4242", "kv_cache=off,contiguous", "attention=eager,sdpa"],
-                    echo=lambda *_: None)
-    return res
+def grid_sweep(ray_local, tiny_overrides):
+    """engine x KV cache x attention: 8 trials through Ray. A seed no other test uses: the hash ignores
+    sweep_name, and reproduce must find exactly these runs."""
+    return run_sweep(tiny_overrides + ["sweep_name=t-grid", "seed=4242", "engine=native,hf", "kv_cache=off,contiguous",
+                                       "attention=eager,sdpa"], echo=lambda *_: None)
 
 
-def test_four_trial_sweep_writes_four_finished_child_runs(four_trial_sweep, mlflow_client):
-    res = four_trial_sweep
-    assert [r["status"] for r in res.rows] == ["FINISHED"] * 4
+def test_sweep_writes_one_finished_child_run_per_trial_with_comparable_records(grid_sweep, mlflow_client):
+    res = grid_sweep
+    assert [r["status"] for r in res.rows] == ["FINISHED"] * 8
     runs = _children(mlflow_client, res.parent_run_id)
-    assert len(runs) == 4
+    assert len(runs) == 8
     assert mlflow_client.get_run(res.parent_run_id).info.status == "FINISHED"
-    tokens = set()
+    tokens_by_engine: dict[str, set[str]] = {}
     for run in runs:
         assert run.info.status == "FINISHED"
         assert set(REQUIRED) <= set(run.data.metrics), sorted(run.data.metrics)
@@ -49,35 +49,33 @@ def test_four_trial_sweep_writes_four_finished_child_runs(four_trial_sweep, mlfl
         with open(mlflow_client.download_artifacts(run.info.run_id, TOKENS_ARTIFACT)) as f:
             ids = json.load(f)
         assert len(ids) == 1 and len(ids[0]) == 6
-        tokens.add(json.dumps(ids))
-    assert len(tokens) == 1  # kv cache and attention do not change greedy tokens
-    assert len({r.data.tags["config_hash"] for r in runs}) == 4
+        tokens_by_engine.setdefault(run.data.params["engine.backend"], set()).add(json.dumps(ids))
+    assert set(tokens_by_engine) == {"native", "hf"}
+    # neither the engine nor the KV cache nor the attention kernel changes greedy tokens
+    assert len(set().union(*tokens_by_engine.values())) == 1
+    assert len({r.data.tags["config_hash"] for r in runs}) == 8
 
 
-def test_failing_trial_is_recorded_failed_and_the_rest_finish(ray_local, tiny_overrides, tmp_path, mlflow_client):
+def test_failing_trial_is_recorded_failed_the_rest_finish_and_the_cli_exits_1(ray_local, tiny_overrides, tmp_path,
+                                                                               mlflow_client, capsys):
     broken = tmp_path / "broken-ckpt"
     broken.mkdir()
     (broken / "config.json").write_text("{not json")
-    res = run_sweep(tiny_overrides + ["sweep_name=t-fail", f"model.path=tiny://llama,{broken}"], echo=lambda *_: None)
-    statuses = sorted(r["status"] for r in res.rows)
-    assert statuses == ["FAILED", "FINISHED"]
-    runs = {r.data.params["model.path"]: r for r in _children(mlflow_client, res.parent_run_id)}
+    rc = main(["sweep", *tiny_overrides, "sweep_name=t-fail", f"model.path=tiny://llama,{broken}"])
+    out = capsys.readouterr().out
+    assert rc == 1
+    assert "FAILED" in out and "1 of 2 trial(s) FAILED" in out
+    exp = mlflow_client.get_experiment_by_name("t-fail")
+    everything = mlflow_client.search_runs([exp.experiment_id])
+    (parent,) = [r for r in everything if r.data.tags.get("kind") == "sweep"]
+    runs = {r.data.params["model.path"]: r for r in _children(mlflow_client, parent.info.run_id)}
+    assert len(runs) == 2
     failed = runs[str(broken)]
     assert failed.info.status == "FAILED"
     assert failed.data.tags["error"]
     assert "error.txt" in {a.path for a in mlflow_client.list_artifacts(failed.info.run_id)}
     assert runs["tiny://llama"].info.status == "FINISHED"
-    assert mlflow_client.get_run(res.parent_run_id).info.status == "FAILED"
-
-
-def test_cli_exits_nonzero_and_lists_failures(ray_local, tiny_overrides, tmp_path, capsys):
-    broken = tmp_path / "broken2"
-    broken.mkdir()
-    (broken / "config.json").write_text("[]")
-    rc = main(["sweep", *tiny_overrides, "sweep_name=t-cli-fail", f"model.path=tiny://llama,{broken}"])
-    out = capsys.readouterr().out
-    assert rc == 1
-    assert "FAILED" in out and "1 of 2 trial(s) FAILED" in out
+    assert parent.info.status == "FAILED"
 
 
 def test_rejected_sweep_logs_nothing(tiny_overrides, mlflow_client, capsys):
@@ -89,8 +87,8 @@ def test_rejected_sweep_logs_nothing(tiny_overrides, mlflow_client, capsys):
     assert len(mlflow_client.search_experiments()) == before
 
 
-def test_reproduce_matches_token_ids_exactly(four_trial_sweep, tracking, mlflow_client):
-    row = four_trial_sweep.rows[3]
+def test_reproduce_matches_token_ids_exactly(grid_sweep, tracking, mlflow_client):
+    row = grid_sweep.rows[3]
     cmp = reproduce(row["hash"][:8], tracking)
     assert cmp.tokens_match and cmp.deterministic_match
     verdicts = {m: v for m, _, _, v in cmp.rows}
@@ -126,16 +124,3 @@ def test_help_explains_commands():
     out = subprocess.run([sys.executable, "-m", "experiments.cli", "--help"], capture_output=True, text=True).stdout
     for word in ("sweep", "run", "reproduce", "ui", "prepare", "experiment=quickstart"):
         assert word in out
-
-
-def test_sweep_over_backends_logs_comparable_runs(ray_local, tiny_overrides, mlflow_client):
-    res = run_sweep(tiny_overrides + ["sweep_name=t-backends", "engine=native,hf", "attention=eager,sdpa"], echo=lambda *_: None)
-    assert [r["status"] for r in res.rows] == ["FINISHED"] * 4
-    runs = _children(mlflow_client, res.parent_run_id)
-    by_backend = {}
-    for run in runs:
-        assert set(REQUIRED) <= set(run.data.metrics)
-        with open(mlflow_client.download_artifacts(run.info.run_id, TOKENS_ARTIFACT)) as f:
-            by_backend.setdefault(run.data.params["engine.backend"], set()).add(f.read())
-    assert set(by_backend) == {"native", "hf"}
-    assert by_backend["native"] == by_backend["hf"] and len(by_backend["hf"]) == 1  # same greedy tokens
