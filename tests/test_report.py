@@ -96,44 +96,32 @@ def test_report_cli(grid_sweep, tracking_overrides, tmp_path, capsys):
 
 
 def test_seed_claims_sweep_and_claims_table(ray_local, tiny_overrides, tracking, tmp_path):
+    """The claim points of conf/claim/, shrunk to seconds on the tiny model (KV cache and attention at 2k,
+    prompt lookup at 256, static vs continuous serving): their rows get a verdict, not "not measured"."""
     own = [o for o in tiny_overrides if not o.startswith("workload.context_len=")]  # each claim point sets its own
-    res = run_sweep(own + ["experiment=seed-claims", "sweep_name=t-seed-claims", "model.tiny.max_position_embeddings=4096",
-                                      "claim=kv-off-2k,kv-on-2k,eager-2k,native-eager-2k,native-sdpa-2k,sdpa-128"],
+    small_serving = ["workload.num_requests=6", "workload.rate=50", "workload.prefix_len=8", "workload.input_len.min=4",
+                     "workload.input_len.max=24", "workload.output_len.min=2", "workload.output_len.max=8"]
+    res = run_sweep(own + small_serving + ["experiment=seed-claims", "sweep_name=t-seed-claims",
+                                           "model.tiny.max_position_embeddings=4096",
+                                           "claim=kv-off-2k,kv-on-2k,eager-2k,native-eager-2k,native-sdpa-2k,sdpa-128,"
+                                           "spec-off-256,spec-prompt-lookup-256,batch-static,batch-continuous"],
                     echo=lambda *_: None)
-    assert not res.failed
+    assert not res.failed and len(res.rows) == 10
     rep = build("t-seed-claims", tracking, out_dir=tmp_path, claims=True, progress=False)
     rows = {c.name: c for c in rep.claims}
     kv = rows["kv-speedup"]
     assert kv.holds in ("yes", "partly", "no") and "decode at context 2048" in kv.measured and "thread" in kv.hardware
     assert rows["flash-memory"].holds in ("yes", "partly", "no") and "attention scratch" in rows["flash-memory"].measured
-    assert rows["flash-short"].holds == ABSENT  # no eager trial at 128 in this subset
-    for name in ("spec-formula", "spec-speedup", "continuous-batching"):  # no such trials in this subset
-        assert rows[name].holds == ABSENT, name
-    assert rows["arith-kv-size"].hardware == ARITHMETIC and rows["arith-kv-size"].holds == "no"
-    md = rep.markdown_path.read_text()
-    assert "| claim | measured here | hardware | holds? |" in md
-    assert (tmp_path / "claims.csv").exists()
-
-
-def test_seed_claims_speculative_and_batching_points(ray_local, tiny_overrides, tracking, tmp_path):
-    """The claim points of conf/claim/ for speculative decoding and continuous batching, shrunk to seconds:
-    their rows are measured (a verdict, not "not measured")."""
-    own = [o for o in tiny_overrides if not o.startswith("workload.context_len=")]
-    small_serving = ["workload.num_requests=6", "workload.rate=50", "workload.prefix_len=8", "workload.input_len.min=4",
-                     "workload.input_len.max=24", "workload.output_len.min=2", "workload.output_len.max=8"]
-    res = run_sweep(own + small_serving + ["experiment=seed-claims", "sweep_name=t-seed-claims-sb",
-                                           "model.tiny.max_position_embeddings=4096",
-                                           "claim=spec-off-256,spec-prompt-lookup-256,batch-static,batch-continuous"],
-                    echo=lambda *_: None)
-    assert not res.failed and len(res.rows) == 4
-    rep = build("t-seed-claims-sb", tracking, out_dir=tmp_path, claims=True, progress=False)
-    rows = {c.name: c for c in rep.claims}
     for name in ("spec-formula", "spec-speedup", "continuous-batching"):
         assert rows[name].holds in ("yes", "partly", "no"), (name, rows[name])
     assert "tokens/step vs formula" in rows["spec-formula"].measured
     assert "prompt-lookup k=4, repeat workload, context 256" in rows["spec-speedup"].measured
     assert rows["continuous-batching"].measured.startswith("continuous vs static: x")
-    assert rows["kv-speedup"].holds == ABSENT  # no kv_cache=off trial in this subset
+    assert rows["flash-short"].holds == ABSENT  # no eager trial at 128 in this subset
+    assert rows["arith-kv-size"].hardware == ARITHMETIC and rows["arith-kv-size"].holds == "no"
+    md = rep.markdown_path.read_text()
+    assert "| claim | measured here | hardware | holds? |" in md
+    assert (tmp_path / "claims.csv").exists()
 
 
 # --- constructed cases: no MLflow needed ----------------------------------------------------------------
