@@ -43,7 +43,6 @@ def test_port_check_sees_a_wildcard_listener_and_frees_a_closed_port(taken_port)
     assert port_in_use("127.0.0.1", port) is None
 
 
-@pytest.mark.slow  # a real `mlflow server` process racing for a port: the slow tier (CI runs it)
 def test_a_server_that_cannot_bind_is_reported_from_its_log_not_after_it_exits(taken_port, tmp_path):
     """Past the port check (a race: someone binds in between), the real `mlflow server` logs "address
     already in use" and then lingers about a minute before exiting 0; launch() fails on the log line and
