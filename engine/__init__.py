@@ -26,9 +26,20 @@ from .config import (
     TrialConfig,
     WorkloadConfig,
 )
-from .measure.metrics import METRICS
-from .models import LoadedModel, load_model, prepare_model
-from .runner import EngineResult, run_engine_trial
+# The runtime (torch, transformers) is imported on first use, so `engine.config` and the axis registry
+# stay cheap to import: the CLI's --help, `report` and `sync` need the config model, not a model.
+_LAZY = {"METRICS": ".measure.metrics", "LoadedModel": ".models", "load_model": ".models",
+         "prepare_model": ".models", "EngineResult": ".runner", "run_engine_trial": ".runner"}
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        import importlib
+
+        value = getattr(importlib.import_module(_LAZY[name], __name__), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 __all__ = [
     "AttentionConfig",

@@ -142,6 +142,15 @@ def test_garbage_made_after_the_freeze_is_still_collected():
     assert ref() is None
 
 
+def test_the_cli_starts_without_importing_torch():
+    """--help, report, sync and ui need the config model, not the runtime: torch and transformers (~3-5 s
+    to import here) load on first use."""
+    code = ("import sys, experiments.cli, experiments.tracking.spool, engine.config, engine.axes; "
+            "print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))")
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert p.returncode == 0 and p.stdout.strip() == "[]", p.stdout + p.stderr
+
+
 def test_help_explains_commands():
     out = subprocess.run([sys.executable, "-m", "experiments.cli", "--help"], capture_output=True, text=True).stdout
     for word in ("sweep", "run", "reproduce", "ui", "prepare", "experiment=quickstart"):
