@@ -138,7 +138,7 @@ class SamplingConfig:
     top_p: float = 1.0
 
 
-@dataclass(unsafe_hash=True)  # a cache key of the tokenized text (engine/workload.py)
+@dataclass(unsafe_hash=True)  # a cache key of the tokenized text (engine/prompts.py)
 class TextConfig:
     """Where prompt and evaluation text comes from: `pydoc` (the Python reference manual that ships with
     CPython, offline), `file` (`path`), or `datasets` (`name`, `split`, `column`; data available locally)."""

