@@ -7,6 +7,7 @@ every expanded trial. A `SweepError` carries them all.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import functools
 import itertools
 import os
@@ -118,7 +119,7 @@ def check_config(config: dict, gpu_available: bool | None = None) -> list[str]:
     return problems + validate(_prune(config, extra), gpu_available)
 
 
-_COMPOSITIONS: dict[tuple, tuple[Any, dict[str, str]]] = {}  # see Composer.composition
+_COMPOSITIONS: dict[tuple, "Composition"] = {}  # see Composer.composition
 _COMPOSITIONS_MAX = 256
 
 
@@ -132,6 +133,20 @@ def _tree_state(root: Path) -> tuple:
             st = os.stat(os.path.join(dirpath, name))
             out.append((os.path.join(dirpath, name), st.st_size, st.st_mtime_ns))
     return tuple(out)
+
+
+@dataclasses.dataclass(frozen=True)
+class Composition:
+    """One Hydra composition (without its `hydra` node), never changed in place, the experiment's sweeper
+    params, and the composition pickled: `copy()` unpickles it, 3x faster than `copy.deepcopy` of OmegaConf
+    nodes (a pickle costs ~1 ms, a compose 150-300 ms)."""
+
+    cfg: Any
+    params: dict[str, str]
+    blob: bytes
+
+    def copy(self):
+        return pickle.loads(self.blob)
 
 
 class Composer:
@@ -179,12 +194,11 @@ class Composer:
 
         return compose(self.config_name, overrides=overrides, return_hydra_config=True)
 
-    def composition(self, overrides: list[str]):
+    def composition(self, overrides: list[str]) -> Composition:
         """Hydra's full compose of `overrides` without its `hydra` node, and the experiment's sweeper params.
         Cached per override list and state of the config tree (every file's path, size and mtime), across
         Composers: an axis value checked alone and the trials that use it compose once, and so does
-        the same sweep expanded twice in one process. A composition is never changed in place (value
-        overrides are applied to a copy)."""
+        the same sweep expanded twice in one process. Value overrides are applied to a `copy()`."""
         key = (self.conf_state, self.config_name, tuple(overrides))
         if key not in _COMPOSITIONS:
             cfg = self.compose_raw(list(overrides))
@@ -194,13 +208,13 @@ class Composer:
                 del cfg["hydra"]  # its own interpolations only resolve inside a Hydra job
             while len(_COMPOSITIONS) >= _COMPOSITIONS_MAX:
                 _COMPOSITIONS.pop(next(iter(_COMPOSITIONS)))
-            _COMPOSITIONS[key] = (cfg, {str(k): str(v) for k, v in params.items()})
+            _COMPOSITIONS[key] = Composition(cfg, {str(k): str(v) for k, v in params.items()}, pickle.dumps(cfg))
         return _COMPOSITIONS[key]
 
     def compose(self, overrides: list[str]) -> tuple[dict[str, Any], dict[str, str]]:
         """(resolved trial config without `hydra`, the experiment's sweeper params)."""
-        cfg, params = self.composition(overrides)
-        return OmegaConf.to_container(cfg, resolve=True), dict(params)
+        c = self.composition(overrides)
+        return OmegaConf.to_container(c.cfg, resolve=True), dict(c.params)
 
     def compose_fast(self, fixed: list[str], extra: list[str]) -> tuple[dict[str, Any], dict[str, str]]:
         """`compose(fixed + extra)`, with Hydra's full compose run once per distinct set of *group*
@@ -221,17 +235,14 @@ class Composer:
             data, params = done[key]
             return copy.deepcopy(data), dict(params)
         try:
-            base, params = self.composition(fixed + groups)
-            blobs = self.__dict__.setdefault("_blobs", {})
-            if id(base) not in blobs:
-                blobs[id(base)] = (base, pickle.dumps(base))  # (base kept alive: its id stays its own)
-            cfg = pickle.loads(blobs[id(base)][1])  # a copy, 3x faster than copy.deepcopy of OmegaConf nodes
+            base = self.composition(fixed + groups)
+            cfg = base.copy()
             ConfigLoaderImpl._apply_overrides_to_config(_parse(values), cfg)
             data = OmegaConf.to_container(cfg, resolve=True)
         except Exception:
             return self.compose(fixed + extra)
-        done[key] = (data, params)
-        return copy.deepcopy(data), dict(params)
+        done[key] = (data, base.params)
+        return copy.deepcopy(data), dict(base.params)
 
 
 def _is_value_override(line: str) -> bool:
