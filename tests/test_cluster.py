@@ -19,7 +19,7 @@ from experiments.config.compose import PROJECT_ROOT
 from experiments.run.sweep import run_sweep, run_specs
 from experiments.config.compose import expand
 
-from conftest import TINY
+from conftest import FAKE_GPUS, TINY
 
 # ~1 s per trial on the tiny model, so a kill lands mid-trial
 SLOW = ["workload.max_new_tokens=300", "workload.repeats=2", "eval.enabled=false"]
@@ -153,8 +153,6 @@ def _assert_gpus_shared_out(runs, n_gpus):
 
 def test_fake_gpus_distinct_devices_never_more_trials_than_gpus(ray_local, tiny_overrides, mlflow_client):
     """One node with 2 fake GPUs (the session's Ray) and CPU to spare: a GPU each, at most two at once."""
-    from conftest import FAKE_GPUS
-
     res = run_sweep(tiny_overrides + ["sweep_name=t-gpu-local", "cluster.num_gpus_per_trial=1",
                                       "cluster.num_cpus_per_trial=0.5", "workload.max_new_tokens=30",
                                       "eval.enabled=false", "seed=0,1,2,3"], echo=lambda *_: None)

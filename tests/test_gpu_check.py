@@ -9,6 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 SECTIONS = ("kv_cache", "attention", "speculative", "batching", "paged_kv", "int8")
 
@@ -19,7 +21,8 @@ def run_check(out: Path, *args: str) -> subprocess.CompletedProcess:
                           capture_output=True, text=True, timeout=600)
 
 
-def gpu_check_module():
+@pytest.fixture(scope="module")
+def gpu_check():
     """The script as a module, to call its main() in this process (its imports are then paid once)."""
     import importlib.util
 
@@ -57,14 +60,14 @@ def test_dry_run_measures_every_section(tmp_path):
     assert all(f"## {n} (ok" in md for n in SECTIONS)
 
 
-def test_spent_budget_skips_sections_with_the_reason(tmp_path):
-    rc = gpu_check_module().main(["--dry-run", "--budget-s", "0.01", "--sections", "kv_cache,int8", "--out", str(tmp_path)])
+def test_spent_budget_skips_sections_with_the_reason(gpu_check, tmp_path):
+    rc = gpu_check.main(["--dry-run", "--budget-s", "0.01", "--sections", "kv_cache,int8", "--out", str(tmp_path)])
     assert rc == 0
     secs = json.loads((tmp_path / "gpu_check.json").read_text())["sections"]
     assert list(secs) == ["kv_cache", "int8"]
     assert all(s["status"] == "skipped" and "budget" in s["reason"] for s in secs.values())
 
 
-def test_unknown_section_is_refused(tmp_path, capsys):
-    rc = gpu_check_module().main(["--dry-run", "--sections", "kv_cache,warp_drive", "--out", str(tmp_path)])
+def test_unknown_section_is_refused(gpu_check, tmp_path, capsys):
+    rc = gpu_check.main(["--dry-run", "--sections", "kv_cache,warp_drive", "--out", str(tmp_path)])
     assert rc == 2 and "warp_drive" in capsys.readouterr().err

@@ -58,22 +58,25 @@ def test_sweep_writes_one_finished_child_run_per_trial_with_comparable_records(g
 
 def test_failing_trial_is_recorded_failed_the_rest_finish_and_the_cli_exits_1(ray_local, tiny_overrides, tmp_path,
                                                                                mlflow_client, capsys):
-    broken = tmp_path / "broken-ckpt"
-    broken.mkdir()
-    (broken / "config.json").write_text("{not json")
-    rc = main(["sweep", *tiny_overrides, "sweep_name=t-fail", f"model.path=tiny://llama,{broken}"])
+    broken = {}
+    for name, text in (("not-json", "{not json"), ("not-a-mapping", "[]")):  # two ways a config.json breaks
+        broken[name] = tmp_path / name
+        broken[name].mkdir()
+        (broken[name] / "config.json").write_text(text)
+    rc = main(["sweep", *tiny_overrides, "sweep_name=t-fail", f"model.path=tiny://llama,{','.join(map(str, broken.values()))}"])
     out = capsys.readouterr().out
     assert rc == 1
-    assert "FAILED" in out and "1 of 2 trial(s) FAILED" in out
+    assert "FAILED" in out and "2 of 3 trial(s) FAILED" in out
     exp = mlflow_client.get_experiment_by_name("t-fail")
     everything = mlflow_client.search_runs([exp.experiment_id])
     (parent,) = [r for r in everything if r.data.tags.get("kind") == "sweep"]
     runs = {r.data.params["model.path"]: r for r in _children(mlflow_client, parent.info.run_id)}
-    assert len(runs) == 2
-    failed = runs[str(broken)]
-    assert failed.info.status == "FAILED"
-    assert failed.data.tags["error"]
-    assert "error.txt" in {a.path for a in mlflow_client.list_artifacts(failed.info.run_id)}
+    assert len(runs) == 3
+    for path in broken.values():
+        failed = runs[str(path)]
+        assert failed.info.status == "FAILED"
+        assert failed.data.tags["error"]
+        assert "error.txt" in {a.path for a in mlflow_client.list_artifacts(failed.info.run_id)}
     assert runs["tiny://llama"].info.status == "FINISHED"
     assert parent.info.status == "FAILED"
 
