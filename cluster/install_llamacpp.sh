@@ -4,6 +4,10 @@
 # $INFERSWEEP_WHEELS (default ~/.cache/infersweep/wheels); every later setup installs that wheel in seconds.
 # The wheel is built with -DGGML_NATIVE=ON: it is tuned to (and only safe on) this machine's CPU, which is why
 # the cache lives in the home directory, not in the repository.
+#
+# Every step goes through "$1" (`$1 -c ...` to check, `$1 -m pip wheel ...` to build, `$1 -m pip install` to
+# install), so tests/test_install_llamacpp.py drives the whole script -- empty cache, build, install -- with a
+# stand-in interpreter that records those calls, without compiling anything.
 set -euo pipefail
 VERSION=0.3.36
 PY=${1:-python3}
@@ -14,7 +18,14 @@ if "$PY" -c "import sys, llama_cpp; sys.exit(llama_cpp.__version__ != '$VERSION'
     exit 0
 fi
 mkdir -p "$WHEELS"
-find_wheel() { ls "$WHEELS"/llama_cpp_python-"$VERSION"-*.whl 2>/dev/null | head -n 1; }
+# a glob, not `ls | head`: under `set -o pipefail` an empty cache made `ls` fail and ended the script silently
+find_wheel() {
+    local w
+    for w in "$WHEELS"/llama_cpp_python-"$VERSION"-*.whl; do
+        [ -f "$w" ] && { echo "$w"; return 0; }
+    done
+    return 0
+}
 wheel=$(find_wheel)
 if [ -z "$wheel" ]; then
     # one build at a time per cache: a second setup waits for the first and then finds its wheel
@@ -22,15 +33,22 @@ if [ -z "$wheel" ]; then
     flock 9
     wheel=$(find_wheel)
     if [ -z "$wheel" ]; then
-        echo "building llama-cpp-python $VERSION from source into $WHEELS (10-20 min on 2 cores)..."
-        CMAKE_BUILD_PARALLEL_LEVEL=${CMAKE_BUILD_PARALLEL_LEVEL:-$(nproc)} \
-        CMAKE_ARGS=${CMAKE_ARGS:--DGGML_NATIVE=ON} \
-            "$PY" -m pip wheel --no-deps "llama-cpp-python==$VERSION" -w "$WHEELS"
+        echo "no llama-cpp-python $VERSION wheel in $WHEELS: building it from source (10-20 min on 2 cores)..."
+        if ! CMAKE_BUILD_PARALLEL_LEVEL=${CMAKE_BUILD_PARALLEL_LEVEL:-$(nproc)} \
+             CMAKE_ARGS=${CMAKE_ARGS:--DGGML_NATIVE=ON} \
+             "$PY" -m pip wheel --no-deps "llama-cpp-python==$VERSION" -w "$WHEELS"; then
+            echo "error: building llama-cpp-python $VERSION failed (pip's output is above; the build needs a C/C++" \
+                 "compiler and cmake)" >&2
+            exit 1
+        fi
         wheel=$(find_wheel)
     fi
     flock -u 9
 fi
-[ -n "$wheel" ] || { echo "no llama-cpp-python $VERSION wheel in $WHEELS after the build" >&2; exit 1; }
+if [ -z "$wheel" ]; then
+    echo "error: no llama_cpp_python-$VERSION-*.whl in $WHEELS after the build" >&2
+    exit 1
+fi
 echo "installing $(basename "$wheel")"
 "$PY" -m pip install -q "$wheel"
 "$PY" -c "import llama_cpp; print('llama-cpp-python', llama_cpp.__version__, 'ready')"

@@ -1,0 +1,116 @@
+"""cluster/install_llamacpp.sh (`make setup-llamacpp`) on a machine without the cached wheel.
+
+The script runs every step through the interpreter it is given (`$1 -c` to check, `$1 -m pip wheel` to
+build, `$1 -m pip install` to install), so a stand-in interpreter -- a small shell script that records its
+calls, has no llama_cpp and "builds" by writing an empty wheel file -- drives the real script end to end
+in milliseconds. This is the path that once ended at once with `make: *** Error 2` and no message (an
+empty cache made `ls | head` fail under pipefail) while CI stayed green.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = ROOT / "cluster" / "install_llamacpp.sh"
+VERSION = "0.3.36"
+WHEEL = f"llama_cpp_python-{VERSION}-cp311-cp311-linux_x86_64.whl"
+
+# A python stand-in. FAKE_LOG gets one line per call; FAKE_BUILD says what `pip wheel` does: "wheel" writes
+# a wheel into the -w folder, "nothing" exits 0 without one, "fail" exits 1 like a failed compile.
+# `import llama_cpp` succeeds only after `pip install` ran (the state lives in FAKE_STATE).
+FAKE_PYTHON = r"""#!/usr/bin/env bash
+echo "$*" >> "$FAKE_LOG"
+case "$1" in
+  -c)
+    if [ -f "$FAKE_STATE/installed" ]; then echo "llama-cpp-python 0.3.36 ready"; exit 0; fi
+    echo "ModuleNotFoundError: No module named 'llama_cpp'" >&2; exit 1 ;;
+  -m)
+    [ "$2" = pip ] || exit 3
+    case "$3" in
+      wheel)
+        echo "env CMAKE_ARGS=$CMAKE_ARGS CMAKE_BUILD_PARALLEL_LEVEL=$CMAKE_BUILD_PARALLEL_LEVEL" >> "$FAKE_LOG"
+        out=""; prev=""
+        for a in "$@"; do [ "$prev" = "-w" ] && out="$a"; prev="$a"; done
+        case "$FAKE_BUILD" in
+          wheel) : > "$out/llama_cpp_python-0.3.36-cp311-cp311-linux_x86_64.whl" ;;
+          nothing) ;;
+          fail) echo "CMake Error: CMAKE_CXX_COMPILER not set" >&2; exit 1 ;;
+        esac ;;
+      install) : > "$FAKE_STATE/installed" ;;
+      *) exit 4 ;;
+    esac ;;
+  *) exit 5 ;;
+esac
+"""
+
+pytestmark = pytest.mark.skipif(shutil.which("flock") is None, reason="the installer needs flock (util-linux)")
+
+
+def run_installer(tmp_path: Path, build: str, wheels: Path | None = None) -> tuple[subprocess.CompletedProcess, list[str]]:
+    fake = tmp_path / "python"
+    fake.write_text(FAKE_PYTHON)
+    fake.chmod(0o755)
+    state = tmp_path / "state"
+    state.mkdir(exist_ok=True)
+    log = tmp_path / "calls.log"
+    env = {k: v for k, v in os.environ.items() if k not in ("CMAKE_ARGS", "CMAKE_BUILD_PARALLEL_LEVEL")}
+    env.update(INFERSWEEP_WHEELS=str(wheels or tmp_path / "wheels"), FAKE_LOG=str(log), FAKE_STATE=str(state),
+               FAKE_BUILD=build)
+    p = subprocess.run(["bash", str(SCRIPT), str(fake)], env=env, capture_output=True, text=True, timeout=60)
+    return p, (log.read_text().splitlines() if log.exists() else [])
+
+
+def test_empty_cache_builds_the_wheel_then_installs_it(tmp_path):
+    wheels = tmp_path / "wheels"  # does not exist yet: a fresh machine
+    p, calls = run_installer(tmp_path, "wheel", wheels)
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert f"no llama-cpp-python {VERSION} wheel in {wheels}: building it from source" in p.stdout
+    pip = [c for c in calls if c.startswith("-m pip")]
+    assert pip == [f"-m pip wheel --no-deps llama-cpp-python=={VERSION} -w {wheels}",
+                   f"-m pip install -q {wheels / WHEEL}"]
+    nproc = subprocess.run(["nproc"], capture_output=True, text=True, check=True).stdout.strip()
+    assert f"env CMAKE_ARGS=-DGGML_NATIVE=ON CMAKE_BUILD_PARALLEL_LEVEL={nproc}" in calls  # tuned to this CPU
+    assert f"installing {WHEEL}" in p.stdout and p.stdout.rstrip().endswith(f"llama-cpp-python {VERSION} ready")
+    # the building message comes before the install, the readiness check is the last call
+    assert p.stdout.index("building it from source") < p.stdout.index("installing")
+    assert calls[-1].startswith("-c import llama_cpp")
+
+
+def test_cached_wheel_is_installed_without_a_build(tmp_path):
+    wheels = tmp_path / "wheels"
+    wheels.mkdir()
+    (wheels / WHEEL).write_bytes(b"")
+    (wheels / f"llama_cpp_python-0.3.1-cp311-cp311-linux_x86_64.whl").write_bytes(b"")  # another version: ignored
+    p, calls = run_installer(tmp_path, "fail", wheels)  # a build would fail: it must not run
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert "building" not in p.stdout
+    assert [c for c in calls if c.startswith("-m pip")] == [f"-m pip install -q {wheels / WHEEL}"]
+
+
+def test_build_without_a_wheel_fails_with_a_message(tmp_path):
+    wheels = tmp_path / "wheels"
+    p, calls = run_installer(tmp_path, "nothing", wheels)
+    assert p.returncode == 1
+    assert f"error: no llama_cpp_python-{VERSION}-*.whl in {wheels} after the build" in p.stderr
+    assert not any(c.startswith("-m pip install") for c in calls)
+
+
+def test_failed_build_says_so_and_installs_nothing(tmp_path):
+    p, calls = run_installer(tmp_path, "fail")
+    assert p.returncode == 1
+    assert "CMake Error" in p.stderr  # pip's own output stays visible
+    assert f"error: building llama-cpp-python {VERSION} failed" in p.stderr and "compiler and cmake" in p.stderr
+    assert not any(c.startswith("-m pip install") for c in calls)
+
+
+def test_already_installed_does_nothing(tmp_path):
+    (tmp_path / "state").mkdir()
+    (tmp_path / "state" / "installed").write_bytes(b"")
+    p, calls = run_installer(tmp_path, "fail")
+    assert p.returncode == 0 and f"llama-cpp-python {VERSION} is already installed" in p.stdout
+    assert len(calls) == 1 and calls[0].startswith("-c ") and not (tmp_path / "wheels").exists()
