@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import sys
 import subprocess
 from pathlib import Path
 
@@ -114,3 +115,74 @@ def test_already_installed_does_nothing(tmp_path):
     p, calls = run_installer(tmp_path, "fail")
     assert p.returncode == 0 and f"llama-cpp-python {VERSION} is already installed" in p.stdout
     assert len(calls) == 1 and calls[0].startswith("-c ") and not (tmp_path / "wheels").exists()
+
+
+# --- CI=true: a missing engine fails, it does not skip --------------------------------------------------
+ENGINE_TESTS = '''
+from conftest import require_engine
+
+
+@require_engine("ghost", False, "ghost is not installed (make setup-ghost)")
+def test_needs_ghost():
+    pass
+
+
+@require_engine("here", True, "never shown")
+def test_needs_an_installed_engine():
+    pass
+'''
+
+
+def _run_engine_tests(tmp_path: Path, ci: str | None) -> subprocess.CompletedProcess:
+    """The repository's conftest with two engine-marked tests, in a pytest of their own."""
+    (tmp_path / "pytest.ini").write_text("[pytest]\n")
+    shutil.copy(ROOT / "tests" / "conftest.py", tmp_path / "conftest.py")
+    (tmp_path / "test_engines.py").write_text(ENGINE_TESTS)
+    env = {k: v for k, v in os.environ.items() if k != "CI"}
+    if ci is not None:
+        env["CI"] = ci
+    return subprocess.run([sys.executable, "-m", "pytest", "-q", "-rsf", "-p", "no:cacheprovider", str(tmp_path)],
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+
+
+def test_missing_engine_skips_outside_ci_and_fails_under_ci(tmp_path):
+    p = _run_engine_tests(tmp_path, None)
+    assert p.returncode == 0, p.stdout
+    assert "1 passed, 1 skipped" in p.stdout
+    assert "engine ghost is not available: ghost is not installed (make setup-ghost)" in p.stdout
+    p = _run_engine_tests(tmp_path, "true")
+    assert p.returncode == 1, p.stdout
+    # failed in its set-up (pytest counts it as an error): before any fixture could load the missing engine
+    assert "1 passed, 1 error in" in p.stdout and "SKIPPED" not in p.stdout
+    assert "engine ghost is not available: ghost is not installed (make setup-ghost) (CI=true" in p.stdout
+
+
+def test_ci_flag_is_read_when_the_test_runs(monkeypatch):
+    from conftest import engine_missing, in_ci
+
+    for value, expected in (("true", True), ("TRUE", True), ("1", True), ("false", False), ("", False)):
+        monkeypatch.setenv("CI", value)
+        assert in_ci() is expected, value
+    monkeypatch.setenv("CI", "true")
+    with pytest.raises(pytest.fail.Exception, match="engine vllm is not available: no venv"):
+        engine_missing("vllm", "no venv")
+    monkeypatch.delenv("CI")
+    with pytest.raises(pytest.skip.Exception, match="engine vllm is not available: no venv"):
+        engine_missing("vllm", "no venv")
+
+
+def test_ci_script_fails_on_an_engine_install_failure_only_under_ci(tmp_path):
+    """.ci/run's `setup_engine`, with a `make` that fails: a warning by hand, the end of the run in CI."""
+    text = (ROOT / ".ci" / "run").read_text()
+    fn = text[text.index("setup_engine() {"):]
+    fn = fn[: fn.index("\n}\n") + 3]
+    script = "set -euo pipefail\nmake() { echo \"make $*\"; return 2; }\n" + fn + "setup_engine setup-llamacpp\necho after\n"
+    for ci, rc in ((None, 0), ("false", 0), ("true", 1)):
+        env = {k: v for k, v in os.environ.items() if k != "CI"} | ({"CI": ci} if ci is not None else {})
+        p = subprocess.run(["bash", "-c", script], env=env, capture_output=True, text=True, timeout=30)
+        assert p.returncode == rc, (ci, p.stdout, p.stderr)
+        if rc:
+            assert "error: make setup-llamacpp failed; under CI=true a missing engine fails the run" in p.stderr
+            assert "after" not in p.stdout
+        else:
+            assert "warning: make setup-llamacpp failed; its tests will skip" in p.stdout and "after" in p.stdout

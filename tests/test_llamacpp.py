@@ -26,10 +26,11 @@ from engine.config import (
     replace,
 )
 from experiments.config.compose import SweepError, expand
+from conftest import require_engine
 from support import make_trial
 
 HAVE_LLAMA_CPP = importlib.util.find_spec("llama_cpp") is not None
-needs_llamacpp = pytest.mark.skipif(not HAVE_LLAMA_CPP, reason="llama-cpp-python is not installed (make setup-llamacpp)")
+needs_llamacpp = require_engine("llamacpp", HAVE_LLAMA_CPP, "llama-cpp-python is not installed (make setup-llamacpp)")
 TINY = ModelConfig(name="tiny-llama", path="tiny://llama")
 # quantized K/V packs blocks of 32 values along the head dimension: the default tiny's heads are 16 wide
 TINY32 = ModelConfig(name="tiny-llama-hd32", path="tiny://llama",

@@ -19,6 +19,7 @@ from engine.models import tiny_checkpoint
 from engine.tokenizer import ByteTokenizer
 from engine.prompts import workload_prompts
 from experiments.config.compose import SweepError, expand
+from conftest import require_engine
 from support import make_trial
 
 # head_dim 32: vLLM's CPU attention has no kernel for the default tiny model's head_dim 16
@@ -42,7 +43,7 @@ def _vllm_available() -> bool:
         return False
 
 
-needs_vllm = pytest.mark.skipif(not _vllm_available(), reason="the vLLM venv is missing: run `make setup-vllm`")
+needs_vllm = require_engine("vllm", _vllm_available(), "the vLLM venv is missing: run `make setup-vllm`")
 
 
 # ------------------------------------------------------------------------------------------ fast tier
