@@ -58,7 +58,10 @@ def cmd_sweep(args) -> int:
 
     res = run_sweep(args.overrides, in_process=args.in_process, force=args.force)
     print(f"\nMLflow: experiment '{res.sweep_name}', sweep {res.sweep_id} in {res.store_uri or res.tracking_uri}")
-    print("open the dashboard with:  infersweep ui   (prints the URL of this experiment's runs table)")
+    from .invocation import typed_command  # `infersweep` may not be on PATH (make sweep runs .venv/bin/infersweep)
+
+    ui = typed_command("ui", *(o for o in args.overrides if o.split("=", 1)[0].split(".")[0] == "tracking"))
+    print(f"open the dashboard with:  {ui}   (prints the URL of this experiment's runs table)")
     if res.failed:
         print(f"{len(res.failed)} of {len(res.rows)} trial(s) FAILED (see the error above and error.txt in MLflow)")
         return 1
