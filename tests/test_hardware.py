@@ -21,6 +21,7 @@ from engine.measure.hardware import (
     preferred_cpu_dtype,
     preferred_dtype,
     probe_key,
+    slow_dtype_note,
 )
 
 # Abbreviated /proc/cpuinfo of the machines the design notes describe (two processors each: the flags repeat).
@@ -127,31 +128,93 @@ def test_cost_model_uses_the_trial_dtype_numbers(tmp_path, monkeypatch):
     assert node_peaks(device, "bfloat16", threads).source == "cache"  # read, never re-probed
 
 
-def test_matmul_probe_skips_a_size_its_budget_cannot_pay_for(monkeypatch):
+def test_matmul_probe_skips_a_size_its_budget_cannot_pay_for():
     """An emulated dtype (100x slower) must not run a size whose predicted cost (n^3 scaling of the last
-    one, warm-up included) overruns the budget. Timings are injected: this checks the rule, not the clock."""
+    one, warm-up included) overruns the budget. Timings are injected through the probe's clock and timer
+    parameters (nothing global is patched): this checks the rule, not the clock."""
     from engine.measure import hardware
 
-    tried, now, shape = [], [0.0], [0]
+    tried, now = [], [0.0]
 
-    def fake_randn(n, m, device=None):  # the operands: remember the size
-        shape[0] = n
-        return torch.zeros(1, 1)
-
-    def fake_best_of(fn, sync, repeats):  # a timed matmul of that size: advance the clock as it would
-        n = shape[0]
+    def timer(n):  # a timed matmul of size n: advance the clock as it would (warm-up + repeats calls)
         tried.append(n)
-        now[0] += per_call[n] * (repeats + 1)
+        now[0] += per_call[n] * (3 + 1)
         return per_call[n]
 
-    monkeypatch.setattr(hardware, "_best_of", fake_best_of)
-    monkeypatch.setattr(hardware.torch, "randn", fake_randn)
-    monkeypatch.setattr(hardware.time, "perf_counter", lambda: now[0])
+    clock = lambda: now[0]  # noqa: E731
     per_call = {256: 0.024, 512: 0.19, 1024: 1.5, 2048: 12.0}  # ~1.4 GFLOP/s: bf16/fp16 emulated on a CPU
-    flops = hardware.probe_matmul(torch.device("cpu"), torch.float32, budget_s=1.0)
+    flops = hardware.probe_matmul(torch.device("cpu"), torch.float32, budget_s=1.0, clock=clock, timer=timer)
     assert tried == [256, 512] and flops == pytest.approx(2 * 512**3 / 0.19)
     tried.clear()
     now[0] = 0.0
     per_call = {256: 1e-4, 512: 1e-3, 1024: 8e-3, 2048: 0.07}  # fast fp32: every size fits
-    hardware.probe_matmul(torch.device("cpu"), torch.float32, budget_s=1.0)
+    flops = hardware.probe_matmul(torch.device("cpu"), torch.float32, budget_s=1.0, clock=clock, timer=timer)
     assert tried == [256, 512, 1024, 2048]
+    assert flops == pytest.approx(max(2 * n**3 / t for n, t in per_call.items()))  # the best size's rate
+    # a budget the first size already spent: that size is measured (a probe always has one number), no other
+    tried.clear()
+    now[0] = 0.0
+    hardware.probe_matmul(torch.device("cpu"), torch.float32, budget_s=1e-6, clock=clock, timer=timer)
+    assert tried == [256]
+
+
+def test_best_of_reads_the_injected_clock_around_each_repeat():
+    """The probe's timing loop: a warm-up call that is not timed, then the fastest of `repeats` timed calls."""
+    from engine.measure.hardware import _best_of
+
+    durations = iter([5.0, 3.0, 4.0])  # seconds each timed call takes on the fake clock
+    now, calls = [0.0], []
+
+    def fn():
+        calls.append(now[0])
+        if len(calls) > 1:  # the first call is the warm-up: it costs nothing on this clock
+            now[0] += next(durations)
+
+    assert _best_of(fn, lambda: None, 3, clock=lambda: now[0]) == 3.0
+    assert len(calls) == 4
+
+
+def test_real_matmul_timer_runs_the_size_it_is_asked_for():
+    """The default timer times a real n x n matmul on the given clock (a counting clock: no wall time read)."""
+    from engine.measure.hardware import matmul_timer
+
+    ticks = [0]
+
+    def clock():
+        ticks[0] += 1
+        return float(ticks[0])
+
+    assert matmul_timer(torch.device("cpu"), torch.float32, repeats=2, clock=clock)(64) == 1.0
+    assert ticks[0] == 4  # two reads around each of the two timed calls
+
+
+# --- slow number formats: a note for the results table ------------------------------------------------
+@pytest.mark.parametrize("text,dtype,note", [
+    (EPYC_AVX2, "bfloat16", "bfloat16 on this CPU has no bf16 units (avx512_bf16/amx_bf16): expect ~8-10x slower than float32"),
+    (EPYC_AVX2, "float16", "float16 on this CPU has no fp16 units (avx512_fp16/amx_fp16): expect ~8-10x slower than float32"),
+    (EPYC_AVX2, "float32", None),
+    (EPYC_BF16, "bfloat16", None),
+    (EPYC_BF16, "float16", "float16 on this CPU has no fp16 units (avx512_fp16/amx_fp16): expect ~8-10x slower than float32"),
+    (SAPPHIRE_RAPIDS, "bfloat16", None),
+    (SAPPHIRE_RAPIDS, "float16", None),  # avx512_fp16
+    (CONVERT_ONLY, "bfloat16", "bfloat16 on this CPU has no bf16 units (avx512_bf16/amx_bf16): expect ~8-10x slower than float32"),
+    (GRAVITON3, "bfloat16", None),
+    (GRAVITON2, "bfloat16", "bfloat16 on this CPU has no bf16 units (avx512_bf16/amx_bf16): expect ~8-10x slower than float32"),
+])
+def test_slow_dtype_note_from_cpu_flags(no_override, text, dtype, note):
+    assert slow_dtype_note(dtype, "cpu", text) == note
+    assert slow_dtype_note(dtype, torch.device("cpu"), text) == note
+
+
+def test_slow_dtype_note_follows_the_bf16_override_and_this_machine(monkeypatch):
+    monkeypatch.setenv(CPU_BF16_ENV, "1")
+    assert slow_dtype_note("bfloat16", "cpu", EPYC_AVX2) is None
+    monkeypatch.setenv(CPU_BF16_ENV, "0")
+    assert "no bf16 units" in slow_dtype_note("bfloat16", "cpu", GRAVITON3)
+    monkeypatch.delenv(CPU_BF16_ENV)
+    with open("/proc/cpuinfo") as f:
+        flags = cpu_flags(f.read())
+    # this machine, detected at run time: a note exactly where its flags lack the units
+    assert (slow_dtype_note("bfloat16", "cpu") is None) is bool(flags & {"avx512_bf16", "amx_bf16", "bf16", "svebf16"})
+    assert (slow_dtype_note("float16", "cpu") is None) is bool(flags & {"avx512_fp16", "amx_fp16"})
+    assert slow_dtype_note("float32", "cpu") is None

@@ -13,7 +13,11 @@ every timed region. It measures
 CPUs differ most in the 16-bit formats: without bf16 units (no avx512_bf16 / amx_bf16) a bf16 matmul ran
 at ~0.3 GFLOP/s against ~85 GFLOP/s in fp32; an EPYC with avx512_bf16 ran bf16 GEMM 1.6x and GEMV 1.5x
 faster than fp32, and fp16 at 0.2 GFLOP/s. `preferred_dtype` reads the CPU flags (no benchmark);
-the probe's per-dtype numbers say what the formats actually cost.
+the probe's per-dtype numbers say what the formats actually cost, and `slow_dtype_note` says in words when
+a trial's dtype has no arithmetic units on this CPU (bf16/fp16 models ran 8-10x slower than fp32 there).
+
+The probe's clock is a parameter (`clock`, default `time.perf_counter`), and `probe_matmul` also takes the
+timer of one matrix size, so its budget rule is tested with injected timings instead of patched globals.
 """
 from __future__ import annotations
 
@@ -42,6 +46,10 @@ CPU_BF16_ENV = "INFERSWEEP_CPU_BF16"
 # /proc/cpuinfo flags of bf16 arithmetic units: x86 AVX512-BF16 and AMX-BF16; aarch64 FEAT_BF16 (Features
 # line "bf16") and its SVE form. avx_ne_convert only converts, so it does not count.
 BF16_CPU_FLAGS = frozenset({"avx512_bf16", "amx_bf16", "bf16", "svebf16"})
+# fp16 arithmetic units on x86: AVX512-FP16 (Sapphire Rapids and later) and AMX-FP16 (Granite Rapids). F16C
+# only converts. aarch64's FEAT_FP16 (asimdhp) is left out: no measurement here says torch's fp16 GEMMs use it.
+FP16_CPU_FLAGS = frozenset({"avx512_fp16", "amx_fp16"})
+Clock = Callable[[], float]  # seconds, monotonic
 
 
 @dataclass(frozen=True)
@@ -133,7 +141,8 @@ def _env_bool(name: str) -> Optional[bool]:
         return True
     if v in ("0", "false", "no", "off"):
         return False
-    raise EngineError(f"environment variable {name}={raw!r}: expected 0 or 1 (or true/false)")
+    raise EngineError(f"environment variable {name}={raw!r}: expected 1/true/yes/on or 0/false/no/off "
+                      f"(or unset it to detect from the CPU flags)")
 
 
 def cpu_bf16_support(cpuinfo: Optional[str] = None) -> bool:
@@ -153,6 +162,30 @@ def preferred_cpu_dtype(cpuinfo: Optional[str] = None) -> str:
     return "bfloat16" if cpu_bf16_support(cpuinfo) else "float32"
 
 
+def cpu_fp16_support(cpuinfo: Optional[str] = None) -> bool:
+    """Whether this CPU has fp16 arithmetic units, from its /proc/cpuinfo flags (no benchmark)."""
+    return bool(cpu_flags(cpuinfo_text() if cpuinfo is None else cpuinfo) & FP16_CPU_FLAGS)
+
+
+def slow_dtype_note(dtype: str, device: torch.device | str, cpuinfo: Optional[str] = None) -> Optional[str]:
+    """A short note when `dtype` has no arithmetic units on `device`, so a model in it runs far slower than
+    in float32 (measured: 8-10x end to end for bf16 and fp16 on CPUs without them; emulated matmuls 100x+);
+    None when the dtype is native there (or float32). Detected at run time from the CPU flags (bf16 honours
+    INFERSWEEP_CPU_BF16) or, on CUDA, from torch; a note for a results table, not an error."""
+    device = torch.device(device)
+    if device.type == "cuda":  # bf16 tensor cores came with Ampere (compute capability 8.0)
+        if dtype == "bfloat16" and torch.cuda.is_available() and torch.cuda.get_device_capability(device)[0] < 8:
+            return "bfloat16 on this GPU has no bf16 tensor cores (before Ampere): expect it far slower than float16"
+        return None
+    if device.type != "cpu":
+        return None
+    if dtype == "bfloat16" and not cpu_bf16_support(cpuinfo):
+        return "bfloat16 on this CPU has no bf16 units (avx512_bf16/amx_bf16): expect ~8-10x slower than float32"
+    if dtype == "float16" and not cpu_fp16_support(cpuinfo):
+        return "float16 on this CPU has no fp16 units (avx512_fp16/amx_fp16): expect ~8-10x slower than float32"
+    return None
+
+
 def preferred_dtype(device: torch.device | str) -> str:
     """The compute dtype to run a model in on `device`: on CUDA bf16 where the GPU supports it (Ampere and
     later), else fp16 (V100, T4: tensor cores for fp16 only); on a CPU `preferred_cpu_dtype()`."""
@@ -167,52 +200,66 @@ def _synchronizer(device: torch.device) -> Callable[[], None]:
     return (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
 
 
-def _best_of(fn: Callable[[], None], sync: Callable[[], None], repeats: int) -> float:
+def _best_of(fn: Callable[[], None], sync: Callable[[], None], repeats: int, clock: Clock = time.perf_counter) -> float:
     fn()  # warm-up (first call pays allocation, kernel selection, page faults)
     sync()
     best = float("inf")
     for _ in range(repeats):
-        t0 = time.perf_counter()
+        t0 = clock()
         fn()
         sync()
-        best = min(best, time.perf_counter() - t0)
+        best = min(best, clock() - t0)
     return best
 
 
-def probe_bandwidth(device: torch.device, nbytes: int = 256 << 20, repeats: int = 6) -> float:
+def probe_bandwidth(device: torch.device, nbytes: int = 256 << 20, repeats: int = 6,
+                    clock: Clock = time.perf_counter) -> float:
     """Bytes/s of a streaming read (a sum over a tensor far larger than any cache)."""
     if device.type == "cuda":
         nbytes = max(nbytes, 2 << 30)
     x = torch.ones(nbytes // 4, dtype=torch.float32, device=device)
-    dt = _best_of(lambda: x.sum(), _synchronizer(device), repeats)
+    dt = _best_of(lambda: x.sum(), _synchronizer(device), repeats, clock)
     return x.numel() * 4 / dt
 
 
-def probe_matmul(device: torch.device, dtype: torch.dtype, budget_s: float = 1.0, repeats: int = 3) -> float:
+def matmul_timer(device: torch.device, dtype: torch.dtype, repeats: int = 3,
+                 clock: Clock = time.perf_counter) -> Callable[[int], float]:
+    """n -> best seconds of one n x n by n x n matmul at `dtype` on `device` (warm-up, then `repeats`)."""
+    sync = _synchronizer(device)
+
+    def seconds(n: int) -> float:
+        a = torch.randn(n, n, device=device).to(dtype)
+        b = torch.randn(n, n, device=device).to(dtype)
+        return _best_of(lambda: a @ b, sync, repeats, clock)
+
+    return seconds
+
+
+def probe_matmul(device: torch.device, dtype: torch.dtype, budget_s: float = 1.0, repeats: int = 3,
+                 clock: Clock = time.perf_counter, timer: Optional[Callable[[int], float]] = None) -> float:
     """Best FLOP/s of square matmuls of growing size. The next size is tried only if its predicted cost
     (n^3 from the last one, warm-up included) fits in what is left of `budget_s`: a dtype without hardware
     support (bf16/fp16 on many CPUs, 100x slower) stops at a small size instead of running a 1024^3
-    matmul four times (that alone took 10 s here)."""
-    sync = _synchronizer(device)
+    matmul four times (that alone took 10 s here). `clock` measures the budget; `timer(n)` gives the best
+    seconds of one n x n matmul (default: `matmul_timer` on this clock)."""
+    timer = timer or matmul_timer(device, dtype, repeats, clock)
     sizes = (256, 512, 1024, 2048) if device.type == "cpu" else (1024, 2048, 4096, 8192)
     best = 0.0
-    start = time.perf_counter()
+    start = clock()
     prev: tuple[int, float] | None = None
     for n in sizes:
         if prev is not None:
             predicted = prev[1] * (n / prev[0]) ** 3 * (repeats + 1)
-            if time.perf_counter() - start + predicted > budget_s:
+            if clock() - start + predicted > budget_s:
                 break
-        a = torch.randn(n, n, device=device).to(dtype)
-        b = torch.randn(n, n, device=device).to(dtype)
-        dt = _best_of(lambda: a @ b, sync, repeats)
+        dt = timer(n)
         best = max(best, 2 * n**3 / dt)
         prev = (n, dt)
     return best
 
 
 def probe_gemv(device: torch.device, dtype: torch.dtype, nbytes: int = 128 << 20, cols: int = 4096,
-               budget_s: float = 0.6, repeats: int = 3) -> float:
+               budget_s: float = 0.6, repeats: int = 3, clock: Clock = time.perf_counter) -> float:
     """Weight bytes/s of a batch-1 matrix-vector product (`F.linear` of one row, as a decode step calls
     it) over an `nbytes` weight matrix, larger than the caches. A slow dtype is timed on a 1/16 slice
     instead once that slice shows the whole matrix would overrun `budget_s`: it is compute-bound then,
@@ -225,13 +272,13 @@ def probe_gemv(device: torch.device, dtype: torch.dtype, nbytes: int = 128 << 20
     w = torch.ones(rows, cols, dtype=dtype, device=device)
     x = torch.ones(1, cols, dtype=dtype, device=device)
     pilot = w[: rows // 16]
-    t0 = time.perf_counter()
+    t0 = clock()
     F.linear(x, pilot)
     sync()
-    if (time.perf_counter() - t0) * 16 * (repeats + 1) > budget_s:
-        dt = _best_of(lambda: F.linear(x, pilot), sync, 1)
+    if (clock() - t0) * 16 * (repeats + 1) > budget_s:
+        dt = _best_of(lambda: F.linear(x, pilot), sync, 1, clock)
         return pilot.numel() * elsize / dt
-    dt = _best_of(lambda: F.linear(x, w), sync, repeats)
+    dt = _best_of(lambda: F.linear(x, w), sync, repeats, clock)
     return w.numel() * elsize / dt
 
 
@@ -286,13 +333,13 @@ class NodeProbe:
         return cls(d["name"], float(d["stream_bw"]), rates)
 
 
-def probe_node(device: torch.device, dtypes: tuple[str, ...] = PROBE_DTYPES) -> NodeProbe:
+def probe_node(device: torch.device, dtypes: tuple[str, ...] = PROBE_DTYPES, clock: Clock = time.perf_counter) -> NodeProbe:
     """Measure the streaming read and each dtype's GEMM and GEMV (a few seconds on a CPU)."""
     rates = {}
     for d in dtypes:
         dt = TORCH_DTYPES[d]
-        rates[d] = DtypeRates(gemm_flops=probe_matmul(device, dt), gemv_bw=probe_gemv(device, dt))
-    return NodeProbe(device_name(device), probe_bandwidth(device), rates)
+        rates[d] = DtypeRates(gemm_flops=probe_matmul(device, dt, clock=clock), gemv_bw=probe_gemv(device, dt, clock=clock))
+    return NodeProbe(device_name(device), probe_bandwidth(device, clock=clock), rates)
 
 
 # --- cache -----------------------------------------------------------------------------------------------
