@@ -188,12 +188,54 @@ def cmd_ui(args) -> int:
     return 1
 
 
+class ProbeError(UserError):
+    heading = "invalid probe"
+
+
+def _probe_device(spec: str | None):
+    """The torch device `--device` names, refused with the reason when this machine does not have it."""
+    import torch
+
+    if spec is None:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        device = torch.device(spec)
+    except (RuntimeError, ValueError):
+        raise ProbeError([f"--device {spec!r}: not a device; use cpu or cuda (cuda:N for one GPU)"]) from None
+    if device.type not in ("cpu", "cuda"):
+        raise ProbeError([f"--device {spec!r}: the probe measures cpu or cuda devices only"])
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ProbeError([f"--device {spec}: no CUDA GPU is visible here (torch.cuda.is_available() is False); "
+                              f"use --device cpu"])
+        if device.index is not None and device.index >= torch.cuda.device_count():
+            raise ProbeError([f"--device {spec}: this machine has {torch.cuda.device_count()} CUDA device(s) "
+                              f"(cuda:0..cuda:{torch.cuda.device_count() - 1})"])
+    return device
+
+
+def _positive_int(text: str) -> int:
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number >= 1, got {text!r}") from None
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"expected a whole number >= 1, got {n}")
+    return n
+
+
 def cmd_probe(args) -> int:
     import torch
 
-    from engine.measure.hardware import cache_path, node_peaks, node_probe, preferred_dtype
+    from engine.config import EngineError
+    from engine.measure.hardware import cache_path, node_peaks, node_probe, preferred_dtype, slow_dtype_note
 
-    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    # every input is checked before anything is probed or written to the cache
+    device = _probe_device(args.device)
+    try:
+        preferred = preferred_dtype(device)  # reads INFERSWEEP_CPU_BF16: a bad value is the user's to fix
+    except EngineError as e:
+        raise ProbeError([str(e)]) from None
     threads = args.threads or (torch.get_num_threads() if device.type == "cpu" else None)
     p = node_peaks(device, args.dtype, threads, refresh=args.refresh)
     print(f"{p.name} ({device.type}{f', {threads} threads' if device.type == 'cpu' else ''}, {p.dtype}): "
@@ -202,8 +244,11 @@ def cmd_probe(args) -> int:
         probe, _ = node_probe(device, threads)
         for d, r in probe.rates.items():
             print(f"  {d:9s} GEMM {r.gemm_flops / 1e9:9.1f} GFLOP/s   batch-1 GEMV {r.gemv_bw / 1e9:6.1f} GB/s")
-        print(f"  fast formats: {', '.join(probe.fast_dtypes())}; preferred dtype here: {preferred_dtype(device)}")
+        print(f"  fast formats: {', '.join(probe.fast_dtypes())}; preferred dtype here: {preferred}")
         print(f"cache: {cache_path()}")
+    note = slow_dtype_note(args.dtype, device)
+    if note:
+        print(f"note: {note}")
     return 0
 
 
@@ -264,8 +309,8 @@ def build_parser() -> argparse.ArgumentParser:
     u.set_defaults(fn=cmd_ui)
     hw = sub.add_parser("probe", help="hardware peaks the cost model uses (GPU table, else a cached per-node probe)")
     hw.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
-    hw.add_argument("--threads", type=int, default=0, help="CPU threads (default: torch's default)")
-    hw.add_argument("--device", default=None, help="cpu | cuda (default: cuda when available)")
+    hw.add_argument("--threads", type=_positive_int, default=None, help="CPU threads, >= 1 (default: torch's default)")
+    hw.add_argument("--device", default=None, help="cpu | cuda | cuda:N (default: cuda when available)")
     hw.add_argument("--refresh", action="store_true", help="probe again; keep the higher of old and new peaks")
     hw.set_defaults(fn=cmd_probe)
     pr = sub.add_parser("prepare", help="convert shipped models into local HF checkpoints (done once)")
