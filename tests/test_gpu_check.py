@@ -50,6 +50,30 @@ def test_dry_run_measures_every_section(tmp_path):
     s = {n: report["sections"][n]["summary"] for n in SECTIONS}
     assert s["kv_cache"]["decode_speedup_kv_on_vs_off"] > 0
     assert s["batching"]["continuous_over_static_throughput"] > 0
+    # What the ratios must be by construction (timings themselves are noise on a shared CPU; never bound them).
+    # kv_cache: the speedup is on/off decode rate, and each rate is 1 / time per output token (batch 1)
+    sizes, shape = report["meta"]["sizes"], report["meta"]["shape"]
+    on, off = report["sections"]["kv_cache"]["rows"]
+    assert (on["kv_cache"], off["kv_cache"]) == ("contiguous", "off")
+    assert s["kv_cache"]["decode_speedup_kv_on_vs_off"] == pytest.approx(on["decode_tok_s"] / off["decode_tok_s"], rel=1e-9)
+    assert s["kv_cache"]["decode_speedup_kv_on_vs_off"] == pytest.approx(off["tpot_ms"] / on["tpot_ms"], rel=1e-9)
+    for r in (on, off):
+        assert r["decode_tok_s"] * r["tpot_ms"] == pytest.approx(1e3, rel=1e-9)
+    # the cache holds K and V of every layer for context + new tokens; without one there is nothing
+    elsize = {"float32": 4, "bfloat16": 2, "float16": 2}[report["meta"]["dtype"]]
+    head_dim = shape["hidden"] // shape["heads"]
+    assert on["kv_cache_bytes"] == 2 * shape["layers"] * shape["kv_heads"] * head_dim * elsize * \
+        (sizes["kv_context"] + sizes["kv_on_tokens"]) and off["kv_cache_bytes"] == 0
+    # batching: one seeded workload, so both modes generate the same tokens; the throughput ratio is then
+    # the inverse ratio of the run durations, and continuous batching keeps at least as many sequences per
+    # step as static batching (it refills freed slots; arrivals are all at once, so the schedule is fixed)
+    static, cont = report["sections"]["batching"]["rows"]
+    assert (static["batching"], cont["batching"]) == ("static", "continuous")
+    total = static["output_tok_s"] * static["duration_s"]
+    assert total == pytest.approx(round(total), rel=1e-9) and round(total) >= sizes["serve_requests"]
+    assert cont["output_tok_s"] * cont["duration_s"] == pytest.approx(total, rel=1e-9)
+    assert s["batching"]["continuous_over_static_throughput"] == pytest.approx(static["duration_s"] / cont["duration_s"], rel=1e-9)
+    assert 1 <= static["mean_batch_size"] <= cont["mean_batch_size"] <= sizes["serve_batch"]
     assert s["int8"]["linears_swapped"] > 0 and s["int8"]["weights_ratio"] < 1  # int8 weights are smaller
     attn = report["sections"]["attention"]["rows"]
     assert {(r["attention"], r["context"]) for r in attn} == {(a, n) for a in ("sdpa", "eager") for n in (32, 64)}
