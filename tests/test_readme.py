@@ -144,3 +144,47 @@ def test_the_path_check_sees_paths():
         {"engine/gone.py", "benchmarks/nope.py"}
     assert _git_ignored("mlflow/artifacts/", _ignore_patterns()) and _git_ignored(".venv/bin/infersweep", _ignore_patterns())
     assert not _git_ignored("engine/pipeline.py", _ignore_patterns())
+
+
+# --- the README's examples are real -----------------------------------------------------------------------
+def _commands(text: str, prefix: str) -> list[list[str]]:
+    """The argument lists of the `prefix ...` commands in the fenced blocks of `text` (comments dropped)."""
+    import shlex
+
+    out = []
+    for block in FENCE.findall(text):
+        for line in block.splitlines():
+            line = line.strip().removeprefix("$ ")
+            if line.startswith(prefix + " "):
+                out.append(shlex.split(line.split("  #")[0], comments=True)[len(prefix.split()):])
+    return out
+
+
+def test_the_override_examples_expand_and_validate():
+    """Every `infersweep sweep|run ...` example of the README is a valid sweep here, except for an engine
+    that is not installed (refused with its setup command) and placeholder paths."""
+    from experiments.config.compose import SweepError, expand
+
+    examples = [c for c in _commands(README.read_text(), "infersweep sweep") + _commands(README.read_text(), "infersweep run")
+                if not any("/path/to" in a for a in c) and "kv_cache=bogus" not in c]
+    assert len(examples) >= 4
+    for overrides in examples:
+        overrides = [a for a in overrides if not a.startswith("--")]
+        try:
+            assert expand(overrides)
+        except SweepError as e:
+            real = [p for p in e.problems if "make setup-" not in p]
+            assert not real, (overrides, real)
+
+
+def test_the_bad_input_example_is_what_the_cli_prints(capsys):
+    from experiments.cli import main
+
+    text = README.read_text()
+    block = next(b for b in FENCE.findall(text) if "$ infersweep sweep kv_cache=bogus" in b)
+    lines = block.strip("`\n").splitlines()
+    command, expected = lines[0].removeprefix("$ infersweep "), lines[1:]
+    import shlex
+
+    assert main(shlex.split(command)) == 2
+    assert capsys.readouterr().err.strip().splitlines() == expected
