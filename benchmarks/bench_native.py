@@ -29,7 +29,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from engine import AttentionConfig, EngineConfig, EvalConfig, KVCacheConfig, ModelConfig, TrialConfig, WorkloadConfig, load_model, run_engine_trial  # noqa: E402
-from engine.runner import device_info  # noqa: E402
+from engine.pipeline import device_info  # noqa: E402
 
 SECTION = "## Native engine vs hf"
 MODEL = ModelConfig(name="smollm2-135m-instruct", path="prepared://smollm2-135m-instruct")
@@ -235,7 +235,7 @@ def main(argv=None) -> int:
         L.append(f"sdpa/eager: decode {on['decode_tok_s'] / eg['decode_tok_s']:.2f}x, prefill "
                  f"{on['prefill_tok_s'] / eg['prefill_tok_s']:.2f}x, transient attention memory "
                  f"{eg['attn_peak_bytes'] / on['attn_peak_bytes']:.0f}x smaller (eager: scores + probs [1, 9, {xc}, {xc}] fp32; "
-                 "sdpa: analytical tile buffers of the fused CPU kernel, see engine/native/attention.py).")
+                 "sdpa: analytical tile buffers of the fused CPU kernel, see engine/engines/native/attention.py).")
         L.append("")
     L.append(f"Memory-bandwidth roofline at batch 1 (read bandwidth measured in this run by summing a 1 GiB tensor: "
              f"**{bw:.1f} GB/s**). Roofline tok/s = bandwidth / bytes read per step (weights + the KV cache at that context):")

@@ -26,7 +26,7 @@ sys.path.insert(0, str(ROOT))
 
 from bench_native import _cpu_jiffies, foreign_share, wait_until_quiet  # noqa: E402
 from engine import load_model, run_engine_trial  # noqa: E402
-from engine.runner import device_info  # noqa: E402
+from engine.pipeline import device_info  # noqa: E402
 from experiments.config.compose import expand  # noqa: E402
 from experiments.analysis.results import TrialRow  # noqa: E402
 from experiments.config.spec import build_trial  # noqa: E402

@@ -19,9 +19,8 @@ from typing import Any, Optional
 
 ATTENTION_IMPLS = ("eager", "sdpa", "flash")
 KV_CACHE_MODES = ("off", "contiguous", "paged")
-BACKENDS = ("hf", "native", "llamacpp", "vllm")
 DTYPES = ("float32", "bfloat16", "float16")
-# gguf-*: GGUF weight types written by llama.cpp's quantizer (engine=llamacpp only; engine/gguf_export.py)
+# gguf-*: GGUF weight types written by llama.cpp's quantizer (engine=llamacpp only; engine/engines/llamacpp/gguf_export.py)
 GGUF_QUANT_LEVELS = ("gguf-q8_0", "gguf-q4_0", "gguf-q4_k_m")
 QUANT_LEVELS = ("none", "int8-weight", "int8-dynamic", "bnb-int8", "bnb-nf4", "bnb-fp4") + GGUF_QUANT_LEVELS
 # KV cache element type (engine=llamacpp); auto = the engine's default (llama.cpp: f16)
@@ -204,7 +203,7 @@ class WorkloadConfig:
 
 @dataclass
 class BatchingConfig:
-    """How a serving workload's requests share forward passes (engine/serving/scheduler.py).
+    """How a serving workload's requests share forward passes (engine/engines/native/serving/scheduler.py).
 
     `static`: take up to `max_batch_size` waiting requests, run that batch until its longest request is
     done, then form the next. `continuous`: iteration-level scheduling; every step finished sequences
@@ -348,8 +347,3 @@ def from_dict(cls, data: dict[str, Any], where: str = ""):
         return cls(**kwargs)
     except TypeError as e:  # a required key (model.name, model.path) is missing
         raise EngineError(f"{where or 'config'}: {e}") from None
-
-
-def to_dict(obj) -> dict[str, Any]:
-    """Plain containers of a config (the inverse of `from_dict`)."""
-    return dataclasses.asdict(obj)

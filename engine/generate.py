@@ -9,13 +9,15 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Iterator
+from typing import Callable, Iterator, TYPE_CHECKING
 
 import torch
 
-from .backends.base import DecodeSession
 from .config import SamplingConfig
 from .sampling import sample
+
+if TYPE_CHECKING:  # the protocol of the logits-level engines (engine/engines/logits.py): a type only
+    from .engines.logits import DecodeSession
 
 
 def device_synchronizer(device: torch.device) -> Callable[[], None]:

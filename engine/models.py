@@ -201,29 +201,6 @@ def resolve_path(spec: ModelConfig) -> str:
     return path
 
 
-# Known without converting anything, so a sweep can be validated before `prepare` has ever run.
-PREPARED_MAX_POSITIONS = {"smollm2-135m-instruct": 8192}
-
-
-def max_positions(spec: ModelConfig) -> Optional[int]:
-    """The model's maximum positions, read from its config without loading weights (None if unknown)."""
-    if spec.path.startswith(TINY_SCHEME):
-        return spec.tiny.max_position_embeddings
-    if spec.path.startswith(PREPARED_SCHEME):
-        return PREPARED_MAX_POSITIONS.get(spec.path[len(PREPARED_SCHEME):])
-    cfg_path = os.path.join(spec.path, "config.json")
-    try:
-        if os.path.isfile(cfg_path):
-            with open(cfg_path) as f:
-                return int(json.load(f).get("max_position_embeddings") or 0) or None
-        from transformers import AutoConfig  # hub id: works from the local HF cache or where a hub is reachable
-
-        cfg = AutoConfig.from_pretrained(spec.path, revision=spec.revision, trust_remote_code=spec.trust_remote_code)
-        return int(getattr(cfg, "max_position_embeddings", 0) or 0) or None
-    except Exception:  # unreadable config: the load itself will report it, as a failed trial
-        return None
-
-
 def _local_source(spec: ModelConfig) -> tuple[str, dict[str, Any]] | None:
     """(path, from_pretrained kwargs) reading only files already on this machine; None for tiny:// (built
     in code), a prepared model not converted yet, or a missing directory."""
@@ -240,26 +217,6 @@ def _local_source(spec: ModelConfig) -> tuple[str, dict[str, Any]] | None:
 
 def _source_key(spec: ModelConfig) -> tuple:
     return (spec.path, spec.revision, spec.trust_remote_code)
-
-
-def local_config(spec: ModelConfig):
-    """The model's transformers config from its config.json alone, without weights (what validation checks
-    before launch); None where it is not on this machine yet, so the load reports it instead."""
-    return _local_config(_source_key(spec))
-
-
-@functools.lru_cache(maxsize=32)
-def _local_config(key: tuple):
-    spec = ModelConfig(name=key[0], path=key[0], revision=key[1], trust_remote_code=key[2])
-    src = _local_source(spec)
-    if src is None:
-        return None
-    from transformers import AutoConfig
-
-    try:
-        return AutoConfig.from_pretrained(src[0], **src[1])
-    except Exception:  # unreadable or not cached: the load itself reports it, as a failed trial
-        return None
 
 
 def local_tokenizer(spec: ModelConfig) -> Optional[Tokenizer]:

@@ -138,14 +138,12 @@ def bnb_config(spec: QuantConfig, num_layers: int, module_names: list[str]):
         from transformers import BitsAndBytesConfig
     except ImportError as e:
         raise EngineError(f"quant={spec.level} needs bitsandbytes: pip install bitsandbytes ({e})") from e
-    from .models import TORCH_DTYPES
-
     skip = sorted(n for n in module_names if skipped(n, spec, num_layers))
     if spec.level == "bnb-int8":
         return BitsAndBytesConfig(load_in_8bit=True, llm_int8_skip_modules=skip or None)
     return BitsAndBytesConfig(
         load_in_4bit=True,
         bnb_4bit_quant_type="nf4" if spec.level == "bnb-nf4" else "fp4",
-        bnb_4bit_compute_dtype=TORCH_DTYPES[spec.compute_dtype],
+        bnb_4bit_compute_dtype=getattr(torch, spec.compute_dtype),  # a DTYPES name is torch's own
         llm_int8_skip_modules=skip or None,
     )

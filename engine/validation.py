@@ -9,10 +9,10 @@ import os
 
 import torch
 
+from . import engines
 from .config import (
     ARRIVALS,
     ATTENTION_IMPLS,
-    BACKENDS,
     BATCHING_MODES,
     DTYPES,
     GGUF_QUANT_LEVELS,
@@ -27,7 +27,8 @@ from .config import (
     LengthConfig,
     TextConfig,
 )
-from .models import PREPARED_MODELS, PREPARED_SCHEME, TINY_SCHEME, local_config, max_positions
+from .model_facts import ModelFacts, ModelFactsError, facts_or_none, inspect
+from .models import PREPARED_MODELS, PREPARED_SCHEME, TINY_SCHEME
 
 
 
@@ -50,19 +51,9 @@ def _text(field: str, src: TextConfig) -> list[tuple[str, str]]:
 
 
 def _num_layers(m) -> int | None:
-    """Decoder layers of a model, from its config without loading weights (None if not known yet)."""
-    import json
-
-    from .models import prepared_dir
-
-    if m.path.startswith(TINY_SCHEME):
-        return m.tiny.num_layers
-    path = prepared_dir(m.path[len(PREPARED_SCHEME):]) if m.path.startswith(PREPARED_SCHEME) else m.path
-    try:
-        with open(os.path.join(path, "config.json")) as f:
-            return int(json.load(f).get("num_hidden_layers") or 0) or None
-    except (OSError, ValueError):
-        return None  # a hub id or a model not prepared yet: checked when it loads
+    """Decoder layers of a model, from its facts (None if not known yet)."""
+    facts = facts_or_none(m)
+    return facts.num_layers if facts is not None else None
 
 
 def _speculative(trial: TrialConfig) -> list[tuple[str, str]]:
@@ -110,10 +101,13 @@ def check_trial(trial: TrialConfig, gpu_available: bool) -> list[tuple[str, str]
     p: list[tuple[str, str]] = []
     m, w = trial.model, trial.workload
     p += _choice("model.dtype", m.dtype, DTYPES)
-    p += _choice("engine.backend", trial.engine.backend, BACKENDS)
+    p += _choice("engine.backend", trial.engine.backend, engines.NAMES)
     p += _choice("attention.impl", trial.attention.impl, ATTENTION_IMPLS)
     p += _choice("kv_cache.mode", trial.kv_cache.mode, KV_CACHE_MODES)
-    p += _engine_support(trial)
+    p += _choice("kv_cache.dtype", trial.kv_cache.dtype, KV_CACHE_DTYPES)
+    facts, why = _facts(m)
+    if why:
+        p.append(("model.path", why))
     q = trial.quant
     p += _choice("quant.level", q.level, QUANT_LEVELS)
     p += _choice("quant.compute_dtype", q.compute_dtype, DTYPES)
@@ -127,9 +121,6 @@ def check_trial(trial: TrialConfig, gpu_available: bool) -> list[tuple[str, str]
         p.append(("quant.level", f"{q.level} on CPU needs model.dtype=float32 (no fast half precision here)"))
     if trial.kv_cache.block_size < 1:
         p.append(("kv_cache.block_size", f"must be >= 1, got {trial.kv_cache.block_size}"))
-    if trial.attention.impl == "flash" and not gpu_available and trial.engine.backend != "llamacpp":
-        p.append(("attention.impl", "flash needs a CUDA GPU (none requested/available); use sdpa or eager "
-                                    "(or engine=llamacpp, whose flash attention runs on CPU)"))
     if m.path.startswith(PREPARED_SCHEME):
         name = m.path[len(PREPARED_SCHEME):]
         if name not in PREPARED_MODELS:
@@ -142,8 +133,6 @@ def check_trial(trial: TrialConfig, gpu_available: bool) -> list[tuple[str, str]
             p.append(("model.tiny.num_kv_heads", f"num_heads {t.num_heads} must be divisible by num_kv_heads {t.num_kv_heads}"))
         if t.vocab_size < 259:
             p.append(("model.tiny.vocab_size", "must be >= 259 (byte tokenizer)"))
-    elif (os.path.sep in m.path or m.path.startswith(".")) and not os.path.isdir(m.path):
-        p.append(("model.path", f"{m.path!r} does not exist (expected a local HF checkpoint directory or a hub id)"))
     for field, value, lo in (
         ("workload.context_len", w.context_len, 1),
         ("workload.max_new_tokens", w.max_new_tokens, 1),
@@ -166,52 +155,42 @@ def check_trial(trial: TrialConfig, gpu_available: bool) -> list[tuple[str, str]
     p += _text("workload.text", w.text)
     if trial.eval.enabled:
         p += _text("eval.text", trial.eval.text)
-    if not any(f.startswith("model.path") for f, _ in p):
-        limit = max_positions(m)
-        need = w.context_len + w.max_new_tokens
-        if limit and need > limit:
-            p.append(("workload.context_len", f"context_len + max_new_tokens = {need} exceeds the model's maximum of {limit} positions"))
+    limit = facts.max_positions if facts is not None else None
+    need = w.context_len + w.max_new_tokens
+    if limit and need > limit and not w.serving:  # a serving workload's lengths are its requests' (_batching)
+        p.append(("workload.context_len", f"context_len + max_new_tokens = {need} exceeds the model's maximum of {limit} positions"))
     p += _speculative(trial)
-    p += _batching(trial)
-    if not any(f.startswith("model.path") for f, _ in p):
-        p += _repeat_prompt(trial) + _quant_layers(trial)
-        if not any(f.startswith("serving.") for f, _ in p):  # needs valid request lengths
-            p += _native_support(trial)
+    p += _batching(trial, limit)
+    if why is None:
+        p += _repeat_prompt(trial) + _quant_layers(trial) + _self_draft_support(trial, facts)
+    if trial.engine.backend in engines.NAMES:
+        p += engines.problems(trial, facts, gpu_available)
     return p
 
 
+def _facts(m) -> tuple[ModelFacts | None, str | None]:
+    """The model's facts and, where its files cannot be a checkpoint, why (reported as model.path)."""
+    try:
+        return inspect(m), None
+    except ModelFactsError as e:
+        return None, str(e)
+
+
 # --- checks that read the model's own files (config.json, tokenizer), never its weights ---------------------
-def _native_support(trial: TrialConfig) -> list[tuple[str, str]]:
-    """A model the native runtime cannot run (its own rule, engine/native/support.py), on engine=native or
-    as a self-draft (which runs natively on either backend): refused before any trial loads it."""
-    from .native.support import sliding_window, unsupported, window_exceeded
+def _self_draft_support(trial: TrialConfig, facts) -> list[tuple[str, str]]:
+    """A self-draft runs its draft (the target's first layers) on the native runtime whatever the engine:
+    a model that runtime cannot run (engine/speculative/self_draft.py) is refused here."""
+    from .speculative.self_draft import model_problem
 
-    m, w = trial.model, trial.workload
-    backend = trial.engine.backend
-    self_draft = trial.speculative.method == "self-draft"
-    if (backend != "native" and not self_draft) or m.path.startswith(TINY_SCHEME):
+    m = trial.model
+    if trial.speculative.method != "self-draft" or m.path.startswith(TINY_SCHEME):
         return []  # tiny:// is a window-less Llama built in code
-    cfg = local_config(m)
-    if cfg is None:
-        return []  # not on this machine yet: the load reports it
-    why = unsupported(cfg)
-    if why is None:
-        need = w.context_len + w.max_new_tokens
-        if w.serving:
-            from .serving.requests import max_request_tokens
-
-            need = max_request_tokens(w)
-        why = window_exceeded(sliding_window(cfg), need)
+    why = model_problem(facts)
     if why is None:
         return []
-    out = []
-    if backend == "native":
-        out.append(("engine.backend", f"native cannot run {m.path}: {why}; use engine=hf"))
-    if self_draft:
-        out.append(("speculative.method", f"self-draft runs its draft (the target's first layers) on the native runtime "
-                                          f"whatever the engine, and that runtime cannot run {m.path}: {why}; use "
-                                          "speculative=draft or speculative=prompt-lookup"))
-    return out
+    return [("speculative.method", f"self-draft runs its draft (the target's first layers) on the native runtime "
+                                   f"whatever the engine, and that runtime cannot run {m.path}: {why}; use "
+                                   "speculative=draft or speculative=prompt-lookup")]
 
 
 def _repeat_prompt(trial: TrialConfig) -> list[tuple[str, str]]:
@@ -245,31 +224,6 @@ def _quant_layers(trial: TrialConfig) -> list[tuple[str, str]]:
                                        f"to quantize; use quant=none for an unquantized run), got {q.keep_last_layers}")]
 
 
-def _engine_support(trial: TrialConfig) -> list[tuple[str, str]]:
-    """What the chosen engine cannot honour: the axis registry's table (engine/axes.py) for every engine,
-    then the engine's own rules that depend on several keys or on the model."""
-    from . import axes
-
-    backend = trial.engine.backend
-    flat = {key: _get(trial, key) for key in {k for table in axes.SUPPORT.values() for k in table}}
-    p = _choice("kv_cache.dtype", trial.kv_cache.dtype, KV_CACHE_DTYPES) + axes.unsupported(backend, flat)
-    if backend == "llamacpp":
-        from .backends.llamacpp import unsupported
-
-        p += unsupported(trial)
-    elif backend == "vllm":
-        from .backends.vllm_runner import unsupported as vllm_unsupported
-
-        p += vllm_unsupported(trial)
-    return p
-
-
-def _get(obj, key: str):
-    for part in key.split("."):
-        obj = getattr(obj, part)
-    return obj
-
-
 def _length(field: str, s: LengthConfig) -> list[tuple[str, str]]:
     out = _choice(f"{field}.dist", s.dist, LENGTH_DISTS)
     if s.dist == "fixed" and s.value < 1:
@@ -282,9 +236,9 @@ def _length(field: str, s: LengthConfig) -> list[tuple[str, str]]:
     return out
 
 
-def _batching(trial: TrialConfig) -> list[tuple[str, str]]:
+def _batching(trial: TrialConfig, limit: int | None) -> list[tuple[str, str]]:
     """Batching, SLO, prefix-caching and serving-workload checks."""
-    from .serving.requests import max_prompt_tokens, max_request_tokens, read_length_trace
+    from .serving.requests import max_request_tokens, read_length_trace
 
     p: list[tuple[str, str]] = []
     b, s = trial.batching, trial.workload
@@ -298,9 +252,11 @@ def _batching(trial: TrialConfig) -> list[tuple[str, str]]:
     for field, value in (("slo.ttft_ms", trial.slo.ttft_ms), ("slo.tpot_ms", trial.slo.tpot_ms)):
         if not value > 0:
             p.append((field, f"must be > 0, got {value}"))
-    if (b.mode == "continuous" or serving) and trial.engine.backend not in ("native", "vllm"):
+    serves = [e.name for e in engines.all_engines() if e.serves]
+    if (b.mode == "continuous" or serving) and trial.engine.backend in engines.NAMES \
+            and not engines.get(trial.engine.backend).serves:
         what = "serving workloads run" if serving else "batching=continuous runs"
-        p.append(("engine.backend", f"{what} on engine=native (varlen batches over a paged KV pool) or engine=vllm; "
+        p.append(("engine.backend", f"{what} on an engine that serves ({', '.join('engine=' + n for n in serves)}); "
                                     f"engine {trial.engine.backend} runs one static batch only"))
     if not serving:
         if b.mode == "continuous":
@@ -309,15 +265,6 @@ def _batching(trial: TrialConfig) -> list[tuple[str, str]]:
         if trial.kv_cache.prefix_caching:
             p.append(("kv_cache.prefix_caching", "prefix caching applies to serving workloads (workload.kind=serving)"))
         return p
-    native = trial.engine.backend != "vllm"  # vLLM's own scheduler has none of these limits (its own: vllm_runner)
-    if native and trial.kv_cache.mode != "paged":
-        p.append(("kv_cache.mode", "serving workloads need kv_cache=paged: the scheduler admits requests by free KV blocks"))
-    if native and trial.attention.impl == "flash":
-        p.append(("attention.impl", "flash has no varlen (continuous batching) path yet; use sdpa or eager"))
-    if native and trial.engine.compile:
-        p.append(("engine.compile", "torch.compile is not supported with serving workloads (shapes change every step)"))
-    if native and trial.speculative.enabled:
-        p.append(("speculative.method", "speculative decoding is not implemented for serving workloads"))
     for field, value, lo in (("workload.num_requests", s.num_requests, 1), ("workload.prefix_len", s.prefix_len, 0),
                              ("workload.max_concurrency", s.max_concurrency, 0)):
         if value < lo:
@@ -340,20 +287,12 @@ def _batching(trial: TrialConfig) -> list[tuple[str, str]]:
         lengths_ok = not bad
     if not lengths_ok or s.prefix_len < 0:
         return p
-    total, prompt = max_request_tokens(s), max_prompt_tokens(s)
-    if not any(f.startswith("model.path") for f, _ in p):
-        limit = max_positions(trial.model)
-        if limit and total > limit:
-            p.append(("workload.input_len", f"the longest request (prefix + input + output = {total} tokens) exceeds "
-                                           f"the model's maximum of {limit} positions"))
+    total = max_request_tokens(s)
+    if limit and total > limit:
+        p.append(("workload.input_len", f"the longest request (prefix + input + output = {total} tokens) exceeds "
+                                       f"the model's maximum of {limit} positions"))
     blocks = -(-total // max(1, trial.kv_cache.block_size))
     if trial.kv_cache.num_blocks and trial.kv_cache.num_blocks < blocks:
         p.append(("kv_cache.num_blocks", f"{trial.kv_cache.num_blocks} blocks of {trial.kv_cache.block_size} tokens cannot hold the "
                                                 f"longest request ({total} tokens needs {blocks}); 0 sizes the pool automatically"))
-    if native and b.mode == "continuous" and not b.chunked_prefill:
-        # a preempted request is re-prefilled with its generated tokens in one step
-        need = total - 1 if trial.kv_cache.num_blocks else prompt
-        if b.max_batch_tokens < need:
-            p.append(("batching.max_batch_tokens", f"must be >= {need} (the longest {'prompt + output - 1' if trial.kv_cache.num_blocks else 'prompt'}) "
-                                                   f"unless batching.chunked_prefill=true, got {b.max_batch_tokens}"))
     return p

@@ -14,7 +14,7 @@ import math
 import pytest
 import torch
 
-from engine.backends import make_backend
+from engine.engines import make_backend
 from engine.config import ModelConfig, SamplingConfig
 from support import make_trial
 from engine.generate import generate

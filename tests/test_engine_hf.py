@@ -8,7 +8,7 @@ import torch
 
 from support import make_trial
 from engine import EngineError, TrialConfig, ModelConfig, SamplingConfig, WorkloadConfig, load_model, run_engine_trial
-from engine.backends import make_backend
+from engine.engines import make_backend
 from engine.measure.fidelity import perplexity
 
 TINY = ModelConfig(name="tiny", path="tiny://llama")

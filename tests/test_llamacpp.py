@@ -95,7 +95,7 @@ def hf_tiny():
 
 
 def _gguf(level: str = "none"):
-    from engine.backends.llamacpp import load_gguf_model
+    from engine.engines.llamacpp.backend import load_gguf_model
 
     return load_gguf_model(TINY, QuantConfig(level=level), threads=2)
 
@@ -106,7 +106,7 @@ def tiny_f32():
 
 
 def _backend(loaded, attention="sdpa", kv_cache_dtype="auto"):
-    from engine.backends import make_backend
+    from engine.engines import make_backend
 
     trial = make_trial(loaded.spec, backend="llamacpp", attention=attention, threads=2)
     return make_backend(loaded, replace(trial, "kv_cache.dtype", kv_cache_dtype))
@@ -142,7 +142,7 @@ def test_converted_gguf_logits_match_transformers(hf_tiny, tiny_f32):
 @pytest.mark.llamacpp
 @needs_llamacpp
 def test_greedy_tokens_equal_transformers_and_batch_rows_equal_single_runs(hf_tiny, tiny_f32):
-    from engine.backends.hf import HFBackend
+    from engine.engines.hf.backend import HFBackend
 
     prompts = _ids(3, 20, seed=1)
     ref = _greedy(HFBackend(hf_tiny, TrialConfig(model=TINY)), prompts, 12)
@@ -201,7 +201,7 @@ def test_q8_0_runs_close_to_f32_and_is_smaller(tiny_f32):
 @pytest.mark.llamacpp
 @needs_llamacpp
 def test_engine_trial_metrics_and_fidelity_through_the_runner():
-    from engine.runner import run_engine_trial
+    from engine.pipeline import run_engine_trial
 
     trial = make_trial(
         TINY32, backend="llamacpp", attention="flash", threads=2,
@@ -247,8 +247,8 @@ def test_sweep_engine_llamacpp_end_to_end(ray_local, tiny_overrides, mlflow_clie
 @pytest.mark.llamacpp
 @needs_llamacpp
 def test_smollm2_greedy_tokens_equal_transformers():
-    from engine.backends.hf import HFBackend
-    from engine.backends.llamacpp import load_gguf_model
+    from engine.engines.hf.backend import HFBackend
+    from engine.engines.llamacpp.backend import load_gguf_model
     from engine.models import load_model
     from engine.prompts import workload_prompts
 

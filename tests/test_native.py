@@ -12,15 +12,15 @@ import torch
 
 from support import make_trial
 from engine import TrialConfig, EvalConfig, ModelConfig, SamplingConfig, WorkloadConfig
-from engine.backends import make_backend
+from engine.engines import make_backend
 from engine.config import EngineError
 from engine.generate import generate
 from engine.measure.metrics import METRICS
 from engine.models import LoadedModel, load_model, weights_bytes
-from engine.native.attention import EagerAttention, SdpaAttention
-from engine.native.block_manager import BlockManager, OutOfBlocks
-from engine.native.rope import inv_frequencies
-from engine.runner import run_engine_trial
+from engine.engines.native.attention import EagerAttention, SdpaAttention
+from engine.engines.native.block_manager import BlockManager, OutOfBlocks
+from engine.engines.native.rope import inv_frequencies
+from engine.pipeline import run_engine_trial
 from engine.tokenizer import ByteTokenizer
 
 TOL = 1e-4  # fp32 max abs logit difference vs transformers (the stated tolerance)
@@ -275,7 +275,7 @@ def test_block_manager_alloc_free_refcount_invariants():
 
 
 def test_paged_cache_runs_out_of_blocks_when_pool_is_small(variants, ids):
-    from engine.native.kv_cache import PagedKVCache
+    from engine.engines.native.kv_cache import PagedKVCache
 
     cfg = variants["llama"].config
     cache = PagedKVCache(cfg.num_hidden_layers, 2, 64, cfg.num_key_value_heads, 16, block_size=4,

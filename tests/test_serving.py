@@ -14,17 +14,17 @@ import torch
 
 from support import make_trial
 from engine import TrialConfig, EvalConfig, ModelConfig, WorkloadConfig
-from engine.backends import make_backend
+from engine.engines import make_backend
 from engine.config import BatchingConfig, EngineError, LengthConfig, SamplingConfig, WorkloadConfig, SLOConfig
 from engine.generate import generate
 from engine.measure.metrics import METRICS
 from engine.models import load_model
-from engine.native.block_manager import BlockManager
-from engine.runner import run_engine_trial
-from engine.serving.block_space import BlockSpace
-from engine.serving.serve import ServingSetup, pool_blocks
-from engine.serving.scheduler import ContinuousScheduler, StaticScheduler
-from engine.serving.sequence import Sequence, Status
+from engine.engines.native.block_manager import BlockManager
+from engine.pipeline import run_engine_trial
+from engine.engines.native.serving.block_space import BlockSpace
+from engine.engines.native.serving.serve import ServingSetup, pool_blocks
+from engine.engines.native.serving.scheduler import ContinuousScheduler, StaticScheduler
+from engine.engines.native.serving.sequence import Sequence, Status
 from engine.serving.requests import Request, arrival_times, make_requests
 
 TINY = ModelConfig(name="tiny", path="tiny://llama")

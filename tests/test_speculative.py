@@ -16,7 +16,7 @@ import torch
 from engine.config import DraftModelConfig, replace
 from support import make_trial
 from engine import TrialConfig, EvalConfig, ModelConfig, SamplingConfig, TinyModelConfig, WorkloadConfig
-from engine.backends import make_backend
+from engine.engines import make_backend
 from engine.config import EngineError, SpeculativeConfig
 from engine.generate import generate
 from engine.measure.metrics import METRICS, expected_tokens_per_step, speculative_metrics
@@ -343,7 +343,7 @@ def test_draft_model_must_share_the_tokenizer(target, draft):
 
 
 def test_run_engine_trial_speculative_metrics_and_tokens():
-    from engine.runner import run_engine_trial
+    from engine.pipeline import run_engine_trial
 
     base = make_trial(ModelConfig(name="t", path="tiny://llama"), backend="native",
                        workload=WorkloadConfig(context_len=112, max_new_tokens=12, prompt_style="repeat", repeats=2),

@@ -12,7 +12,9 @@ import pytest
 import torch
 
 from engine import EvalConfig, ModelConfig, TinyModelConfig, TrialConfig, WorkloadConfig, run_engine_trial
-from engine.backends import vllm_runner
+from engine.engines.vllm import engine as vllm_runner
+from engine.engines.vllm import cpu_has_fp8_kv
+from engine.measure.metrics import request_metrics, static_batch_metrics
 from engine.config import BatchingConfig, EngineError, LengthConfig, SpeculativeConfig
 from engine.measure.metrics import METRICS
 from engine.models import tiny_checkpoint
@@ -102,8 +104,9 @@ def test_worker_result_becomes_the_engines_static_batch_metrics():
     trial = _trial(workload=WorkloadConfig(context_len=24, max_new_tokens=3, batch_size=2))
     run = {"requests": [_record(0, 0.0, [0.10, 0.20, 0.30], [5, 6, 7]), _record(1, 0.0, [0.12, 0.21, 0.34], [8, 9, 10])],
            "duration_s": 0.34, "stats": STATS}
-    m, tokens = vllm_runner.static_run_metrics(json.loads(json.dumps(run)), trial, pool_bytes=1000)
-    assert tokens.tolist() == [[5, 6, 7], [8, 9, 10]]
+    trace, extra = vllm_runner.static_run_trace(json.loads(json.dumps(run)), trial, pool_bytes=1000)
+    m = dict(static_batch_metrics(trace), **extra)  # what the trial pipeline computes from the trace
+    assert trace.tokens.tolist() == [[5, 6, 7], [8, 9, 10]]
     # the batch's i-th token is ready when both sequences have it: 0.12, 0.21, 0.34
     assert m["ttft_ms_p50"] == pytest.approx(120.0)
     assert m["tpot_ms_p50"] == pytest.approx((0.34 - 0.12) / 2 * 1e3)
@@ -118,8 +121,9 @@ def test_worker_result_becomes_the_engines_serving_metrics():
     trial = _trial(serving=WorkloadConfig(kind="serving", num_requests=2), batching=BatchingConfig(mode="continuous"))
     run = {"requests": [_record(0, 0.0, [0.1, 0.2], [1, 2]), _record(1, 0.5, [0.7, 0.85], [3, 4])],
            "duration_s": 0.85, "stats": STATS}
-    m, outs = vllm_runner.serving_run_metrics(run, trial, pool_bytes=1000)
-    assert outs == [[1, 2], [3, 4]]
+    trace, extra = vllm_runner.serving_run_trace(run, pool_bytes=1000)
+    m = dict(request_metrics(trace.requests, trace.duration_s, trial.slo), **extra)  # as the trial pipeline does
+    assert [list(r.output) for r in trace.requests] == [[1, 2], [3, 4]]
     assert m["ttft_ms_mean"] == pytest.approx(150.0)  # 100 ms and 200 ms, each from its own send time
     assert m["tpot_ms_p50"] == pytest.approx(125.0)  # 100 ms and 150 ms
     assert m["request_s"] == pytest.approx(2 / 0.85) and m["goodput"] == pytest.approx(2 / 0.85)
@@ -178,7 +182,7 @@ def test_validation_names_what_vllm_cannot_honour():
 def test_vllm_trials_that_it_can_run_validate():
     specs = expand(TINY32_OVERRIDES + ["engine=vllm", "model.dtype=float32,bfloat16"])
     assert len(specs) == 2
-    if vllm_runner.cpu_has_fp8_kv():
+    if cpu_has_fp8_kv():
         assert len(expand(TINY32_OVERRIDES + ["engine=vllm", "kv_cache.dtype=fp8"])) == 1
     else:
         with pytest.raises(SweepError) as ei:
@@ -194,7 +198,7 @@ def test_vllm_trials_that_it_can_run_validate():
 
 def test_fidelity_from_topk_equals_fidelity_when_the_candidate_top_k_covers_the_reference():
     """The vLLM approximation agrees with the logits-based computation when nothing falls outside."""
-    from engine.backends.hf import HFBackend
+    from engine.engines.hf.backend import HFBackend
     from engine.measure.fidelity import compute_reference, fidelity, fidelity_from_topk
     from engine.models import load_model
 

@@ -1,29 +1,117 @@
-"""Backend registry: `make_backend(loaded, trial)` picks the implementation named by `engine.backend`."""
+"""The engine registry: one package per engine under engine/engines/, each exporting `ENGINE` (an
+`engine.engines.base.Engine` that declares what it honours, its own checks and how it runs a trial).
+
+Everything that depends on which engine runs a trial asks here -- validation (`problems`), the sweep
+expansion (`canonical`: aliased values fold to one config hash), the cost model (through the pipeline),
+the README's axis x engine table (`support_markdown`) -- so adding an engine is a package plus one line in
+`NAMES`. Importing this module is cheap: an engine's package is imported when it is first asked for, and
+its runtime (torch kernels, llama-cpp-python, a vLLM subprocess) only when a trial runs on it.
+"""
 from __future__ import annotations
 
-from ..config import EngineError, TrialConfig
-from ..models import LoadedModel
-from .base import Backend, DecodeSession
+import importlib
+from typing import Any, Mapping
+
+from ..config import EngineConfig
+from .base import Engine, Problems, Support
+
+# the engines, in the order tables list them; each is the package engine.engines.<name>
+NAMES: tuple[str, ...] = ("hf", "native", "llamacpp", "vllm")
+# the unoptimized reference every fidelity metric compares against runs on the default engine
+REFERENCE: str = EngineConfig.backend
 
 
-def make_backend(loaded: LoadedModel, trial: TrialConfig) -> Backend:
-    name = trial.engine.backend
-    if name == "llamacpp":
-        from .llamacpp import LlamaCppBackend
+def get(name: str) -> Engine:
+    if name not in NAMES:
+        from ..config import EngineError
 
-        return LlamaCppBackend(loaded, trial)
-    if name == "hf":
-        from .hf import HFBackend
-
-        return HFBackend(loaded, trial)
-    if name == "native":
-        from ..native.backend import NativeBackend
-
-        return NativeBackend(loaded, trial)
-    if name == "vllm":
-        raise EngineError("engine.backend=vllm runs whole trials in its own interpreter (engine.backends.vllm_runner), "
-                          "not as a model backend of this process")
-    raise EngineError(f"engine.backend: unknown backend {name!r}; choose hf, native, llamacpp or vllm")
+        raise EngineError(f"engine.backend: unknown engine {name!r}; choose one of {', '.join(NAMES)}")
+    return importlib.import_module(f"{__name__}.{name}").ENGINE
 
 
-__all__ = ["Backend", "DecodeSession", "make_backend"]
+def all_engines() -> list[Engine]:
+    return [get(n) for n in NAMES]
+
+
+def support_keys() -> tuple[str, ...]:
+    """Every config key some engine restricts, in first-declared order."""
+    from .. import axes
+
+    keys: dict[str, None] = {}
+    for e in all_engines():
+        keys.update(dict.fromkeys(e.support))
+    chain = [a.key for a in axes.CHAIN if a.key in keys]  # the seed's chain order first, then the rest
+    return tuple(chain + [k for k in keys if k not in chain])
+
+
+def _get(obj: Any, key: str) -> Any:
+    for part in key.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def unsupported(engine: Engine, values: Mapping[str, Any]) -> Problems:
+    """(config key, message) for each value of the flat {config key: value} mapping `engine` does not
+    honour (aliases count as honoured: they run as their target)."""
+    out = []
+    for key, s in engine.support.items():
+        if key in values and not s.accepts(values[key]):
+            out.append((key, f"engine={engine.name} cannot honour {key}={values[key]}: {s.why} "
+                             f"(it supports {', '.join(s.values)})"))
+    return out
+
+
+def problems(trial, facts, gpu_available: bool) -> Problems:
+    """Everything the trial's engine says it cannot do: its support table, its own rules, and (last,
+    so that what is wrong with the trial itself reads first) whether it is installed here."""
+    engine = get(trial.engine.backend)
+    flat = {key: _get(trial, key) for key in engine.support}
+    out = unsupported(engine, flat) + engine.check(trial, facts, gpu_available)
+    why = engine.missing()
+    if why:
+        out.append(("engine.backend", why))
+    return out
+
+
+def canonical(engine_name: str, key: str, value: Any) -> Any:
+    """The value `engine_name` really runs for `key=value` (its alias target), else `value` unchanged."""
+    if engine_name not in NAMES:
+        return value
+    s = get(engine_name).support.get(key)
+    if s is None or str(value) not in s.aliases:
+        return value
+    return s.aliases[str(value)]
+
+
+def support_markdown(keys: tuple[str, ...] | None = None) -> str:
+    """The axis x engine table of the README: which values each engine honours (alias -> target)."""
+    keys = keys or support_keys()
+    engines = all_engines()
+    rows = ["| axis (config key) | " + " | ".join(e.name for e in engines) + " |",
+            "|" + "---|" * (len(engines) + 1)]
+    for key in keys:
+        cells = []
+        for e in engines:
+            s = e.support.get(key)
+            if s is None:
+                cells.append("all")
+                continue
+            cells.append(", ".join(list(s.values) + [f"{a}→{t}" for a, t in s.aliases.items()]))
+        rows.append(f"| `{key}` | " + " | ".join(cells) + " |")
+    return "\n".join(rows)
+
+
+__all__ = ["NAMES", "REFERENCE", "Engine", "Support", "all_engines", "canonical", "get", "make_backend", "problems",
+           "support_keys", "support_markdown", "unsupported"]
+
+
+def make_backend(loaded: Any, trial) -> Any:
+    """The logits-level backend (engine/engines/logits.py) of `trial`'s engine over a model from its
+    `load`: what tests, benchmarks and notebooks drive token by token."""
+    engine = get(trial.engine.backend)
+    if not hasattr(engine, "make_backend"):
+        from ..config import EngineError
+
+        raise EngineError(f"engine={engine.name} runs whole trials (engine.pipeline.run_engine_trial); it has no "
+                          "logits-level backend in this process")
+    return engine.make_backend(loaded, trial)

@@ -1,13 +1,18 @@
-"""The interface every backend implements. The generation loop, workloads and fidelity evaluation are
-written once against it, so a backend only has to turn token ids into logits.
+"""Logits-level engines (hf, native, llama.cpp): a `Backend` turns token ids into logits, and one adapter
+(`LogitsEngine` / `LogitsSession`) turns any such backend into the trial contract (engine/engines/base.py):
+the decode loop (engine/generate.py), speculative decoding (engine/speculative/) and window scoring are
+written once here, on top of `Backend.new_session` / `DecodeSession.forward` / `Backend.score`.
 
 Shapes: B = batch, T = new tokens in this call, V = vocabulary.
 """
 from __future__ import annotations
 
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
+
+from ..config import EngineError, TrialConfig
+from .base import Engine, Problems, Runs, Say, ServingPlan, StaticPlan, WindowScores
 
 
 class DecodeSession(Protocol):
@@ -43,3 +48,102 @@ class Backend(Protocol):
         ...
 
     def weights_bytes(self) -> int: ...
+
+
+# --- the adapter ---------------------------------------------------------------------------------------
+
+class LogitsEngine(Engine):
+    """An engine whose runtime is a `Backend` in this process. Subclasses say how to load the model and
+    how to build the backend; serving engines override `LogitsSession.run_serving` via `session_class`."""
+
+    def make_backend(self, loaded: Any, trial: TrialConfig) -> Backend:
+        raise NotImplementedError
+
+    def open(self, trial: TrialConfig, loaded: Any, say: Say) -> "LogitsSession":
+        return self.session_class(self, trial, loaded, self.make_backend(loaded, trial))
+
+    @property
+    def session_class(self):
+        return LogitsSession
+
+
+def torch_checks(trial: TrialConfig, gpu_available: bool) -> Problems:
+    """Rules every engine that runs torch kernels in this process shares."""
+    if trial.attention.impl == "flash" and not gpu_available:
+        return [("attention.impl", "flash needs a CUDA GPU (none requested/available); use sdpa or eager "
+                                   "(or engine=llamacpp, whose flash attention runs on CPU)")]
+    return []
+
+
+class LogitsSession:
+    """The trial contract over a logits-level backend: warm-up and timed repeats of the static batch
+    (plain or speculative decoding), peak memory of the timed region, and window scoring by full logits."""
+
+    def __init__(self, engine: LogitsEngine, trial: TrialConfig, loaded: Any, backend: Backend):
+        self.engine, self.trial, self.loaded, self.backend = engine, trial, loaded, backend
+        self.tokenizer = loaded.tokenizer
+        self.device = loaded.device
+        self.load_s = float(loaded.load_s)
+        self._draft = None
+
+    def run_static(self, plan: StaticPlan, say: Say) -> Runs:
+        from ..generate import device_synchronizer, generate
+        from ..measure.memory import PeakMemory
+
+        trial, spec = self.trial, self.trial.speculative
+        sync = device_synchronizer(self.device)
+        prompts = plan.prompts.to(self.device)
+        max_len = int(prompts.shape[1]) + plan.max_new_tokens
+        draft = None
+        if spec.enabled:  # the drafter (a draft model is loaded here) is built outside every timed region
+            from ..speculative import generate_speculative, make_draft_source
+
+            say(f"preparing the {spec.method} drafter")
+            draft = self._draft = make_draft_source(trial, self.loaded)
+
+        def one_run(new_tokens: int):
+            session = self.backend.new_session(int(prompts.shape[0]), max_len)
+            if draft is not None:
+                return generate_speculative(session, draft.new(max_len), prompts, new_tokens, spec.k,
+                                            trial.workload.sampling, trial.seed, sync)
+            return generate(session, prompts, new_tokens, trial.workload.sampling, trial.seed, sync)
+
+        for i in range(plan.warmup):
+            # the full prefill plus a couple of decode steps warms every kernel and allocation size;
+            # decoding all max_new_tokens again would only cost time (speculative: one full k-token verification)
+            say(f"warm-up {i + 1}/{plan.warmup}")
+            one_run(min(plan.max_new_tokens, 2 if draft is None else spec.k + 2))
+        self.reset_peaks()
+        traces, extra = [], []
+        with PeakMemory(self.device) as mem:
+            for i in range(plan.repeats):
+                say(f"timed run {i + 1}/{plan.repeats}")
+                trace = one_run(plan.max_new_tokens)
+                traces.append(trace)
+                extra.append(self.run_metrics(trace))
+        return Runs(traces, extra, mem.peak_bytes)
+
+    def run_metrics(self, trace) -> dict[str, float]:
+        """Metrics of one timed run beyond the trace's timings: speculative decoding's statistics."""
+        from ..measure.metrics import speculative_metrics
+
+        stats = trace.extra.get("speculative")
+        return speculative_metrics(stats) if stats is not None else {}
+
+    def reset_peaks(self) -> None:
+        """Forget transient peaks of the warm-up (an engine that tracks its own, e.g. native's attention)."""
+
+    def run_serving(self, plan: ServingPlan, say: Say) -> Runs:
+        raise EngineError(f"engine={self.engine.name} runs one static batch; it does not serve requests")
+
+    def score_windows(self, windows: torch.Tensor, topk: int, say: Say) -> WindowScores:
+        return self.backend
+
+    def weights_bytes(self) -> int:
+        return int(self.backend.weights_bytes())  # a draft model's own weights: draft_weights_bytes
+
+    def metrics(self) -> dict[str, float]:
+        return {"draft_weights_bytes": float(self._draft.weights_bytes)} if self._draft is not None else {}
+
+    def info(self) -> dict[str, str]:
+        return {}

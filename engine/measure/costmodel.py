@@ -21,78 +21,11 @@ from typing import Any, Optional
 
 from .. import axes
 from ..config import EngineError
+from ..model_facts import ModelShape
 from .hardware import HardwarePeaks
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
-
-# Architectures whose MLP is up -> act -> down (2 matrices) instead of Llama's gated SwiGLU (3).
-NON_GATED_MLP = {"gpt2", "gpt_neox", "gptj", "opt", "bloom", "falcon", "phi", "starcoder2", "gpt_bigcode"}
-
 MEMORY, COMPUTE = "memory", "compute"
-
-
-@dataclass(frozen=True)
-class ModelShape:
-    """The dimensions that decide the cost of a decoder-only transformer."""
-
-    num_layers: int
-    hidden: int
-    intermediate: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    vocab: int
-    tied_embeddings: bool = True
-    gated_mlp: bool = True
-
-    @classmethod
-    def from_hf_config(cls, cfg: Any) -> "ModelShape":
-        """From a transformers `PretrainedConfig` (Llama-style names, GPT-2-style fallbacks)."""
-
-        def get(*names, default=None):
-            for n in names:
-                v = getattr(cfg, n, None)
-                if v is not None:
-                    return v
-            if default is None:
-                raise EngineError(f"cost model: model config has none of {names}")
-            return default
-
-        hidden = int(get("hidden_size", "n_embd", "d_model"))
-        heads = int(get("num_attention_heads", "n_head"))
-        return cls(
-            num_layers=int(get("num_hidden_layers", "n_layer")),
-            hidden=hidden,
-            intermediate=int(get("intermediate_size", "n_inner", "ffn_dim", default=4 * hidden)),
-            num_heads=heads,
-            num_kv_heads=int(get("num_key_value_heads", default=heads)),
-            head_dim=int(get("head_dim", default=hidden // heads)),
-            vocab=int(get("vocab_size")),
-            tied_embeddings=bool(getattr(cfg, "tie_word_embeddings", True)),
-            gated_mlp=getattr(cfg, "model_type", "llama") not in NON_GATED_MLP,
-        )
-
-    @property
-    def layer_params(self) -> int:
-        """Matmul weights of one layer: q, k, v, o projections and the MLP (norms are negligible)."""
-        q_o = 2 * self.hidden * self.num_heads * self.head_dim
-        k_v = 2 * self.hidden * self.num_kv_heads * self.head_dim
-        mlp = (3 if self.gated_mlp else 2) * self.hidden * self.intermediate
-        return q_o + k_v + mlp
-
-    @property
-    def lm_head_params(self) -> int:
-        return self.vocab * self.hidden
-
-    @property
-    def matmul_params(self) -> int:
-        """Weights every forward pass multiplies with (the embedding lookup reads only B rows)."""
-        return self.num_layers * self.layer_params + self.lm_head_params
-
-    def kv_bytes_per_token(self, elt_bytes: float) -> float:
-        """K and V of one token in every layer."""
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * elt_bytes
-
 
 # llama.cpp block formats: q8_0 34 B per 32 weights, q4_0 18 B per 32; q4_k_m ~4.85 bits on average
 # (Q4_K's 4.5 bits, with some tensors at Q6_K -- llama.cpp's figure for 7B Llamas)
@@ -170,18 +103,24 @@ class Precision:
     quant_bytes: Optional[float] = None  # per quantized weight; None = no quantization
     quantize_lm_head: bool = False
     full_last_layers: int = 0
+    kv_elt_bytes: Optional[float] = None  # per K/V element where the engine stores them in another type
 
     @classmethod
-    def of(cls, dtype: str, quant: str = "none", skip_lm_head: bool = True, full_last_layers: int = 0) -> "Precision":
+    def of(cls, dtype: str, quant: str = "none", skip_lm_head: bool = True, full_last_layers: int = 0,
+           kv_elt_bytes: Optional[float] = None) -> "Precision":
         full = weight_bytes_per_param(dtype)
         q = weight_bytes_per_param(dtype, quant)
         if q == full:
-            return cls(full)
-        return cls(full, q, not skip_lm_head, full_last_layers)
+            return cls(full, kv_elt_bytes=kv_elt_bytes)
+        return cls(full, q, not skip_lm_head, full_last_layers, kv_elt_bytes)
 
     @property
     def act_bytes(self) -> float:
         return self.dtype_bytes
+
+    @property
+    def kv_bytes(self) -> float:
+        return self.dtype_bytes if self.kv_elt_bytes is None else self.kv_elt_bytes
 
     def weight_bytes(self, shape: "ModelShape") -> float:
         """Bytes of the matmul weights one forward pass reads."""
@@ -213,7 +152,7 @@ def forward_cost(
     flops = 2 * b * t * s.num_layers * s.layer_params + 2 * b * logits_tokens * s.lm_head_params
     flops += 4 * b * s.num_layers * s.num_heads * s.head_dim * pairs  # QK^T and PV, 2 FLOPs per MAC each
     weight = prec.weight_bytes(s)
-    kv = b * (p + t) * s.kv_bytes_per_token(prec.act_bytes) if cached else 0.0  # read past, write new
+    kv = b * (p + t) * s.kv_bytes_per_token(prec.kv_bytes) if cached else 0.0  # read past, write new
     scores = 0.0
     if materialize_scores:
         # the full T x (P+T) matrix per head (masked entries too): scores written, read by softmax,
@@ -228,7 +167,7 @@ class Workload:
     context: int  # prompt tokens per sequence
     new_tokens: int  # generated tokens per sequence (the first comes from prefill)
     kv_cache: bool = True
-    materialize_scores: bool = False  # eager attention
+    materialize_scores: bool = False  # the attention kernel writes the score matrix (the engine says)
 
     @property
     def decode_steps(self) -> int:
@@ -370,25 +309,27 @@ def assess(pred: Prediction, measured: dict[str, float]) -> Assessment:
     return Assessment(m, labels)
 
 
-def assess_trial(trial, hf_config: Any, device, measured: dict[str, float]) -> Assessment:
-    """The cost model of an `TrialConfig` run on `device` (peaks from the table, the cache or a probe)."""
+def assess_trial(trial, shape: ModelShape, device, measured: dict[str, float], *, materialize_scores: bool,
+                 kv_elt_bytes: Optional[float] = None) -> Assessment:
+    """The cost model of a `TrialConfig` run on `device` (peaks from the table, the cache or a probe).
+    What depends on the engine -- whether its attention materializes scores, the K/V element size at
+    `kv_cache.dtype` -- comes from the engine's declaration (engine/engines/), passed in by the caller."""
     import torch
 
     from .hardware import node_peaks
 
     wl = trial.workload
-    q = getattr(trial, "quant", None)  # QuantConfig: level, skip_modules, keep_last_layers
-    if q is not None and q.level != "none":
-        prec = Precision.of(trial.model.dtype, q.level, "lm_head" in q.skip_modules, q.keep_last_layers)
+    q = trial.quant  # QuantConfig: level, skip_modules, keep_last_layers
+    if q.level != axes.QUANT.off:
+        prec = Precision.of(trial.model.dtype, q.level, "lm_head" in q.skip_modules, q.keep_last_layers, kv_elt_bytes)
     else:
-        prec = Precision.of(trial.model.dtype)
-    shape = ModelShape.from_hf_config(hf_config)
+        prec = Precision.of(trial.model.dtype, kv_elt_bytes=kv_elt_bytes)
     workload = Workload(
         batch=wl.batch_size,
         context=wl.context_len,
         new_tokens=wl.max_new_tokens,
         kv_cache=axes.KV_CACHE.applied({axes.KV_CACHE.key: trial.kv_cache.mode}),
-        materialize_scores=trial.attention.impl == "eager",  # eager materializes the score matrix
+        materialize_scores=materialize_scores,
     )
     threads = torch.get_num_threads() if device.type == "cpu" else None
     # the roofs of the trial's own dtype: a CPU without bf16 units runs bf16 matmuls 100x+ slower than fp32

@@ -10,13 +10,30 @@ import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
+from typing import Optional, Protocol, Union
 
 import torch
 
-from ..backends.base import Backend
-
 log = logging.getLogger(__name__)
+
+
+class Backend(Protocol):
+    """Anything that scores windows by full logits: `score(input_ids [B, T]) -> logits [B, T, V]`."""
+
+    def score(self, input_ids: torch.Tensor) -> torch.Tensor: ...
+
+
+@dataclass
+class TopkScores:
+    """Window scores an engine gives only as top-k log-probabilities (vLLM's prompt logprobs):
+    idx/logp [W, T-1, k] of the next token at each position, target_logp [W, T-1] of the actual one."""
+
+    idx: torch.Tensor
+    logp: torch.Tensor
+    target_logp: torch.Tensor
+
+
+WindowScores = Union[Backend, TopkScores]
 
 
 def window_nll(backend: Backend, window: torch.Tensor) -> tuple[float, int]:
@@ -36,6 +53,21 @@ def perplexity(backend: Backend, windows: torch.Tensor) -> dict[str, float]:
         count += n
     nll = total / count
     return {"ppl": math.exp(nll), "nll_mean": nll}
+
+
+def perplexity_of(scores: WindowScores, windows: torch.Tensor) -> dict[str, float]:
+    """`perplexity` from either kind of window scores."""
+    if isinstance(scores, TopkScores):
+        nll = float((-scores.target_logp.double()).mean())
+        return {"ppl": math.exp(nll), "nll_mean": nll}
+    return perplexity(scores, windows)
+
+
+def fidelity_of(scores: WindowScores, windows: torch.Tensor, ref: "ReferenceStats") -> dict[str, float]:
+    """`fidelity` from either kind of window scores (top-k ones through `fidelity_from_topk`)."""
+    if isinstance(scores, TopkScores):
+        return fidelity_from_topk(scores.idx, scores.logp, scores.target_logp, ref)
+    return fidelity(scores, windows, ref)
 
 
 # --- fidelity against the unoptimized reference (llama.cpp's KL-divergence style) ----------------------

@@ -16,7 +16,7 @@ if TYPE_CHECKING:
     from ..speculative.decode import SpeculativeStats
 
 if TYPE_CHECKING:  # no import at run time: the serving package imports the backends
-    from ..serving.llm_engine import ServingTrace
+    from ..engines.native.serving.llm_engine import ServingTrace
 
 # name -> definition; anything logged as a metric is listed here.
 METRICS: dict[str, str] = {
@@ -177,15 +177,20 @@ def request_metrics(reqs, duration_s: float, slo: SLOConfig) -> dict[str, float]
     return m
 
 
+def scheduler_metrics(trace: "ServingTrace") -> dict[str, float]:
+    """What engine=native's scheduler and KV pool did in one serving run."""
+    return {
+        "prefix_hit_rate": trace.stats.prefix_hit_rate,
+        "preemptions": float(trace.stats.preemptions),
+        "mean_batch_size": trace.step_seqs / trace.steps,
+        "kv_cache_bytes": float(trace.kv_pool_bytes),
+        "kv_peak_bytes": float(trace.kv_peak_bytes),
+    }
+
+
 def serving_metrics(trace: "ServingTrace", slo: SLOConfig) -> dict[str, float]:
-    """Metrics of one serving run: `request_metrics` plus what the scheduler and KV pool did."""
-    m = request_metrics(trace.requests, trace.duration_s, slo)
-    m["prefix_hit_rate"] = trace.stats.prefix_hit_rate
-    m["preemptions"] = float(trace.stats.preemptions)
-    m["mean_batch_size"] = trace.step_seqs / trace.steps
-    m["kv_cache_bytes"] = float(trace.kv_pool_bytes)
-    m["kv_peak_bytes"] = float(trace.kv_peak_bytes)
-    return m
+    """Metrics of one native serving run: `request_metrics` plus what the scheduler and KV pool did."""
+    return dict(request_metrics(trace.requests, trace.duration_s, slo), **scheduler_metrics(trace))
 
 
 def expected_tokens_per_step(alpha: float, k: int) -> float:

@@ -1,14 +1,6 @@
-"""Serving: requests arriving over time, scheduled onto the native engine (nano-vllm's shape).
+"""The serving workload, shared by every engine that serves: seeded requests (lengths, arrival times,
+shared prefix) as immutable `Request`s, and `RequestRecord`, one finished request as measured.
 
-One concept per file, one owner for each piece of mutable state:
-  workload.py      the seeded requests (lengths, arrival times, shared prefix): immutable `Request`s
-  sequence.py      `Sequence`: one request's generation state (tokens, computed count, status);
-                   mutated only by the scheduler
-  block_space.py   per-sequence block tables over the BlockManager, prefix-cache lookup/publish;
-                   the only owner of block tables
-  scheduler.py     static and continuous (iteration-level) scheduling: admission and preemption, no torch
-  model_runner.py  the only place that turns a scheduled batch into tensors; owns the KV pool
-  sampler.py       per-request seeded sampling (its generators are the only RNG state)
-  llm_engine.py    the loop: arrivals on the wall clock, schedule -> run -> sample -> postprocess
-  run.py           one serving trial: warm-up, timed repeats, metrics (called by engine.runner)
+The scheduler that runs them on our own runtime is engine=native's (engine/engines/native/serving/);
+vLLM runs the same requests with its own scheduler (engine/engines/vllm/).
 """

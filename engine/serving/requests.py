@@ -123,3 +123,28 @@ def max_prompt_tokens(spec: WorkloadConfig) -> int:
         return spec.prefix_len + max(i for i, _ in read_length_trace(spec.length_trace))
     s = spec.input_len
     return spec.prefix_len + (s.value if s.dist == "fixed" else s.max)
+
+
+@dataclass(frozen=True)
+class RequestRecord:
+    """One finished request as measured: what the metrics of every engine that serves are computed from."""
+
+    id: int
+    prompt_len: int
+    output: tuple[int, ...]
+    sent_s: float
+    token_times_s: tuple[float, ...]
+    preemptions: int
+
+    @property
+    def ttft_s(self) -> float:
+        return self.token_times_s[0] - self.sent_s
+
+    @property
+    def e2e_s(self) -> float:
+        return self.token_times_s[-1] - self.sent_s
+
+
+def warmup_requests(requests: list[Request]) -> list[Request]:
+    """Two requests at t=0 generating two tokens: prefill, a mixed step and decode kernels all run once."""
+    return [Request(i, r.prompt, min(2, r.max_new_tokens), 0.0) for i, r in enumerate(requests[:2])]

@@ -13,16 +13,18 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, TYPE_CHECKING
 
 import torch
 
-from ..backends.base import DecodeSession
 from ..config import SamplingConfig
 from ..generate import GenerationTrace
 from ..sampling import sample
 from .drafter import Drafter, Proposal
 from .verify import Verdict, verify
+
+if TYPE_CHECKING:  # the protocol of the logits-level engines (engine/engines/logits.py): a type only
+    from ..engines.logits import DecodeSession
 
 
 @dataclass

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from ..backends import make_backend
+from ..engines import make_backend
 from ..config import EngineError, TrialConfig, replace
 from ..models import LoadedModel, load_model
 

@@ -15,8 +15,8 @@ from ..models import LoadedModel
 def self_draft_backend(loaded: LoadedModel, trial: TrialConfig, num_layers: int):
     """A native backend over the first `num_layers` blocks of `loaded` (weights shared with the target).
     The draft's cache follows the target's native layout (contiguous or paged); contiguous otherwise."""
-    from ..native.backend import NativeBackend
-    from ..native.support import unsupported
+    from ..engines.native.backend import NativeBackend
+    from ..engines.native.support import unsupported
 
     why = unsupported(loaded.config)
     if why is not None:  # whatever the target's backend: the draft always runs natively
@@ -35,3 +35,13 @@ def self_draft_backend(loaded: LoadedModel, trial: TrialConfig, num_layers: int)
 # either backend: switching the target to backend hf (what backend native's own error advises) fixes nothing.
 DRAFT_RUNTIME = "speculative.method=self-draft runs its draft (the target's first layers) on the native runtime"
 INSTEAD = "use speculative.method=draft or prompt-lookup with this model"
+
+
+def model_problem(facts) -> str | None:
+    """Why the self-draft cannot run a model with these facts (engine.model_facts.ModelFacts): its draft
+    runs on the native runtime whatever the engine, so that runtime's own rule applies; None when it can."""
+    from ..engines.native.support import unsupported
+
+    if facts is None or facts.config is None:
+        return None
+    return unsupported(facts.config)

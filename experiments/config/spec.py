@@ -80,6 +80,30 @@ def inert_keys(config: dict[str, Any]) -> list[str]:
     return [f"speculative.{k}" for k in s if k != "method" and k not in uses]
 
 
+def fold_aliases(config: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(config with every value its engine runs *as* another replaced by that one, {key: folded value}):
+    llama.cpp's attention=sdpa is its non-flash path, eager; vLLM's kv_cache=contiguous is its paged cache.
+    Identical runs then share one config hash (the engine's declaration says which values alias)."""
+    from engine import engines
+
+    name = (config.get("engine") or {}).get("backend")
+    if name not in engines.NAMES:
+        return config, {}
+    folded: dict[str, Any] = {}
+    for key, support in engines.get(name).support.items():
+        group, _, leaf = key.partition(".")
+        value = (config.get(group) or {}).get(leaf)
+        if value is not None and str(value) in support.aliases:
+            folded[key] = support.aliases[str(value)]
+    if not folded:
+        return config, folded
+    out = copy.deepcopy(config)
+    for key, value in folded.items():
+        group, _, leaf = key.partition(".")
+        out[group][leaf] = value
+    return out, folded
+
+
 def normalize(config: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
     """(config with its inert keys reset to the schema's defaults, the inert keys)."""
     inert = inert_keys(config)

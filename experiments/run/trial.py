@@ -100,7 +100,7 @@ def execute_trial(spec: TrialSpec, warm: Optional[WarmModels] = None) -> TrialOu
     """Run one trial, reusing `warm`'s model when it has this trial's; without `warm` the model is loaded
     for this call only."""
     from engine import run_engine_trial
-    from engine.runner import load_trial_model
+    from engine.pipeline import load_trial_model
 
     _quiet_libraries()
     start = int(time.time() * 1000)
@@ -113,16 +113,14 @@ def execute_trial(spec: TrialSpec, warm: Optional[WarmModels] = None) -> TrialOu
     reused = False
     try:
         trial = spec.trial
-        loaded = None
-        if trial.engine.backend == "vllm":  # vLLM loads the model in its own interpreter
-            key = None
-            warm.release()
-        elif key is not None and warm.get(key) is not None:
+        if key is not None and warm.get(key) is not None:
             loaded, reused = warm.get(key), True
         else:
             warm.release()  # before loading the next one: never two models in memory
             loaded = load_trial_model(trial)
-            if key is not None:
+            if loaded is None:  # the engine loads in its own process: nothing to keep warm
+                key = None
+            elif key is not None:
                 warm.keep(key, loaded)
         if loaded is not None:
             _reset_between_trials(loaded.device)
@@ -137,8 +135,8 @@ def execute_trial(spec: TrialSpec, warm: Optional[WarmModels] = None) -> TrialOu
             **base,
         )
     metrics = dict(result.metrics)
-    if loaded is not None:  # engine=vllm reports its own start-up time
-        metrics["model_load_s"] = 0.0 if reused else float(loaded.load_s)
+    if reused:  # the engine reported the warm model's original load time
+        metrics["model_load_s"] = 0.0
     info = dict(result.info, **proc, model_cache="hit" if reused else ("miss" if key else "off"))
     return TrialOutcome(
         status=FINISHED,

@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import torch
 
-from ..config import EngineError, TrialConfig
-from ..models import LoadedModel, weights_bytes
+from ...config import EngineError, TrialConfig
+from ...models import LoadedModel, weights_bytes
 
 SUPPORTED_KV = ("off", "contiguous")
 

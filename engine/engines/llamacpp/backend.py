@@ -1,4 +1,4 @@
-"""Backend `llamacpp`: the engine's Backend protocol on llama.cpp's low-level C API (llama-cpp-python).
+"""The llama.cpp backend: the logits-level Backend protocol (engine/engines/logits.py) on llama.cpp's low-level C API (llama-cpp-python).
 
 A static batch of B sequences is B parallel llama.cpp sequences (seq id = row) in one `llama_decode`;
 each sequence gets its own KV stream (`kv_unified=false`: no attention across rows). Logits of every
@@ -9,13 +9,13 @@ Knobs (config key -> llama.cpp):
   attention=flash            flash_attn on (CPU kernels too); eager / sdpa -> off
   kv_cache.dtype             type_k and type_v: f32 | f16 | q8_0 | q4_0 (auto = llama.cpp's f16);
                              a quantized V cache needs flash attention
-  quant                      the GGUF weight type (engine/gguf_export.py): none = model.dtype, gguf-*
+  quant                      the GGUF weight type (engine/engines/llamacpp/gguf_export.py): none = model.dtype, gguf-*
   engine.threads             n_threads and n_threads_batch
   batching.max_batch_tokens  n_batch (tokens per llama_decode call; longer inputs are split)
   workload.batch_size        parallel sequences (n_seq_max)
 
-No HF model is held: the trial loads the tokenizer, the HF config (for the cost model) and the GGUF.
-`unsupported(trial)` lists what this engine cannot honour, for validation before a sweep launches.
+No HF model is held: the trial loads the tokenizer and the GGUF. What this engine honours and its own
+checks are declared in engine/engines/llamacpp/__init__.py.
 """
 from __future__ import annotations
 
@@ -31,104 +31,14 @@ from typing import Any, Callable, Optional
 import numpy as np
 import torch
 
-from ..config import GGUF_QUANT_LEVELS, KV_CACHE_DTYPES, EngineError, ModelConfig, QuantConfig, TrialConfig
-from ..tokenizer import ByteTokenizer, HFTokenizer, Tokenizer
+from ...config import KV_CACHE_DTYPES, EngineError, ModelConfig, QuantConfig, TrialConfig
+from ...tokenizer import ByteTokenizer, HFTokenizer, Tokenizer
+from .library import last_problem, lib, loaded_library
+from .kv_types import KV_GGML_TYPES, KV_TYPE_BYTES, QUANTIZED_KV, kv_type
 
 log = logging.getLogger(__name__)
 
-ENGINE = "engine=llamacpp"
-# element size in bytes of each KV cache type (ggml block sizes: q8_0 34 B / 32, q4_0 18 B / 32)
-KV_TYPE_BYTES = {"f32": 4.0, "f16": 2.0, "q8_0": 34 / 32, "q4_0": 18 / 32}
-KV_GGML_TYPES = {"f32": "GGML_TYPE_F32", "f16": "GGML_TYPE_F16", "q8_0": "GGML_TYPE_Q8_0", "q4_0": "GGML_TYPE_Q4_0"}
-DEFAULT_KV_TYPE = "f16"  # llama.cpp's own default (kv_cache.dtype=auto)
-QUANTIZED_KV = ("q8_0", "q4_0")
-
-_LIB: Any = None
-_LOG_CALLBACK: Any = None  # referenced here so ctypes never frees it while llama.cpp may call it
-_last_problem: list[str] = []  # llama.cpp's latest warning/error line: it says why a call failed
-
-
-def lib():
-    """The llama_cpp module, its backend initialized once per process, its log routed to `logging`."""
-    global _LIB, _LOG_CALLBACK
-    if _LIB is None:
-        try:
-            import llama_cpp
-        except ImportError as e:
-            raise EngineError(f"{ENGINE} needs llama-cpp-python: run `make setup-llamacpp` ({e})") from e
-
-        @llama_cpp.llama_log_callback
-        def on_log(level: int, text: bytes, user_data) -> None:
-            if level in (2, 3):  # GGML_LOG_LEVEL_WARN, _ERROR; info and debug lines are per-tensor noise
-                line = text.decode("utf-8", "replace").rstrip()
-                _last_problem[:] = [line]
-                log.debug("llama.cpp: %s", line)
-
-        llama_cpp.llama_log_set(on_log, ctypes.c_void_p(0))
-        _LOG_CALLBACK = on_log
-        llama_cpp.llama_backend_init()
-        _LIB = llama_cpp
-    return _LIB
-
-
-def last_problem() -> str:
-    """llama.cpp's own words for the latest failure ('' if it said nothing)."""
-    return f": llama.cpp said {_last_problem[0]!r}" if _last_problem else ""
-
-
-def available() -> bool:
-    import importlib.util
-
-    return importlib.util.find_spec("llama_cpp") is not None
-
-
-# --- what this engine cannot do ------------------------------------------------------------------------
-
-def unsupported(trial: TrialConfig) -> list[tuple[str, str]]:
-    """(config key, message) for each part of `trial` engine=llamacpp cannot honour beyond the axis
-    registry's table (engine/axes.py SUPPORT, checked by validation for every engine): rules that depend on
-    the model or on several keys; [] when it can."""
-    q, kv = trial.quant, trial.kv_cache
-    attention = trial.attention.impl
-    p: list[tuple[str, str]] = []
-    if not available():
-        p.append(("engine.backend", f"{ENGINE} needs llama-cpp-python, which is not installed: run "
-                                    "`make setup-llamacpp`"))
-    if q.keep_last_layers:
-        p.append(("quant.keep_last_layers", f"{ENGINE}: llama.cpp's quantizer picks per-tensor types itself "
-                                            "(gguf-q4_k_m mixes them); keep_last_layers is not supported"))
-    if kv.dtype in QUANTIZED_KV:
-        if attention != "flash":
-            p.append(("kv_cache.dtype", f"{ENGINE}: a quantized V cache ({kv.dtype}) needs flash "
-                                        f"attention in llama.cpp: set attention=flash (now {attention})"))
-        head_dim = _config(trial.model).get("head_dim")
-        if head_dim and head_dim % 32:
-            p.append(("kv_cache.dtype", f"{ENGINE}: {kv.dtype} packs blocks of 32 values, which must "
-                                        f"divide the head dimension ({head_dim} in this model)"))
-    model_type = _config(trial.model).get("model_type")
-    if model_type is not None and model_type != "llama":
-        p.append(("model.path", f"{ENGINE} converts Llama-architecture checkpoints only; {trial.model.path} is "
-                                f"{model_type!r}"))
-    return p
-
-
-def _config(spec: ModelConfig) -> dict:
-    """What validation can know of the model without loading it: model_type and head_dim ({} if unknown)."""
-    from ..models import PREPARED_SCHEME, TINY_SCHEME, prepared_dir
-
-    if spec.path.startswith(TINY_SCHEME):
-        t = spec.tiny
-        return {"model_type": "llama", "head_dim": t.hidden_size // max(1, t.num_heads)}
-    path = prepared_dir(spec.path[len(PREPARED_SCHEME):]) if spec.path.startswith(PREPARED_SCHEME) else spec.path
-    try:
-        with open(os.path.join(path, "config.json")) as f:
-            cfg = json.load(f)
-    except (OSError, ValueError):
-        return {}  # a prepared model before `prepare`, or a hub id: checked when it converts
-    heads = cfg.get("num_attention_heads") or 0
-    head_dim = cfg.get("head_dim") or (cfg.get("hidden_size", 0) // heads if heads else None)
-    return {"model_type": cfg.get("model_type"), "head_dim": head_dim}
-
+LABEL = "engine=llamacpp"
 
 # --- the loaded model ----------------------------------------------------------------------------------
 
@@ -140,31 +50,26 @@ class GGUFModel:
     path: Path
     tokenizer: Tokenizer
     spec: ModelConfig
-    config: Any  # the HF config: the cost model reads the shape from it
     load_s: float
     quant: QuantConfig = field(default_factory=QuantConfig)
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
-
-    @property
-    def max_positions(self) -> int:
-        return int(getattr(self.config, "max_position_embeddings", 0) or 0)
 
     def weights_bytes(self) -> int:
         return int(lib().llama_model_size(self.handle))
 
     def __del__(self):
-        if getattr(self, "handle", None) and _LIB is not None:
-            _LIB.llama_model_free(self.handle)
+        if getattr(self, "handle", None) and loaded_library() is not None:
+            loaded_library().llama_model_free(self.handle)
             self.handle = None
 
 
 def load_gguf_model(spec: ModelConfig, quant: QuantConfig, threads: int = 0,
                     progress: Optional[Callable[[str], None]] = None) -> GGUFModel:
-    """Tokenizer + config + the GGUF at `quant.level` (converted / quantized once, then cached)."""
-    from transformers import AutoConfig, AutoTokenizer
+    """Tokenizer + the GGUF at `quant.level` (converted / quantized once, then cached)."""
+    from transformers import AutoTokenizer
 
-    from ..gguf_export import gguf_file, source_of
-    from ..models import TINY_SCHEME, tiny_llama_config
+    from .gguf_export import gguf_file, source_of
+    from ...models import TINY_SCHEME
 
     say = progress or (lambda msg: log.info(msg))
     cpp = lib()
@@ -173,16 +78,14 @@ def load_gguf_model(spec: ModelConfig, quant: QuantConfig, threads: int = 0,
     path = gguf_file(spec, quant.level, threads, say, src=src)
     if spec.path.startswith(TINY_SCHEME):
         tokenizer: Tokenizer = ByteTokenizer()
-        config = tiny_llama_config(spec.tiny, "sdpa")
     else:
         tokenizer = HFTokenizer(AutoTokenizer.from_pretrained(str(src.path)))
-        config = AutoConfig.from_pretrained(str(src.path))
     params = cpp.llama_model_default_params()
     params.n_gpu_layers = 0  # the wheel built here is CPU-only
     handle = cpp.llama_model_load_from_file(str(path).encode(), params)
     if not handle:
         raise EngineError(f"llama.cpp could not load {path}")
-    return GGUFModel(handle=handle, path=path, tokenizer=tokenizer, spec=spec, config=config,
+    return GGUFModel(handle=handle, path=path, tokenizer=tokenizer, spec=spec,
                      load_s=time.perf_counter() - t0, quant=quant)
 
 
@@ -256,8 +159,8 @@ class LlamaCppBackend:
         """Threads: engine.threads (0: torch's); tokens per llama_decode call (n_batch):
         batching.max_batch_tokens; flash attention: attention=flash; K/V type: kv_cache.dtype."""
         if not isinstance(loaded, GGUFModel):
-            raise EngineError(f"{ENGINE} runs a GGUF model: load it with engine.runner.load_trial_model "
-                              "(engine.backends.llamacpp.load_gguf_model), not load_model")
+            raise EngineError(f"{LABEL} runs a GGUF model: load it with engine.pipeline.load_trial_model "
+                              "(engine.engines.llamacpp.backend.load_gguf_model), not load_model")
         kv_dtype, threads, batch_tokens = trial.kv_cache.dtype, trial.engine.threads, trial.batching.max_batch_tokens
         if kv_dtype not in KV_CACHE_DTYPES:
             raise EngineError(f"kv_cache.dtype {kv_dtype!r} unknown; choose one of {KV_CACHE_DTYPES}")
@@ -266,13 +169,12 @@ class LlamaCppBackend:
         self.flash = trial.attention.impl == "flash"
         self.threads = threads if threads > 0 else torch.get_num_threads()
         self.n_batch = max(1, batch_tokens)
-        self.kv_type = DEFAULT_KV_TYPE if kv_dtype == "auto" else kv_dtype
+        self.kv_type = kv_type(kv_dtype)
         if self.kv_type in QUANTIZED_KV and not self.flash:
-            raise EngineError(f"{ENGINE}: kv_cache.dtype={self.kv_type} (a quantized V cache) needs attention=flash")
-        cfg = loaded.config
-        head_dim = int(getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads)
-        kv_heads = int(getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads)
-        self.kv_bytes_per_token = 2 * int(cfg.num_hidden_layers) * kv_heads * head_dim * KV_TYPE_BYTES[self.kv_type]
+            raise EngineError(f"{LABEL}: kv_cache.dtype={self.kv_type} (a quantized V cache) needs attention=flash")
+        from ...model_facts import inspect
+
+        self.kv_bytes_per_token = inspect(loaded.spec).kv_bytes_per_token(KV_TYPE_BYTES[self.kv_type])
         self.n_vocab = int(self.cpp.llama_vocab_n_tokens(self.cpp.llama_model_get_vocab(loaded.handle)))
         self._batch = _Batch(self.cpp, self.n_batch)
         self._ctx = None
@@ -283,7 +185,7 @@ class LlamaCppBackend:
     # one llama.cpp context at a time, reused while its shape fits (KV memory is allocated at creation)
     def _context(self, n_seq: int, cells_per_seq: int):
         if n_seq > self.cpp.llama_max_parallel_sequences():
-            raise EngineError(f"{ENGINE}: batch size {n_seq} exceeds llama.cpp's "
+            raise EngineError(f"{LABEL}: batch size {n_seq} exceeds llama.cpp's "
                               f"{self.cpp.llama_max_parallel_sequences()} parallel sequences")
         have_seq, have_cells = self._ctx_shape
         if self._ctx is not None and have_seq == n_seq and have_cells >= cells_per_seq:
@@ -320,12 +222,12 @@ class LlamaCppBackend:
             self._ctx_shape = (0, 0)
 
     def __del__(self):
-        if getattr(self, "_ctx", None) is not None and _LIB is not None:
+        if getattr(self, "_ctx", None) is not None and loaded_library() is not None:
             self._free_context()
 
     def _check_epoch(self, epoch: int) -> None:
         if epoch != self._epoch:
-            raise EngineError(f"{ENGINE}: this session's context was taken by a newer session or score call")
+            raise EngineError(f"{LABEL}: this session's context was taken by a newer session or score call")
 
     def _decode(self, tokens: torch.Tensor, start: int) -> torch.Tensor:
         """tokens [B, T] at positions start.. of every row -> logits [B, T, V] (split into n_batch calls)."""

@@ -30,8 +30,8 @@ from typing import Callable, Optional
 import numpy as np
 import torch
 
-from .config import EngineError, ModelConfig
-from .models import (
+from ...config import EngineError, ModelConfig
+from ...models import (
     PREPARED_MODELS,
     PREPARED_SCHEME,
     TINY_SCHEME,
@@ -129,7 +129,7 @@ def gguf_file(spec: ModelConfig, level: str, threads: int = 0, progress: Optiona
         say(f"  wrote {base.name} ({base.stat().st_size / 1e6:.0f} MB) in {time.perf_counter() - t0:.1f} s")
     if level == "none":
         return base
-    from .backends.llamacpp import lib
+    from .library import lib
 
     ftype, suffix = GGUF_QUANT_FTYPES[level]
     # quantization is llama.cpp's code: another version may write other bytes
@@ -155,7 +155,7 @@ def _atomic(path: Path, write: Callable[[Path], None]) -> None:
 
 def quantize(src: Path, out: Path, ftype: str, threads: int = 0) -> None:
     """llama.cpp's own quantizer (what its `llama-quantize` tool runs): `src` GGUF -> `out` at `ftype`."""
-    from .backends.llamacpp import lib
+    from .library import lib
 
     cpp = lib()
     params = cpp.llama_model_quantize_default_params()

@@ -1,4 +1,4 @@
-"""Backend `native`: a compact Llama-family runtime (gpt-fast / nano-vllm style).
+"""Engine `native`: a compact Llama-family runtime (gpt-fast / nano-vllm style).
 
 One concept per file:
   rope.py           rotary position embedding, incl. the checkpoint's rope scaling
@@ -7,5 +7,124 @@ One concept per file:
   attention.py      attention kernels: eager | sdpa | flash, with transient-memory accounting
   block_manager.py  pure-Python ref-counted block allocator (paged KV cache, later prefix caching)
   kv_cache.py       KV cache layouts: contiguous (static per sequence) and paged (block pool + block table)
-  backend.py        NativeBackend / NativeSession: the engine's Backend protocol on top of the above
+  backend.py        NativeBackend / NativeSession: the logits-level Backend protocol on top of the above
+  __init__.py       the engine's declaration (what it honours, its checks) and its serving session
+
+Setup: nothing beyond `make setup`.
 """
+from __future__ import annotations
+
+from typing import Any
+
+from ...config import TrialConfig
+from ..base import Runs, ServingPlan
+from ..hf import TORCH_SUPPORT
+from ..logits import LogitsEngine, LogitsSession, torch_checks
+
+
+class NativeEngine(LogitsEngine):
+    name = "native"
+    summary = "our Llama-family runtime: contiguous or paged KV cache, continuous batching, prefix caching"
+    support = dict(TORCH_SUPPORT)
+    serves = True
+
+    def check(self, trial: TrialConfig, facts, gpu_available: bool):
+        p = torch_checks(trial, gpu_available)
+        if facts is not None and facts.config is not None and not trial.model.path.startswith("tiny://"):
+            from .support import unsupported, window_exceeded
+
+            why = unsupported(facts.config)
+            if why is None:
+                try:
+                    why = window_exceeded(facts.sliding_window, _tokens_needed(trial))
+                except Exception:  # invalid request lengths: validation reports them
+                    why = None
+            if why is not None:
+                p.append(("engine.backend", f"native cannot run {trial.model.path}: {why}; use engine=hf"))
+        if trial.workload.serving:
+            p += _serving_checks(trial)
+        return p
+
+    def materializes_scores(self, trial: TrialConfig) -> bool:
+        return trial.attention.impl == "eager"  # our eager kernel writes softmax(QK^T); sdpa / flash fuse it
+
+    def load(self, trial: TrialConfig, say) -> Any:
+        from ...models import load_model
+
+        return load_model(trial.model, attention=trial.attention.impl, quant=trial.quant)
+
+    def make_backend(self, loaded: Any, trial: TrialConfig):
+        from .backend import NativeBackend
+
+        return NativeBackend(loaded, trial)
+
+    @property
+    def session_class(self):
+        return NativeTrialSession
+
+
+def _tokens_needed(trial: TrialConfig) -> int:
+    w = trial.workload
+    if w.serving:
+        from ...serving.requests import max_request_tokens
+
+        return max_request_tokens(w)
+    return w.context_len + w.max_new_tokens
+
+
+def _serving_checks(trial: TrialConfig):
+    """What our scheduler (engine/serving/) needs of a serving trial."""
+    from ...serving.requests import max_prompt_tokens, max_request_tokens
+
+    p = []
+    b = trial.batching
+    if trial.kv_cache.mode != "paged":
+        p.append(("kv_cache.mode", "serving workloads need kv_cache=paged: the scheduler admits requests by free KV blocks"))
+    if trial.attention.impl == "flash":
+        p.append(("attention.impl", "flash has no varlen (continuous batching) path yet; use sdpa or eager"))
+    if trial.engine.compile:
+        p.append(("engine.compile", "torch.compile is not supported with serving workloads (shapes change every step)"))
+    if trial.speculative.enabled:
+        p.append(("speculative.method", "speculative decoding is not implemented for serving workloads"))
+    if b.mode == "continuous" and not b.chunked_prefill:
+        try:
+            total, prompt = max_request_tokens(trial.workload), max_prompt_tokens(trial.workload)
+        except Exception:  # request lengths are invalid: validation reports them
+            return p
+        # a preempted request is re-prefilled with its generated tokens in one step
+        need = total - 1 if trial.kv_cache.num_blocks else prompt
+        if b.max_batch_tokens < need:
+            p.append(("batching.max_batch_tokens", f"must be >= {need} (the longest {'prompt + output - 1' if trial.kv_cache.num_blocks else 'prompt'}) "
+                                                   f"unless batching.chunked_prefill=true, got {b.max_batch_tokens}"))
+    return p
+
+
+class NativeTrialSession(LogitsSession):
+    """The logits adapter plus serving: requests scheduled over a paged KV pool (engine/serving/)."""
+
+    def run_serving(self, plan: ServingPlan, say) -> Runs:
+        from ...measure.memory import PeakMemory
+        from ...measure.metrics import scheduler_metrics
+        from .serving.serve import ServingSetup
+
+        setup = ServingSetup(self.trial, self.backend)
+        for i in range(plan.warmup):
+            say(f"warm-up {i + 1}/{plan.warmup}")
+            setup.run(plan.warmup_requests)
+        self.reset_peaks()
+        traces = []
+        with PeakMemory(self.device) as mem:
+            for i in range(plan.repeats):
+                say(f"serving run {i + 1}/{plan.repeats}: {len(plan.requests)} requests, "
+                    f"{self.trial.batching.mode} batching")
+                traces.append(setup.run(plan.requests))
+        return Runs(traces, [scheduler_metrics(t) for t in traces], mem.peak_bytes)
+
+    def reset_peaks(self) -> None:
+        self.backend.kernel.reset_peak()
+
+    def metrics(self) -> dict[str, float]:
+        return dict(super().metrics(), **self.backend.extra_metrics())
+
+
+ENGINE = NativeEngine()

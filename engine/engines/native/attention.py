@@ -16,7 +16,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from ..config import ATTENTION_IMPLS, EngineError
+from ...config import ATTENTION_IMPLS, EngineError
 from .varlen import VarlenBatch
 
 

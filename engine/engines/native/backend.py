@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import torch
 
-from ..config import KV_CACHE_MODES, EngineError, TrialConfig
-from ..models import LoadedModel, weights_bytes
+from ...config import KV_CACHE_MODES, EngineError, TrialConfig
+from ...models import LoadedModel, weights_bytes
 from .attention import make_attention
 from .kv_cache import ContiguousKVCache, PagedKVCache
 from .model import Transformer

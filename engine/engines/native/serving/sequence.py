@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import enum
 
-from .requests import Request
+from ....serving.requests import Request
 
 
 class Status(enum.Enum):

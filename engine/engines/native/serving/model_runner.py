@@ -1,14 +1,14 @@
 """The only place that turns a scheduled batch into tensors: it owns the KV pool and runs the native
-model's varlen forward (engine/native/varlen.py) over the flattened chunks of every scheduled sequence.
+model's varlen forward (engine/engines/native/varlen.py) over the flattened chunks of every scheduled sequence.
 """
 from __future__ import annotations
 
 import torch
 
-from ..config import EngineError
-from ..native.backend import NativeBackend
-from ..native.kv_cache import KVPool
-from ..native.varlen import VarlenBatch
+from ....config import EngineError
+from ..backend import NativeBackend
+from ..kv_cache import KVPool
+from ..varlen import VarlenBatch
 from .scheduler import ScheduledBatch
 
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import Optional
 
-from ..native.block_manager import BlockManager, block_key
+from ..block_manager import BlockManager, block_key
 
 
 class BlockSpace:

@@ -18,7 +18,7 @@ from .model_runner import ModelRunner
 from .sampler import Sampler
 from .scheduler import Scheduler, SchedulerStats
 from .sequence import Sequence
-from .requests import Request
+from ....serving.requests import Request, RequestRecord
 
 
 @dataclass
@@ -27,24 +27,6 @@ class RequestTimeline:
 
     sent_s: float
     token_times_s: list[float] = field(default_factory=list)
-
-
-@dataclass(frozen=True)
-class RequestRecord:
-    id: int
-    prompt_len: int
-    output: tuple[int, ...]
-    sent_s: float
-    token_times_s: tuple[float, ...]
-    preemptions: int
-
-    @property
-    def ttft_s(self) -> float:
-        return self.token_times_s[0] - self.sent_s
-
-    @property
-    def e2e_s(self) -> float:
-        return self.token_times_s[-1] - self.sent_s
 
 
 @dataclass(frozen=True)

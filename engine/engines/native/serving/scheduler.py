@@ -30,7 +30,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass
 
-from ..config import EngineError
+from ....config import EngineError
 from .block_space import BlockSpace
 from .sequence import Sequence, Status
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import torch
 
-from ..config import SamplingConfig
-from ..sampling import is_greedy, sample
+from ....config import SamplingConfig
+from ....sampling import is_greedy, sample
 
 
 class Sampler:

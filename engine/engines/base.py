@@ -1,0 +1,126 @@
+"""The engine contract: what every engine declares about itself, and the trial-level session the one
+pipeline (engine/pipeline.py) drives. An engine is a package under engine/engines/ whose `ENGINE` is an
+`Engine`; the registry (engine/engines/__init__.py) lists the packages, and validation, the cost model,
+the README's tables and the trial pipeline ask it -- none of them spells an engine's name.
+
+The pipeline owns the measurement protocol: it hands a session a plan (warm-up count, repeats) and gets
+back one raw trace per timed repeat; it turns traces into metrics (engine/measure/metrics.py), checks
+determinism, takes medians, and scores evaluation windows for perplexity / fidelity. An engine owns only
+what is its own: loading, running the plan, scoring windows, its bytes and its extra facts.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable, Mapping, Optional, Protocol, Union
+
+import torch
+
+from ..config import TrialConfig
+from ..measure.fidelity import WindowScores
+
+Problems = list[tuple[str, str]]  # (config key, message): validation's currency
+Say = Callable[[str], None]
+
+
+@dataclass(frozen=True)
+class Support:
+    """What an engine does with one config key: the values it honours, the values it runs *as* another
+    (`aliases`: asked value -> value it really runs; aliased trials fold to one config hash), and what it
+    does instead when asked for anything else."""
+
+    values: tuple[str, ...]
+    why: str
+    aliases: Mapping[str, str] = field(default_factory=dict)
+
+    def accepts(self, value: Any) -> bool:
+        return str(value) in self.values or str(value) in self.aliases
+
+
+@dataclass
+class StaticPlan:
+    """A static batch: the prompts [B, T], how many tokens to generate, warm-up runs and timed repeats."""
+
+    prompts: torch.Tensor
+    max_new_tokens: int
+    warmup: int
+    repeats: int
+
+
+@dataclass
+class ServingPlan:
+    """A serving run: requests arriving over time (engine/serving/requests.py), warm-up requests, repeats."""
+
+    requests: list
+    warmup_requests: list
+    warmup: int
+    repeats: int
+
+
+@dataclass
+class Runs:
+    """What a session measured: one trace per timed repeat (a GenerationTrace for a static batch, a
+    ServingTrace-like record for serving), each repeat's engine-specific metrics (speculative statistics,
+    vLLM's scheduler counters), and the peak memory of the timed region."""
+
+    traces: list
+    extra: list[dict[str, float]]
+    peak_mem_bytes: int
+
+
+class TrialSession(Protocol):
+    """One trial's model on one engine, ready to run. Made by `Engine.open`; the pipeline drives it."""
+
+    tokenizer: Any  # engine/tokenizer.py Tokenizer: prompts and evaluation windows are built with it
+    device: torch.device
+    load_s: float  # seconds the model took to load / start (0 when a warm worker reused it)
+
+    def run_static(self, plan: StaticPlan, say: Say) -> Runs: ...
+
+    def run_serving(self, plan: ServingPlan, say: Say) -> Runs: ...
+
+    def score_windows(self, windows: torch.Tensor, topk: int, say: Say) -> WindowScores: ...
+
+    def weights_bytes(self) -> int: ...
+
+    def metrics(self) -> dict[str, float]:
+        """Engine-specific metrics of the timed runs as a whole (native: attention's transient peak)."""
+        ...
+
+    def info(self) -> dict[str, str]:
+        """Where and how it ran, for the run's tags (versions, thread binding)."""
+        ...
+
+
+class Engine:
+    """An engine's declaration. Subclasses set the class attributes and implement `load`/`open`."""
+
+    name: str = ""
+    summary: str = ""  # one line for tables and --help
+    setup: str = ""  # how to install what it needs beyond `make setup` ("" = nothing)
+    support: Mapping[str, Support] = {}  # config key -> what it honours; a key not listed: every value
+    serves: bool = False  # runs serving workloads (requests arriving over time)
+
+    def missing(self) -> Optional[str]:
+        """Why this engine cannot run on this machine (not installed), or None."""
+        return None
+
+    def check(self, trial: TrialConfig, facts, gpu_available: bool) -> Problems:
+        """The engine's own rules beyond `support` (several keys, the model's facts, the hardware).
+        `facts`: engine.model_facts.ModelFacts, or None where the model is not on this machine yet."""
+        return []
+
+    def materializes_scores(self, trial: TrialConfig) -> bool:
+        """Whether its attention writes the [T, S] score matrix to memory (the cost model charges it)."""
+        return False
+
+    def kv_element_bytes(self, trial: TrialConfig) -> Optional[float]:
+        """Bytes per K/V element at `kv_cache.dtype`; None: the model's dtype."""
+        return None
+
+    def load(self, trial: TrialConfig, say: Say) -> Any:
+        """The model in this process, reusable by the next trial with the same model key (a warm worker
+        keeps it); None where the engine holds nothing here (it loads in its own process)."""
+        return None
+
+    def open(self, trial: TrialConfig, loaded: Any, say: Say) -> TrialSession:
+        raise NotImplementedError

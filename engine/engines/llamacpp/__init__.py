@@ -1,0 +1,88 @@
+"""Engine `llamacpp`: llama.cpp through llama-cpp-python's C API (backend.py), on a GGUF the package
+writes from the trial's checkpoint (gguf_export.py: converted once per weight type, then cached).
+
+Setup: `make setup-llamacpp` (cluster/install_llamacpp.sh): PyPI has no binary wheel, so llama-cpp-python
+is compiled once (10-20 min on 2 cores, -DGGML_NATIVE=ON) into ~/.cache/infersweep/wheels, and installed
+from there in seconds afterwards.
+"""
+from __future__ import annotations
+
+import importlib.util
+from typing import Any, Optional
+
+from ...config import TrialConfig
+from ..base import Support
+from ..logits import LogitsEngine
+
+from .kv_types import KV_TYPE_BYTES, QUANTIZED_KV, kv_type
+
+GGUF_QUANT = ("gguf-q8_0", "gguf-q4_0", "gguf-q4_k_m")
+ENGINE_LABEL = "engine=llamacpp"
+
+
+class LlamaCppEngine(LogitsEngine):
+    name = "llamacpp"
+    summary = "llama.cpp (GGUF weights, its own KV cache types, CPU flash attention)"
+    setup = "make setup-llamacpp"
+    support = {
+        "kv_cache.mode": Support(("contiguous",), "llama.cpp keeps its own KV cache, one contiguous stream per sequence"),
+        "batching.mode": Support(("static",), "llama.cpp runs the static batch as parallel sequences"),
+        # llama.cpp has a flash path and one non-flash path, which materializes the scores: that is eager;
+        # asking for sdpa runs the same thing, so it folds to eager (one config hash)
+        "attention.impl": Support(("eager", "flash"), "llama.cpp has a flash and a non-flash attention path",
+                                  aliases={"sdpa": "eager"}),
+        "quant.level": Support(("none",) + GGUF_QUANT, "llama.cpp quantizes to GGUF weight types with its own quantizer"),
+        "speculative.method": Support(("off", "prompt-lookup"), "our prompt-lookup drafter verifies on llama.cpp; a draft "
+                                                                "model or self-draft would need a second llama.cpp model"),
+        "kv_cache.dtype": Support(("auto", "f32", "f16", "q8_0", "q4_0"), "llama.cpp's K/V types (auto = f16)"),
+        "engine.compile": Support(("False",), "llama.cpp runs its own C++ graph: torch.compile does not apply"),
+    }
+
+    def missing(self) -> Optional[str]:
+        if importlib.util.find_spec("llama_cpp") is None:
+            return f"{ENGINE_LABEL} needs llama-cpp-python, which is not installed: run `make setup-llamacpp`"
+        return None
+
+    def check(self, trial: TrialConfig, facts, gpu_available: bool):
+        q, kv = trial.quant, trial.kv_cache
+        attention = self.attention(trial)
+        p = []
+        if q.keep_last_layers:
+            p.append(("quant.keep_last_layers", f"{ENGINE_LABEL}: llama.cpp's quantizer picks per-tensor types itself "
+                                                "(gguf-q4_k_m mixes them); keep_last_layers is not supported"))
+        if kv.dtype in QUANTIZED_KV:
+            if attention != "flash":
+                p.append(("kv_cache.dtype", f"{ENGINE_LABEL}: a quantized V cache ({kv.dtype}) needs flash "
+                                            f"attention in llama.cpp: set attention=flash (now {trial.attention.impl})"))
+            head_dim = facts.head_dim if facts is not None else None
+            if head_dim and head_dim % 32:
+                p.append(("kv_cache.dtype", f"{ENGINE_LABEL}: {kv.dtype} packs blocks of 32 values, which must "
+                                            f"divide the head dimension ({head_dim} in this model)"))
+        model_type = facts.model_type if facts is not None else None
+        if model_type is not None and model_type != "llama":
+            p.append(("model.path", f"{ENGINE_LABEL} converts Llama-architecture checkpoints only; {trial.model.path} is "
+                                    f"{model_type!r}"))
+        return p
+
+    def attention(self, trial: TrialConfig) -> str:
+        s = self.support["attention.impl"]
+        return s.aliases.get(trial.attention.impl, trial.attention.impl)
+
+    def materializes_scores(self, trial: TrialConfig) -> bool:
+        return self.attention(trial) != "flash"  # the non-flash path writes KQ and softmax(KQ) to memory
+
+    def kv_element_bytes(self, trial: TrialConfig) -> Optional[float]:
+        return KV_TYPE_BYTES.get(kv_type(trial.kv_cache.dtype))
+
+    def load(self, trial: TrialConfig, say) -> Any:
+        from .backend import load_gguf_model
+
+        return load_gguf_model(trial.model, trial.quant, trial.engine.threads, say)
+
+    def make_backend(self, loaded: Any, trial: TrialConfig):
+        from .backend import LlamaCppBackend
+
+        return LlamaCppBackend(loaded, trial)
+
+
+ENGINE = LlamaCppEngine()

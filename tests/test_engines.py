@@ -1,0 +1,205 @@
+"""The engine contract (engine/engines/): every engine declares what it honours, aliases fold to one
+config hash, the cost model asks the engine, no central file names an engine, and the packages import
+without cycles."""
+from __future__ import annotations
+
+import ast
+import re
+from pathlib import Path
+
+import pytest
+
+from engine import engines
+from engine.config import (ATTENTION_IMPLS, BATCHING_MODES, KV_CACHE_DTYPES, KV_CACHE_MODES, QUANT_LEVELS,
+                           SPECULATIVE_METHODS, KVCacheConfig, AttentionConfig, EngineConfig, ModelConfig, TrialConfig)
+from engine.engines import _get
+from experiments.config.spec import fold_aliases
+
+ROOT = Path(__file__).resolve().parents[1]
+ALLOWED = {"kv_cache.mode": KV_CACHE_MODES, "batching.mode": BATCHING_MODES, "attention.impl": ATTENTION_IMPLS,
+           "quant.level": QUANT_LEVELS, "speculative.method": SPECULATIVE_METHODS, "kv_cache.dtype": KV_CACHE_DTYPES,
+           "engine.compile": ("True", "False")}
+
+
+def _trial(engine: str, **kw) -> TrialConfig:
+    t = TrialConfig(model=ModelConfig(name="m", path="tiny://llama"), engine=EngineConfig(backend=engine))
+    for k, v in kw.items():
+        setattr(t, k, v)
+    return t
+
+
+def test_every_engine_declares_real_keys_values_and_aliases():
+    trial = TrialConfig(model=ModelConfig(name="m", path="tiny://llama"))
+    assert [e.name for e in engines.all_engines()] == list(engines.NAMES)
+    for e in engines.all_engines():
+        assert e.summary
+        for key, s in e.support.items():
+            _get(trial, key)  # a real config key
+            assert set(s.values) <= set(ALLOWED[key]), (e.name, key)
+            assert s.why
+            for alias, target in s.aliases.items():  # an alias runs as a value the engine honours
+                assert alias in ALLOWED[key] and target in s.values and alias not in s.values, (e.name, key, alias)
+
+
+def test_unsupported_names_engine_key_and_alternatives():
+    (msg,) = engines.unsupported(engines.get("hf"), {"kv_cache.mode": "paged", "quant.level": "none"})
+    assert msg[0] == "kv_cache.mode" and "engine=hf cannot honour kv_cache.mode=paged" in msg[1]
+    assert "off, contiguous" in msg[1]
+    assert engines.unsupported(engines.get("native"), {"kv_cache.mode": "paged"}) == []
+    # an alias is honoured: it runs as its target
+    assert engines.unsupported(engines.get("llamacpp"), {"attention.impl": "sdpa"}) == []
+    assert engines.unsupported(engines.get("vllm"), {"kv_cache.mode": "contiguous"}) == []
+    with pytest.raises(Exception, match="unknown engine 'bogus'"):
+        engines.get("bogus")
+
+
+def test_aliases_fold_to_the_value_the_engine_runs():
+    cfg = {"engine": {"backend": "llamacpp"}, "attention": {"impl": "sdpa"}, "kv_cache": {"mode": "contiguous"}}
+    out, folded = fold_aliases(cfg)
+    assert folded == {"attention.impl": "eager"} and out["attention"]["impl"] == "eager"
+    assert cfg["attention"]["impl"] == "sdpa"  # the input is not mutated
+    out, folded = fold_aliases({"engine": {"backend": "vllm"}, "attention": {"impl": "sdpa"},
+                                "kv_cache": {"mode": "contiguous"}})
+    assert folded == {"kv_cache.mode": "paged"}
+    # engines without aliases, and flash on llama.cpp (a value of its own), are left alone
+    assert fold_aliases({"engine": {"backend": "hf"}, "attention": {"impl": "sdpa"}})[1] == {}
+    assert fold_aliases({"engine": {"backend": "llamacpp"}, "attention": {"impl": "flash"}})[1] == {}
+    assert engines.canonical("llamacpp", "attention.impl", "sdpa") == "eager"
+    assert engines.canonical("hf", "attention.impl", "sdpa") == "sdpa"
+
+
+def test_cost_model_asks_the_engine_about_scores_and_kv_bytes():
+    eager, sdpa, flash = (AttentionConfig(impl=i) for i in ("eager", "sdpa", "flash"))
+    hf, native, cpp, vllm = (engines.get(n) for n in ("hf", "native", "llamacpp", "vllm"))
+    # torch: only eager writes the score matrix; llama.cpp: everything but flash; vLLM: never
+    assert hf.materializes_scores(_trial("hf", attention=eager)) and not hf.materializes_scores(_trial("hf", attention=sdpa))
+    assert native.materializes_scores(_trial("native", attention=eager))
+    assert cpp.materializes_scores(_trial("llamacpp", attention=sdpa))
+    assert not cpp.materializes_scores(_trial("llamacpp", attention=flash))
+    assert not vllm.materializes_scores(_trial("vllm", attention=sdpa))
+    # K/V element bytes at kv_cache.dtype (None: the model's dtype)
+    assert cpp.kv_element_bytes(_trial("llamacpp", kv_cache=KVCacheConfig(dtype="auto"))) == 2.0  # f16
+    assert cpp.kv_element_bytes(_trial("llamacpp", kv_cache=KVCacheConfig(dtype="q8_0"))) == 34 / 32
+    assert vllm.kv_element_bytes(_trial("vllm", kv_cache=KVCacheConfig(dtype="fp8"))) == 1.0
+    assert hf.kv_element_bytes(_trial("hf")) is None and vllm.kv_element_bytes(_trial("vllm")) is None
+
+
+def test_kv_dtype_changes_the_predicted_decode_bytes():
+    from engine.measure.costmodel import Precision, forward_cost
+    from engine.model_facts import inspect
+
+    shape = inspect(ModelConfig(name="m", path="tiny://llama")).shape
+    f32 = forward_cost(shape, Precision.of("float32"), 1, 1, 100, True, False)
+    q8 = forward_cost(shape, Precision.of("float32", kv_elt_bytes=34 / 32), 1, 1, 100, True, False)
+    assert q8.kv_bytes == pytest.approx(f32.kv_bytes * (34 / 32) / 4)
+    assert q8.weight_bytes == f32.weight_bytes
+
+
+CENTRAL = ["engine/pipeline.py", "engine/validation.py", "engine/axes.py", "experiments/run/trial.py"]
+
+
+@pytest.mark.parametrize("path", CENTRAL)
+def test_no_central_file_spells_an_engine_name(path):
+    text = (ROOT / path).read_text()
+    code = "\n".join(ln for ln in text.splitlines() if not ln.lstrip().startswith("#"))
+    for name in engines.NAMES:
+        if name == "hf":  # "hf" is also a word in identifiers (hf_config): look for it as a value or engine
+            assert not re.search(r"""['"]hf['"]|engine=hf|backend == """, code), path
+            continue
+        assert not re.search(rf"""['"]{name}['"]|engine={name}\b|\.{name}\b""", code), (path, name)
+
+
+def _imports(path: Path, module: str) -> set[str]:
+    """Modules of this repo that `module` (at `path`) imports, at module level or inside functions,
+    `if TYPE_CHECKING:` blocks excepted (they never run)."""
+    tree = ast.parse(path.read_text())
+    skip: set[int] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+            skip.update(id(n) for b in node.body for n in ast.walk(b))
+    pkg = module.split(".") if path.name == "__init__.py" else module.split(".")[:-1]
+    out = set()
+    for node in ast.walk(tree):
+        if id(node) in skip:
+            continue
+        if isinstance(node, ast.Import):
+            out.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = pkg[: len(pkg) - node.level + 1] if node.level else []
+            mod = ".".join(base + ([node.module] if node.module else []))
+            out.add(mod)
+            out.update(f"{mod}.{a.name}" for a in node.names)  # `from . import x` imports a module x
+    return out
+
+
+def _graph() -> dict[str, set[str]]:
+    files = {}
+    for top in ("engine", "experiments", "cluster"):
+        for p in (ROOT / top).rglob("*.py"):
+            parts = list(p.relative_to(ROOT).with_suffix("").parts)
+            if parts[-1] == "__init__":
+                parts = parts[:-1]
+            files[".".join(parts)] = p
+    graph = {}
+    for mod, p in files.items():
+        deps = set()
+        for imp in _imports(p, mod):
+            while imp and imp not in files:  # `engine.config.X` -> engine.config
+                imp = imp.rpartition(".")[0]
+            if imp and imp != mod:
+                deps.add(imp)
+        graph[mod] = deps
+    return graph
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components with more than one module (Tarjan). A package's __init__ importing
+    its own submodules is how a package works, not a cycle: a parent package is dropped as a dependency
+    of its own submodules."""
+    g = {m: {d for d in deps if not m.startswith(d + ".")} for m, deps in graph.items()}
+    index, low, stack, on, out, counter = {}, {}, [], set(), [], [0]
+
+    def visit(v):
+        index[v] = low[v] = counter[0]
+        counter[0] += 1
+        stack.append(v)
+        on.add(v)
+        for w in g.get(v, ()):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                out.append(sorted(comp))
+
+    import sys
+
+    sys.setrecursionlimit(10000)
+    for v in list(g):
+        if v not in index:
+            visit(v)
+    return out
+
+
+def test_no_import_cycles_among_engine_experiments_cluster():
+    assert _cycles(_graph()) == []
+
+
+def test_the_cycle_finder_finds_a_cycle():
+    assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+
+
+def test_measurement_never_imports_an_engine():
+    graph = _graph()
+    for mod, deps in graph.items():
+        if mod.startswith("engine.measure"):
+            assert not any(d.startswith("engine.engines") for d in deps), (mod, deps)
