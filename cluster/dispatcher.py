@@ -1,9 +1,10 @@
-"""Which item runs on which worker, and what happens when one dies: the scheduling half of `run_on_ray`,
-with no Ray in it.
+"""Which item runs on which worker, and what happens when one dies: the scheduling of every sweep, with no
+Ray in it.
 
 The `Dispatcher` owns the queue and every worker's state. The workers themselves live behind a
-`WorkerPool` (Ray actors in `ray_runner`, a scripted cluster in the tests), which reports back what
-happened to them as events: a worker started or failed to start, an item finished or failed. Time comes
+`WorkerPool` (Ray actors in `ray_pool`, this process in `local_pool`, a scripted cluster in the tests), which
+reports back what happened to them as `WorkerEvent`s: a worker started or failed to start, an item finished
+or failed. `run_pool` is the one loop that feeds a pool's events to a dispatcher, for every pool. Time comes
 from an injected clock, so the placement timeout is exercised without sleeping.
 
 - Affinity: a worker takes the next item with the key it ran last (the model it holds); a fresh worker
@@ -13,6 +14,7 @@ from an injected clock, so the placement timeout is exercised without sleeping.
 - Faults: an item whose worker died (retriable) goes back to the front of its queue, at most `max_retries`
   times; a deterministic failure is never retried. Items no worker could be placed for within
   `placement_timeout_s` fail as UNPLACEABLE. `on_result` sees every item exactly once.
+- Ctrl-C: the running items are reported CANCELLED, the queued ones not at all, every worker is retired.
 """
 from __future__ import annotations
 
@@ -22,6 +24,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Protocol, Sequence
 
+from .config import ClusterConfig
 from .placement import EXCLUSIVE_NODE, Placement, capacity, fits
 
 log = logging.getLogger(__name__)
@@ -70,10 +73,33 @@ class Worker:
     entry: Optional[Entry] = None  # the item it is running
 
 
+# WorkerEvent.kind
+STARTED, START_FAILED, FINISHED, FAILED = "started", "start_failed", "finished", "failed"
+
+
+@dataclass(frozen=True)
+class WorkerEvent:
+    """What happened to one worker. `value`: its start info (STARTED: where it runs, with `node_id`), the
+    item's result (FINISHED) or an error message (START_FAILED, FAILED). `retriable` (FAILED): the worker or
+    its node died, rather than the item's function raising."""
+
+    worker: Worker
+    kind: str
+    value: Any = None
+    retriable: bool = False
+
+
 class WorkerPool(Protocol):
     """The operations the dispatcher needs on real workers. Each spawned worker later reports exactly one
     of started / failed to start, and each submitted item exactly one of finished / failed, unless the
     worker was retired first."""
+
+    @property
+    def busy(self) -> bool:
+        """A start or an item is outstanding on some worker (`wait` has something to wait for)."""
+
+    def wait(self, timeout_s: float) -> Optional[WorkerEvent]:
+        """The next event; None when none came within `timeout_s` (at once when the pool is not busy)."""
 
     def nodes(self) -> list[dict[str, Any]]:
         """The alive nodes, shaped like `ray.nodes()` entries ({"NodeID", "Resources", ...})."""
@@ -109,7 +135,7 @@ class Dispatcher:
         pool: WorkerPool,
         on_result: Callable[[Any, Any, dict[str, Any]], bool],
         on_start: Optional[Callable[[Any, dict[str, Any]], None]] = None,
-        placement_timeout_s: float = 600.0,
+        placement_timeout_s: float = ClusterConfig.placement_timeout_s,
         clock: Callable[[], float] = time.monotonic,
     ):
         self._pool = pool
@@ -147,6 +173,19 @@ class Dispatcher:
     def start(self) -> None:
         self._top_up()
 
+    def handle(self, ev: WorkerEvent) -> None:
+        """Apply one event a pool reported."""
+        if ev.kind == STARTED:
+            self.worker_started(ev.worker, ev.value)
+        elif ev.kind == START_FAILED:
+            self.worker_failed_to_start(ev.worker, ev.value)
+        elif ev.kind == FINISHED:
+            self.trial_finished(ev.worker, ev.value)
+        elif ev.kind == FAILED:
+            self.trial_failed(ev.worker, ev.value, ev.retriable)
+        else:
+            raise ValueError(f"unknown worker event {ev.kind!r}")
+
     def worker_started(self, worker: Worker, info: dict[str, Any]) -> None:
         """`info` describes where it runs; it must name its `node_id`."""
         self._heard_from(worker)
@@ -171,8 +210,10 @@ class Dispatcher:
     def trial_finished(self, worker: Worker, result: Any) -> None:
         e = self._take(worker)
         meta = self._meta(worker, e)
-        self._dispatch(worker)  # the worker starts its next item while the caller records this one
-        self._report(e, result, meta)
+        try:
+            self._dispatch(worker)  # the worker starts its next item while the caller records this one
+        finally:  # a Ctrl-C while handing out the next item must not lose this result
+            self._report(e, result, meta)
 
     def trial_failed(self, worker: Worker, error: str, retriable: bool) -> None:
         """The item raised (`retriable=False`) or its worker / node died (`retriable=True`)."""
@@ -309,3 +350,51 @@ class Dispatcher:
         if self._on_start is not None:
             self._on_start(e.item, self._meta(worker, e))
         self._pool.submit(worker, e.item)
+
+
+def _show(bar, d: Dispatcher) -> None:
+    p = d.progress()
+    bar.set_postfix(done=p.done, failed=p.failed, running=p.running, queued=p.queued, refresh=False)
+    if p.done + p.failed > bar.n:
+        bar.update(p.done + p.failed - bar.n)
+
+
+def run_pool(
+    pool: WorkerPool,
+    items: Sequence[Any],
+    placement_for: Callable[[Any], Placement],
+    on_result: Callable[[Any, Any, dict[str, Any]], bool],
+    key_for: Callable[[Any], Any] = lambda item: None,
+    desc: str = "trials",
+    placement_timeout_s: float = ClusterConfig.placement_timeout_s,
+    on_start: Optional[Callable[[Any, dict[str, Any]], None]] = None,
+    progress: bool = True,
+) -> None:
+    """Dispatch `items` on `pool` until each has its final result: `on_result(item, result, meta)` exactly once
+    per item, `result` being what the worker returned or a `TaskFailure`; `meta` = {attempts, errors, **the
+    worker's start info}; it returns True for a success (progress bar). `on_start(item, meta)` is called as
+    an item is handed to a worker. Ctrl-C reports the running items as `TaskFailure(kind=CANCELLED)`,
+    retires every worker and re-raises."""
+    from tqdm.auto import tqdm
+
+    d = Dispatcher(items, placement_for, key_for, pool, on_result, on_start=on_start,
+                   placement_timeout_s=placement_timeout_s, clock=time.monotonic)
+    bar = tqdm(total=len(items), desc=desc, unit="trial", dynamic_ncols=True, disable=not progress)
+    try:
+        d.start()
+        while not d.finished:
+            _show(bar, d)
+            ev = pool.wait(timeout_s=1.0)
+            if ev is None:  # nothing happened: waiting is progress, unless no worker could be placed
+                d.idle()
+                if not pool.busy and not d.finished:  # items queued but no worker exists (all dead / none fits)
+                    time.sleep(0.5)
+                continue
+            d.handle(ev)
+    except KeyboardInterrupt:
+        d.cancel_running()
+        raise
+    finally:
+        _show(bar, d)
+        bar.close()
+        d.close()

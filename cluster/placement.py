@@ -1,4 +1,5 @@
-"""What one item asks of the cluster (`Placement`) and how many such workers a set of nodes holds.
+"""What one item asks of the cluster (`Placement`) and how many such workers a set of nodes holds (a trial's
+`Placement` comes from its typed cluster section: `cluster.config.ClusterConfig.placement`).
 
 Pure arithmetic over node descriptions shaped like `ray.nodes()` entries ({"NodeID", "Alive",
 "Resources"}), so the dispatcher and its tests need no Ray.
@@ -37,20 +38,6 @@ class Placement:
     def shape(self) -> tuple:
         """Actors are interchangeable between items of the same shape (retries do not matter)."""
         return (self.num_cpus, self.num_gpus, self.memory_bytes, self.resources, self.isolation)
-
-
-def placement(cluster: dict[str, Any]) -> Placement:
-    """A `Placement` from a trial's `cluster` config section."""
-    mem = float(cluster.get("memory_per_trial_gb") or 0)
-    res = cluster.get("resources") or {}
-    return Placement(
-        num_cpus=float(cluster.get("num_cpus_per_trial", 1)),
-        num_gpus=float(cluster.get("num_gpus_per_trial", 0)),
-        memory_bytes=int(mem * 1024**3),
-        resources=tuple(sorted((str(k), float(v)) for k, v in res.items())),
-        isolation=str(cluster.get("isolation") or SHARED),
-        max_retries=int(cluster.get("max_retries", 1)),
-    )
 
 
 def fits(node_resources: dict[str, float], p: Placement) -> int:

@@ -2,8 +2,9 @@
 
 Knows nothing of engines or MLflow: an item has a `Placement` (resources, retries, isolation) and an
 affinity key. `Dispatcher` decides which item goes to which actor, when to start or stop actors and what
-to retry; this module is the Ray half only: it starts and kills actors, submits calls, waits on them and
-feeds what happened back to the dispatcher.
+to retry, and `run_pool` is the loop that drives it (the same for the in-process pool, `local_pool`); this
+module is the Ray half only: `RayPool` starts and kills actors, submits calls and turns what `ray.wait`
+returns into `WorkerEvent`s.
 
 - Resources: each actor requests the item's CPUs, GPUs (Ray gives it its own CUDA_VISIBLE_DEVICES for its
   lifetime), memory and custom resources, so no more items run at once than the cluster fits.
@@ -20,23 +21,22 @@ from __future__ import annotations
 
 import logging
 import os
-import time
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, Mapping, Optional, Sequence
 
-from tqdm.auto import tqdm
-
-from .dispatcher import Dispatcher, Worker
+from .config import ClusterConfig
+from .dispatcher import FAILED, FINISHED, START_FAILED, STARTED, Worker, WorkerEvent, run_pool
 from .placement import Placement
 
 log = logging.getLogger(__name__)
 
 
-def ensure_ray(cluster: dict[str, Any]) -> dict[str, float]:
+def ensure_ray(cluster: ClusterConfig | Mapping[str, Any]) -> dict[str, float]:
     """Connect to `cluster.address`, or start an embedded local Ray once. Returns the cluster resources."""
     import ray
 
+    cluster = ClusterConfig.from_dict(cluster)
     if not ray.is_initialized():
-        address = cluster.get("address")
+        address = cluster.address
         kwargs: dict[str, Any] = dict(
             include_dashboard=False,
             logging_level=logging.WARNING,
@@ -47,9 +47,9 @@ def ensure_ray(cluster: dict[str, Any]) -> dict[str, float]:
         if address:
             ray.init(address=address, **kwargs)
         else:
-            kwargs["num_cpus"] = cluster.get("local_num_cpus") or os.cpu_count()
-            if cluster.get("local_num_gpus") is not None:
-                kwargs["num_gpus"] = cluster["local_num_gpus"]
+            kwargs["num_cpus"] = cluster.local_num_cpus or os.cpu_count()
+            if cluster.local_num_gpus is not None:
+                kwargs["num_gpus"] = cluster.local_num_gpus
             ray.init(**kwargs)
     return dict(ray.cluster_resources())
 
@@ -101,7 +101,7 @@ class _Worker:
         return self._fn(item) if self._make_state is None else self._fn(item, self._state)
 
 
-class _RayWorkers:
+class RayPool:
     """The dispatcher's `WorkerPool` on Ray actors. `outstanding`: each object ref in flight -> (worker,
     whether it is the worker's start-up call rather than an item)."""
 
@@ -139,12 +139,27 @@ class _RayWorkers:
         except Exception:
             pass
 
+    @property
+    def busy(self) -> bool:
+        return bool(self.outstanding)
 
-def _show(bar: tqdm, d: Dispatcher) -> None:
-    p = d.progress()
-    bar.set_postfix(done=p.done, failed=p.failed, running=p.running, queued=p.queued, refresh=False)
-    if p.done + p.failed > bar.n:
-        bar.update(p.done + p.failed - bar.n)
+    def wait(self, timeout_s: float) -> Optional[WorkerEvent]:
+        import ray
+
+        if not self.outstanding:
+            return None
+        ready, _ = ray.wait(list(self.outstanding), num_returns=1, timeout=timeout_s)
+        if not ready:
+            return None
+        worker, is_start = self.outstanding.pop(ready[0])
+        try:
+            value = ray.get(ready[0])
+        except Exception as ex:
+            if is_start:
+                return WorkerEvent(worker, START_FAILED, f"{type(ex).__name__}: {ex}")
+            msg, retriable = classify(ex)
+            return WorkerEvent(worker, FAILED, msg, retriable)
+        return WorkerEvent(worker, STARTED if is_start else FINISHED, value)
 
 
 def run_on_ray(
@@ -154,52 +169,13 @@ def run_on_ray(
     on_result: Callable[[Any, Any, dict[str, Any]], bool],
     key_for: Callable[[Any], Any] = lambda item: None,
     desc: str = "trials",
-    placement_timeout_s: float = 600.0,
+    placement_timeout_s: float = ClusterConfig.placement_timeout_s,
     on_start: Optional[Callable[[Any, dict[str, Any]], None]] = None,
     worker_state: Optional[Callable[[], Any]] = None,
 ) -> None:
-    """Run `fn(item)` for every item on warm actors; call `on_result(item, result, meta)` once per item
-    with its final result (`fn`'s return value, or a `TaskFailure`), `meta` = {attempts, errors, node_id,
-    worker_pid, gpu_ids, cuda_visible_devices}. `on_result` returns True for a success (progress bar).
-    `on_start(item, meta)` is called when an item is handed to a worker. With `worker_state`, each actor
-    calls `fn(item, state)` with its own `state = worker_state()`. Ctrl-C kills the actors, reports the
-    running items as `TaskFailure(kind=CANCELLED)` and re-raises."""
-    import ray
-
-    pool = _RayWorkers(fn, worker_state)
-    d = Dispatcher(items, placement_for, key_for, pool, on_result, on_start=on_start,
-                   placement_timeout_s=placement_timeout_s, clock=time.monotonic)
-    bar = tqdm(total=len(items), desc=desc, unit="trial", dynamic_ncols=True)
-    try:
-        d.start()
-        while not d.finished:
-            _show(bar, d)
-            if not pool.outstanding:  # items queued but no worker exists (all dead / none fits now)
-                d.idle()
-                if not pool.outstanding and not d.finished:
-                    time.sleep(0.5)
-                continue
-            ready, _ = ray.wait(list(pool.outstanding), num_returns=1, timeout=1.0)
-            if not ready:
-                d.idle()
-                continue
-            worker, is_start = pool.outstanding.pop(ready[0])
-            try:
-                value = ray.get(ready[0])
-            except Exception as ex:
-                if is_start:
-                    d.worker_failed_to_start(worker, f"{type(ex).__name__}: {ex}")
-                else:
-                    d.trial_failed(worker, *classify(ex))
-                continue
-            if is_start:
-                d.worker_started(worker, value)
-            else:
-                d.trial_finished(worker, value)
-    except KeyboardInterrupt:
-        d.cancel_running()
-        raise
-    finally:
-        _show(bar, d)
-        bar.close()
-        d.close()
+    """Run `fn(item)` for every item on warm actors (`run_pool`'s contract for `on_result` and `on_start`);
+    `meta` = {attempts, errors, node_id, worker_pid, gpu_ids, cuda_visible_devices}. With `worker_state`,
+    each actor calls `fn(item, state)` with its own `state = worker_state()`, which dies with the actor. Ctrl-C
+    kills the actors, reports the running items as `TaskFailure(kind=CANCELLED)` and re-raises."""
+    run_pool(RayPool(fn, worker_state), items, placement_for, on_result, key_for=key_for, desc=desc,
+             placement_timeout_s=placement_timeout_s, on_start=on_start)

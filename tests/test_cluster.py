@@ -14,7 +14,7 @@ import time
 import pytest
 
 from cluster import Placement, TaskFailure, capacity, placement, run_on_ray
-from cluster.ray_runner import classify
+from cluster.ray_pool import classify
 from experiments.config.compose import PROJECT_ROOT
 from experiments.run.sweep import run_sweep, run_specs
 from experiments.config.compose import expand

@@ -57,14 +57,14 @@ class Sim:
     """A dispatcher wired to a scripted pool, a clock and a recording `on_result`."""
 
     def __init__(self, items, nodes=(node("n0"),), placement_for=lambda item: Placement(), key_for=lambda item: None,
-                 timeout=600.0):
+                 timeout=600.0, on_start=None):
         self.clock = Clock()
         self.pool = ScriptedPool(list(nodes))
         self.results: list[tuple[Any, Any, dict[str, Any]]] = []
         self.running_when_recorded: list[dict[int, Any]] = []  # what the workers ran as each result came in
         self.starts: list[tuple[Any, dict[str, Any]]] = []
         self.d = Dispatcher(items, placement_for, key_for, self.pool, self._on_result,
-                            on_start=lambda item, meta: self.starts.append((item, meta)),
+                            on_start=on_start or (lambda item, meta: self.starts.append((item, meta))),
                             placement_timeout_s=timeout, clock=self.clock)
         self.d.start()
 
@@ -367,3 +367,123 @@ def test_every_item_is_reported_exactly_once_under_random_faults(seed):
         assert meta["attempts"] <= shapes[item[1]].max_retries + 1
     s.d.close()
     assert not s.d.live
+
+
+def test_an_unknown_event_is_refused():
+    from cluster.dispatcher import WorkerEvent
+
+    s = Sim([0])
+    (w,) = s.pending()
+    with pytest.raises(ValueError, match="unknown worker event 'exploded'"):
+        s.d.handle(WorkerEvent(w, "exploded"))
+
+
+# --- the in-process pool: the same dispatcher, one worker, this process ------------------------------------
+class State:
+    """A worker's warm state; records what it ran and whether it was released."""
+
+    made: list["State"] = []
+
+    def __init__(self) -> None:
+        self.ran: list[Any] = []
+        self.released = False
+        State.made.append(self)
+
+    def release(self) -> None:
+        self.released = True
+
+
+def _local(items, fn, key_for=lambda it: None, placement_for=lambda it: Placement(), make_state=State):
+    from cluster import run_in_process
+
+    State.made = []
+    results, starts = [], []
+
+    def on_result(item, res, meta):
+        results.append((item, res, meta))
+        return not isinstance(res, TaskFailure)
+
+    run_in_process(fn, items, placement_for, on_result, key_for=key_for,
+                   on_start=lambda item, meta: starts.append((item, meta)), worker_state=make_state)
+    return results, starts
+
+
+def _remember(item, state):
+    state.ran.append(item)
+    return ("ok", item)
+
+
+def test_in_process_items_run_one_at_a_time_in_key_order_on_one_warm_state():
+    import os
+
+    from cluster import LOCAL_NODE
+
+    items = [("a", 0), ("b", 0), ("a", 1), ("c", 0), ("b", 1)]
+    # placements that would need two nodes on Ray mean nothing here: one worker runs everything
+    shapes = {"a": Placement(num_gpus=1), "b": Placement(isolation="exclusive-node"), "c": Placement(num_cpus=64)}
+    results, starts = _local(items, _remember, key_for=lambda it: it[0], placement_for=lambda it: shapes[it[0]])
+    (state,) = State.made
+    assert state.ran == [("a", 0), ("a", 1), ("b", 0), ("b", 1), ("c", 0)]  # the dispatcher's affinity order
+    assert [it for it, _, _ in results] == state.ran and [it for it, _ in starts] == state.ran
+    assert all(res == ("ok", it) for it, res, _ in results)
+    assert {(m["node_id"], m["worker_pid"], m["attempts"]) for _, _, m in results} == {(LOCAL_NODE, os.getpid(), 1)}
+    assert state.released  # the worker retired when the queue ran out
+
+
+def test_in_process_an_error_fails_its_item_once_and_the_next_item_gets_a_fresh_worker():
+    def fn(item, state):
+        if item == 1:
+            raise RuntimeError("bad checkpoint")
+        return _remember(item, state)
+
+    results, _ = _local([0, 1, 2], fn, placement_for=lambda it: Placement(max_retries=3))
+    assert [it for it, _, _ in results] == [0, 1, 2]
+    res, meta = results[1][1:]
+    assert isinstance(res, TaskFailure) and res.kind == DETERMINISTIC  # never retried, whatever max_retries
+    assert res.error.startswith("RuntimeError: bad checkpoint") and "Traceback" in res.error
+    assert meta["attempts"] == 1
+    first, second = State.made
+    assert first.ran == [0] and first.released  # the worker that saw the error is not trusted again
+    assert second.ran == [2] and second.released
+
+
+def test_in_process_ctrl_c_reports_the_running_item_cancelled_and_releases_the_state():
+    def fn(item, state):
+        if item == 1:
+            raise KeyboardInterrupt
+        return _remember(item, state)
+
+    from cluster import run_in_process
+
+    State.made, results = [], []
+    with pytest.raises(KeyboardInterrupt):
+        run_in_process(fn, [0, 1, 2], lambda it: Placement(),
+                       lambda item, res, meta: results.append((item, res, meta)) or True, worker_state=State)
+    assert [(it, getattr(res, "kind", None)) for it, res, _ in results] == [(0, None), (1, CANCELLED)]
+    assert results[1][2]["errors"] == ["interrupted"]  # item 2 never started: no result at all
+    (state,) = State.made
+    assert state.released
+
+
+def test_in_process_a_state_that_cannot_be_built_fails_the_queue():
+    def broken():
+        raise OSError("no such model cache")
+
+    results, starts = _local([0, 1], _remember, make_state=broken)
+    assert not starts
+    for _, res, meta in results:
+        assert res.kind == DETERMINISTIC and "worker failed to start: OSError: no such model cache" in res.error
+        assert meta["attempts"] == 0
+
+
+def test_an_interrupt_while_the_next_item_is_handed_out_still_records_the_finished_one():
+    def interrupt_at_y(item, meta):
+        if item == "y":
+            raise KeyboardInterrupt
+
+    s = Sim(["x", "y"], nodes=[node("n0", cpus=1)], on_start=interrupt_at_y)
+    s.start_all()
+    with pytest.raises(KeyboardInterrupt):
+        s.finish("x")
+    s.d.cancel_running()
+    assert [(it, getattr(res, "kind", res)) for it, res, _ in s.results] == [("x", ("ok", "x")), ("y", CANCELLED)]

@@ -123,6 +123,45 @@ def test_in_process_sweep_keeps_one_warm_model_between_trials(tiny_overrides):
     assert [o.metrics["model_load_s"] > 0 for o in outcomes] == [True, False, False, False]
 
 
+def test_in_process_sweep_goes_through_the_dispatcher_ctrl_c_records_killed_and_resume_skips(tmp_path):
+    """--in-process takes the same path as Ray: the dispatcher hands each trial to the one worker (on_start with
+    its meta), Ctrl-C records the running trial KILLED and the parent KILLED, a rerun skips what FINISHED."""
+    from mlflow.tracking import MlflowClient
+
+    from conftest import TINY
+    from cluster import LOCAL_NODE
+    from experiments.config.compose import expand
+    from experiments.run.sweep import run_specs
+
+    store = [f"tracking.uri=sqlite:///{tmp_path}/mlflow.db", f"tracking.artifact_root={tmp_path}/artifacts",
+             f"tracking.spool_dir={tmp_path}/spool"]
+    specs = expand(TINY + store + ["sweep_name=t-in-process-kill", "seed=0,1,2"])
+    started = []
+
+    def on_start(spec, meta):
+        started.append((spec.index, meta["node_id"], meta["attempts"]))
+        if spec.index == 1:  # Ctrl-C as the second trial is handed out
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        run_specs(specs, "test", in_process=True, echo=lambda *_: None, on_start=on_start)
+    assert started == [(0, LOCAL_NODE, 1), (1, LOCAL_NODE, 1)]
+    client = MlflowClient(tracking_uri=f"sqlite:///{tmp_path}/mlflow.db")
+    exp = client.get_experiment_by_name("t-in-process-kill")
+    runs = client.search_runs([exp.experiment_id])
+    trials = {r.data.tags["config_hash"]: r for r in runs if r.data.tags.get("kind") == "trial"}
+    assert {h: r.info.status for h, r in trials.items()} == {specs[0].config_hash: "FINISHED",
+                                                            specs[1].config_hash: "KILLED"}
+    assert trials[specs[0].config_hash].data.tags["env.node_id"] == LOCAL_NODE
+    assert [r.info.status for r in runs if r.data.tags.get("kind") == "sweep"] == ["KILLED"]
+
+    res = run_specs(specs, "test", in_process=True, echo=lambda *_: None, skip_finished=True)
+    assert res.skipped == 1 and [r["status"] for r in res.rows] == ["SKIPPED", "FINISHED", "FINISHED"]
+    finished = [r.data.tags["config_hash"] for r in client.search_runs([exp.experiment_id])
+                if r.data.tags.get("kind") == "trial" and r.info.status == "FINISHED"]
+    assert sorted(finished) == sorted(s.config_hash for s in specs)  # one FINISHED run per trial
+
+
 def test_garbage_made_after_the_freeze_is_still_collected():
     """A reused worker freezes what survives before it loads a model (libraries: a full gc.collect() scans
     ~500k objects, 0.25 s); the garbage cycles a trial leaves after that are still collected."""

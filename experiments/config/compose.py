@@ -22,7 +22,7 @@ from engine.config import EngineError
 
 from . import schema
 from ..errors import UserError
-from .spec import TrialSpec, build_trial, normalize
+from .spec import TrialSpec, build_trial, fold_aliases, normalize
 
 PROJECT_ROOT = Path(__file__).resolve().parents[2]
 
@@ -359,14 +359,16 @@ def expand(overrides: list[str], gpu_available: bool | None = None) -> list[Tria
             # keys that cannot change this trial (speculative.k with speculative=off) are reset, and a
             # combination that only differed in them is the same trial: run it once
             config, inert = normalize(config)
-            kept = {k: _unescape(v) for k, v in swept.items() if k not in inert}
+            # a value the engine runs as another (llama.cpp attention=sdpa is eager) is that value
+            config, folded = fold_aliases(config)
+            kept = {k: folded.get(k, _unescape(v)) for k, v in swept.items() if k not in inert}
             # model.dtype=auto becomes this hardware's dtype before hashing (the hash names what ran); a
             # sweep of auto,float32 on a CPU without bf16 units is then one trial, not a duplicate
             config, resolved = resolve_auto_dtype(config, gpu_available)
             if resolved and "model.dtype" in kept:
                 kept["model.dtype"] = config["model"]["dtype"]
             spec = TrialSpec(config=config, swept=kept, index=len(specs))
-            merged = len(kept) < len(swept) or resolved
+            merged = len(kept) < len(swept) or resolved or bool(folded)
             if spec.config_hash in hashes and (merged or spec.config_hash in merged_hashes):
                 continue
             if merged:
@@ -403,7 +405,9 @@ def resolve_auto_dtype(config: dict[str, Any], gpu_available: bool | None = None
     model = config.get("model") or {}
     if model.get("dtype") != "auto":
         return config, False
-    gpu = config["cluster"]["num_gpus_per_trial"] > 0 if gpu_available is None else gpu_available
+    from cluster import ClusterConfig
+
+    gpu = ClusterConfig.from_dict(config["cluster"]).num_gpus_per_trial > 0 if gpu_available is None else gpu_available
     if gpu:
         import torch
 
@@ -425,35 +429,21 @@ def validate(config: dict[str, Any], gpu_available: bool | None = None) -> list[
     """Value checks of one resolved trial config; messages name the config key and what is allowed."""
     from engine.validation import check_trial
 
-    out: list[str] = []
-    cl = config["cluster"]
-    if cl["num_cpus_per_trial"] <= 0:
-        out.append(f"cluster.num_cpus_per_trial: must be > 0, got {cl['num_cpus_per_trial']}")
-    if cl["num_gpus_per_trial"] < 0:
-        out.append(f"cluster.num_gpus_per_trial: must be >= 0, got {cl['num_gpus_per_trial']}")
-    if cl["max_retries"] < 0:
-        out.append(f"cluster.max_retries: must be >= 0, got {cl['max_retries']}")
-    out += _placement_problems(config)
+    from cluster import ClusterConfig
+
+    cl = ClusterConfig.from_dict(config["cluster"])
+    out = cl.problems() + _tracking_problems(config["tracking"])
     try:
         trial = build_trial(config)
     except (TypeError, ValueError, EngineError) as e:
         return out + [str(e)]
-    gpu = cl["num_gpus_per_trial"] > 0 if gpu_available is None else gpu_available
+    gpu = cl.num_gpus_per_trial > 0 if gpu_available is None else gpu_available
     out += [f"{key}: {msg}" for key, msg in check_trial(trial, gpu_available=gpu)]
     return out
 
 
-def _placement_problems(config: dict[str, Any]) -> list[str]:
-    from cluster import ISOLATIONS
-
-    cl, tr, out = config["cluster"], config["tracking"], []
-    if cl.get("isolation", "shared") not in ISOLATIONS:
-        out.append(f"cluster.isolation: unknown {cl['isolation']!r}; choose one of {', '.join(ISOLATIONS)}")
-    for k, v in (cl.get("resources") or {}).items():
-        if v <= 0:
-            out.append(f"cluster.resources.{k}: must be > 0, got {v}")
-    if cl.get("memory_per_trial_gb", 0) < 0:
-        out.append(f"cluster.memory_per_trial_gb: must be >= 0, got {cl['memory_per_trial_gb']}")
+def _tracking_problems(tr: dict[str, Any]) -> list[str]:
+    out = []
     if tr.get("serve") and str(tr.get("uri", "")).startswith(("http://", "https://")):
         out.append("tracking.serve: true needs a database uri (sqlite:/// or postgresql://) to serve, not a server")
     if tr.get("workers", 1) < 1:

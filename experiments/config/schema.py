@@ -1,36 +1,20 @@
 """Typed schema of a trial config, registered once with Hydra's ConfigStore.
 
 What a trial measures is the engine's own `engine.config.TrialConfig` (every default lives there); this
-module adds only what the platform needs around it: where the trial runs (`cluster`) and where its result
-goes (`tracking`). The YAML files in conf/ stay short and only set values; the schema gives them types, so
+module adds only what the platform needs around it: where the trial runs (`cluster`: the cluster layer's own
+`ClusterConfig`, whose defaults live there) and where its result goes (`tracking`). The YAML files in conf/ stay short and only set values; the schema gives them types, so
 an unknown key or a wrong type is a composition error. Value ranges are checked in validation.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Dict, Optional
 
 from hydra.core.config_store import ConfigStore
 
 from omegaconf import MISSING
 
+from cluster.config import ClusterConfig
 from engine.config import ModelConfig, TrialConfig
-
-
-@dataclass
-class ClusterConf:
-    name: str = "local"
-    address: Optional[str] = None  # None: start an embedded local Ray; "auto" or ray://host:port: connect
-    num_cpus_per_trial: float = 2
-    num_gpus_per_trial: float = 0
-    memory_per_trial_gb: float = 0
-    max_retries: int = 1  # retries after a worker/node crash (application errors are never retried)
-    resources: Dict[str, float] = field(default_factory=dict)  # custom Ray resources per trial
-    isolation: str = "shared"  # shared | exclusive-node (never two trials on one node: clean timings)
-    warm_workers: bool = True  # trials with the same model/attention/backend reuse a loaded model
-    placement_timeout_s: float = 600  # fail queued trials when no worker can be placed for this long
-    local_num_cpus: Optional[int] = None  # embedded Ray only; None = all cores
-    local_num_gpus: Optional[int] = None  # embedded Ray only; None = detected
 
 
 @dataclass
@@ -60,7 +44,7 @@ class TrialConf(TrialConfig):
     # a model group file must say which model; its other keys keep the engine's defaults
     model: ModelConfig = field(default_factory=lambda: ModelConfig(name=MISSING, path=MISSING))
     sweep_name: str = "default"
-    cluster: ClusterConf = field(default_factory=ClusterConf)
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)
     tracking: TrackingConf = field(default_factory=TrackingConf)
 
 

@@ -1,8 +1,11 @@
-"""A sweep end to end: expand + validate -> place on Ray (or run in-process) -> record in MLflow -> table.
+"""A sweep end to end: expand + validate -> dispatch on a worker pool -> record in MLflow -> table.
 
-The driver (this module) is the only writer to the tracking store: workers return plain `TrialOutcome`s,
-and each trial becomes exactly one terminal MLflow run here, after its retries are settled. A sweep that
-runs again skips the hashes that already have a FINISHED run in its experiment (resume; `force` re-runs).
+The pool is Ray's actors, or one worker in this process (`--in-process`); either way the cluster layer's
+dispatcher places the trials, so retries, KILLED on Ctrl-C and `on_start` mean the same (cluster/local_pool.py
+says what one process cannot do: retry after a crash of itself). The driver (this module) is the only writer
+to the tracking store: workers return plain `TrialOutcome`s, and each trial becomes exactly one terminal
+MLflow run here (`SweepRecorder`), after its retries are settled. A sweep that runs again skips the hashes
+that already have a FINISHED run in its experiment (resume; `force` re-runs).
 """
 from __future__ import annotations
 
@@ -59,6 +62,93 @@ def _row(spec: TrialSpec, outcome: Optional[TrialOutcome], status: str, run_id: 
     }
 
 
+# where a worker ran, from the dispatcher's meta: kept with the outcome (tags env.*)
+WORKER_INFO = ("node_id", "worker_pid", "gpu_ids")
+
+
+class SweepRecorder:
+    """Turns each trial's final result (an outcome, or the cluster layer's `TaskFailure`) into its one
+    terminal MLflow run (or spooled record) and its row of the results table."""
+
+    def __init__(self, rec, sweep_name: str, sweep_id: str, extra_tags: Optional[dict[str, str]] = None):
+        self._rec, self._sweep_name, self._sweep_id, self._extra_tags = rec, sweep_name, sweep_id, extra_tags
+        self.parent_run_id: Optional[str] = None  # the sweep's parent run, once started (multi-trial sweeps)
+        self._rows: dict[int, dict] = {}
+
+    def skip(self, spec: TrialSpec) -> None:
+        """A trial left out because its hash already FINISHED (resume): a row, no run."""
+        self._rows[spec.index] = _row(spec, None, SKIPPED, None)
+
+    def record(self, spec: TrialSpec, outcome: Any, meta: Optional[dict[str, Any]] = None) -> bool:
+        """Log `spec`'s final result; `meta` = the dispatcher's {attempts, errors, node_id, ...}. True when
+        the trial FINISHED."""
+        from cluster import CANCELLED, TaskFailure
+
+        meta = meta or {}
+        if isinstance(outcome, TaskFailure):
+            outcome = _outcome_from_failure(spec, outcome.error, KILLED if outcome.kind == CANCELLED else FAILED)
+        outcome.attempts = max(1, int(meta.get("attempts", 1)))
+        outcome.attempt_errors = [e for e in meta.get("errors", []) if e != "interrupted"]
+        outcome.info.update({k: str(meta[k]) for k in WORKER_INFO if meta.get(k) not in (None, "")})
+        run_id = self._rec.log_trial(self._sweep_name, spec, outcome, self.parent_run_id, self._sweep_id,
+                                     self._extra_tags)
+        self._rows[spec.index] = _row(spec, outcome, outcome.status, run_id)
+        return outcome.status == FINISHED
+
+    def rows(self) -> list[dict]:
+        """The rows in trial order, run ids resolved (call after the recorder's writers are flushed)."""
+        for r in self._rows.values():
+            if isinstance(r["run_id"], Future):
+                r["run_id"] = r["run_id"].result()
+        return [self._rows[i] for i in sorted(self._rows)]
+
+
+def _affinity_key(spec: TrialSpec) -> Optional[str]:
+    """Trials with one key can share a worker's loaded model (None: never shared)."""
+    from cluster import ClusterConfig
+
+    return model_key(spec.config) if ClusterConfig.from_dict(spec.config["cluster"]).warm_workers else None
+
+
+def _left_to_run(rec, specs: list[TrialSpec], sweep_name: str, recorder: SweepRecorder, echo) -> list[TrialSpec]:
+    """Resume: the specs whose hash has no FINISHED run in the sweep's experiment yet (the others get a
+    SKIPPED row). Sweeps that a killed driver left RUNNING are closed first."""
+    rec.reap_stale_sweeps(sweep_name)
+    done = rec.finished_hashes(sweep_name)
+    for s in specs:
+        if s.config_hash in done:
+            recorder.skip(s)
+    todo = [s for s in specs if s.config_hash not in done]
+    if len(todo) < len(specs):
+        echo(f"skipping {len(specs) - len(todo)} trial(s) already FINISHED in '{sweep_name}' (--force re-runs them)")
+    return todo
+
+
+def _dispatch(todo: list[TrialSpec], cluster, in_process: bool, recorder: SweepRecorder, desc: str,
+              on_start=None) -> None:
+    """Every trial of `todo` on a worker pool, each recorded once: Ray actors (connecting as `cluster`, the
+    sweep's `ClusterConfig`, says), or (`in_process`) one worker in this process; both through the cluster
+    layer's dispatcher (affinity, retries, KILLED on Ctrl-C, ...)."""
+    from cluster import ClusterConfig, ensure_ray, run_in_process, run_on_ray
+
+    if in_process:
+        run = run_in_process
+    else:
+        ensure_ray(cluster)
+        run = run_on_ray
+    run(
+        execute_trial,
+        todo,
+        placement_for=lambda s: ClusterConfig.from_dict(s.config["cluster"]).placement(),
+        on_result=recorder.record,
+        key_for=_affinity_key,
+        desc=desc,
+        placement_timeout_s=float(cluster.placement_timeout_s),
+        on_start=on_start,
+        worker_state=WarmModels,  # each worker keeps its own last model
+    )
+
+
 def run_specs(
     specs: list[TrialSpec],
     command: str,
@@ -69,7 +159,9 @@ def run_specs(
     on_start=None,
 ) -> SweepResult:
     """Run and record `specs`. `skip_finished`: leave out hashes already FINISHED in the experiment
-    (resume). `on_start(spec, meta)` is called as each trial is handed to a worker (Ray only)."""
+    (resume). `on_start(spec, meta)` is called as each trial is handed to a worker."""
+    from cluster import ClusterConfig
+
     from ..tracking.spool import Recorder
     from ..tracking.store import sweep_record
     from ..tracking.server import redact, serving
@@ -82,82 +174,25 @@ def run_specs(
         rec = Recorder(tracking, echo=echo)
         result = SweepResult(sweep_id, sweep_name, None, rec.uri, spool_dir=str(rec.spool.root),
                              store_uri=redact(str(first["tracking"]["uri"]) if first["tracking"].get("serve") else rec.uri))
-        rows: dict[int, dict] = {}
-        todo = specs
-        if skip_finished:
-            rec.reap_stale_sweeps(sweep_name)
-            done = rec.finished_hashes(sweep_name)
-            todo = [s for s in specs if s.config_hash not in done]
-            for s in specs:
-                if s.config_hash in done:
-                    rows[s.index] = _row(s, None, SKIPPED, None)
-            result.skipped = len(specs) - len(todo)
-            if result.skipped:
-                echo(f"skipping {result.skipped} trial(s) already FINISHED in '{sweep_name}' (--force re-runs them)")
+        recorder = SweepRecorder(rec, sweep_name, sweep_id, extra_tags)
+        todo = _left_to_run(rec, specs, sweep_name, recorder, echo) if skip_finished else specs
+        result.skipped = len(specs) - len(todo)
         sweep_rec = sweep_record(sweep_name, sweep_id, specs, command)
         parent = rec.start_sweep(sweep_rec) if len(specs) > 1 and todo else None
-        result.parent_run_id = parent
-
-        def record(spec: TrialSpec, outcome, meta: Optional[dict[str, Any]] = None) -> bool:
-            from cluster import CANCELLED, TaskFailure
-
-            meta = meta or {}
-            status = FAILED
-            if isinstance(outcome, TaskFailure):
-                status = KILLED if outcome.kind == CANCELLED else FAILED
-                outcome = _outcome_from_failure(spec, outcome.error, status)
-            outcome.attempts = max(1, int(meta.get("attempts", 1)))
-            outcome.attempt_errors = [e for e in meta.get("errors", []) if e != "interrupted"]
-            outcome.info.update({k: str(meta[k]) for k in ("node_id", "worker_pid", "gpu_ids") if meta.get(k) not in (None, "")})
-            run_id = rec.log_trial(sweep_name, spec, outcome, parent, sweep_id, extra_tags)
-            rows[spec.index] = _row(spec, outcome, outcome.status, run_id)
-            return outcome.status == FINISHED
-
-        status = "FINISHED"
+        result.parent_run_id = recorder.parent_run_id = parent
+        status = FINISHED
         try:
-            if not todo:
-                pass
-            elif in_process:
-                from tqdm.auto import tqdm
-
-                warm = WarmModels()  # the driver is the only worker here
-                try:
-                    for spec in tqdm(todo, desc=sweep_name, unit="trial", disable=len(todo) == 1):
-                        try:
-                            outcome = execute_trial(spec, warm)
-                        except KeyboardInterrupt:
-                            record(spec, _outcome_from_failure(spec, "interrupted (KeyboardInterrupt)", KILLED))
-                            raise
-                        record(spec, outcome)
-                finally:
-                    warm.release()
-            else:
-                from cluster import ensure_ray, placement, run_on_ray
-
-                ensure_ray(first["cluster"])
-                run_on_ray(
-                    execute_trial,
-                    todo,
-                    placement_for=lambda s: placement(s.config["cluster"]),
-                    on_result=record,
-                    key_for=lambda s: model_key(s.config) if s.config["cluster"].get("warm_workers", True) else None,
-                    desc=sweep_name,
-                    placement_timeout_s=float(first["cluster"].get("placement_timeout_s", 600)),
-                    on_start=(lambda s, meta: on_start(s, meta)) if on_start else None,
-                    worker_state=WarmModels,  # each worker keeps its own last model
-                )
+            if todo:
+                _dispatch(todo, ClusterConfig.from_dict(first["cluster"]), in_process, recorder, sweep_name, on_start)
         except KeyboardInterrupt:
             status = KILLED
             raise
         finally:
             rec.flush()  # writer threads: every result is in the store or the spool from here on
-            for r in rows.values():
-                if isinstance(r["run_id"], Future):
-                    r["run_id"] = r["run_id"].result()
-            result.rows = [rows[i] for i in sorted(rows)]
+            result.rows = recorder.rows()
             if parent is not None or (rec.spool.read_sweep(sweep_id) is not None):
-                if status == "FINISHED" and any(r["status"] not in (FINISHED, SKIPPED) for r in result.rows):
-                    status = "FAILED"
+                if status == FINISHED and any(r["status"] not in (FINISHED, SKIPPED) for r in result.rows):
+                    status = FAILED
                 rec.end_sweep(sweep_rec, parent, status, int(time.time() * 1000))
             rec.close()
             result.spooled = rec.spooled
