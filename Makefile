@@ -56,8 +56,8 @@ test: setup
 test-vllm: setup setup-vllm
 	$(BIN)/python -m pytest -m vllm $(ARGS)
 
-# what CI runs: the fast tier, the real-model tier and the engine tiers (llamacpp, vllm: skipped with the
-# reason where `make setup-llamacpp` / `make setup-vllm` has not run)
+# what CI runs: the fast tier, the real-model tier and the engine tiers (llamacpp, vllm: where
+# `make setup-llamacpp` / `make setup-vllm` has not run they skip with the reason, and fail under CI=true)
 test-all: prepare
 	$(BIN)/python -m pytest -m "slow or not slow" $(ARGS)
 
