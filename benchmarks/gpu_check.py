@@ -61,9 +61,9 @@ from engine.measure.hardware import device_name, gpu_spec, preferred_dtype  # no
 from engine.measure.memory import PeakMemory  # noqa: E402
 from engine.measure.metrics import static_batch_metrics  # noqa: E402
 from engine.models import TORCH_DTYPES, LoadedModel, weights_bytes  # noqa: E402
-from engine.native.backend import NativeBackend  # noqa: E402
+from engine.engines.native.backend import NativeBackend  # noqa: E402
 from engine.quant import quantize_model  # noqa: E402
-from engine.serving.serve import run_serving  # noqa: E402
+from engine.pipeline import run_engine_trial  # noqa: E402
 from engine.speculative.verify import verify  # noqa: E402
 from engine.tokenizer import ByteTokenizer  # noqa: E402
 
@@ -364,14 +364,13 @@ def section_batching(ctx: Ctx, sec: dict) -> None:
         trial = engine_config(ctx.dtype, batching=mode, sizes=ctx.sizes, serving=True)
         s = trial.workload
         ctx.say(f"  batching={mode}: {s.num_requests} requests, max batch {trial.batching.max_batch_size}")
-        be = NativeBackend(ctx.loaded, trial)
-        m, _ = run_serving(trial, ctx.loaded, be, lambda msg: ctx.say(f"    {msg}"))
+        trial.eval.enabled = False  # the serving run alone: accuracy has its own section
+        m = run_engine_trial(trial, loaded=ctx.loaded, progress=lambda msg: ctx.say(f"    {msg}")).metrics
         rows.append({"batching": mode, "requests": s.num_requests, "output_tok_s": m["output_tok_s"],
                      "request_s": m["request_s"], "mean_batch_size": m["mean_batch_size"],
                      "ttft_ms_p50": m["ttft_ms_p50"], "tpot_ms_p50": m["tpot_ms_p50"],
                      "duration_s": m["duration_s"], "kv_peak_bytes": int(m["kv_peak_bytes"]),
                      "peak_mem_bytes": int(m["peak_mem_bytes"])})
-        del be
         free(ctx.device)
     static, cont = rows
     sec["summary"]["continuous_over_static_throughput"] = cont["output_tok_s"] / static["output_tok_s"]

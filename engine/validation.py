@@ -256,8 +256,9 @@ def _batching(trial: TrialConfig, limit: int | None) -> list[tuple[str, str]]:
     if (b.mode == "continuous" or serving) and trial.engine.backend in engines.NAMES \
             and not engines.get(trial.engine.backend).serves:
         what = "serving workloads run" if serving else "batching=continuous runs"
-        p.append(("engine.backend", f"{what} on an engine that serves ({', '.join('engine=' + n for n in serves)}); "
-                                    f"engine {trial.engine.backend} runs one static batch only"))
+        p.append(("engine.backend", f"{what} on {' or '.join('engine=' + n for n in serves)} (the engines that "
+                                    f"serve; e.g. engine=native kv_cache=paged); engine {trial.engine.backend} runs one "
+                                    "static batch only"))
     if not serving:
         if b.mode == "continuous":
             p.append(("batching.mode", "continuous batching schedules requests arriving over time: use a serving "

@@ -77,17 +77,13 @@ def test_duplicate_trials_are_rejected():
 
 def _installed(engine: str) -> bool:
     if engine == "llamacpp":
-        from engine.backends.llamacpp import available
+        from engine.engines import get
 
-        return available()
+        return get("llamacpp").missing() is None
     if engine == "vllm":
-        from engine.backends import vllm_runner
+        from engine.engines import get
 
-        try:
-            vllm_runner.vllm_python()
-            return True
-        except Exception:
-            return False
+        return get("vllm").missing() is None
     return True
 
 

@@ -9,6 +9,7 @@ import torch
 
 from engine.config import EngineError, TrialConfig, ModelConfig
 from engine.measure.costmodel import assess_trial
+from engine.model_facts import ModelShape
 from engine.measure.hardware import (
     CPU_BF16_ENV,
     DtypeRates,
@@ -121,7 +122,7 @@ def test_cost_model_uses_the_trial_dtype_numbers(tmp_path, monkeypatch):
     seen = {}
     for dtype in ("float32", "bfloat16", "float16"):
         trial = TrialConfig(model=ModelConfig(name="tiny", path="tiny://llama", dtype=dtype))
-        m = assess_trial(trial, cfg, device, measured).metrics
+        m = assess_trial(trial, ModelShape.from_hf_config(cfg), device, measured, materialize_scores=False).metrics
         seen[dtype] = (m["hw_flops"], m["hw_gemv_bw"])
         assert m["decode_gemv_util"] > 0
     assert seen == {"float32": (158e9, 11e9), "bfloat16": (249e9, 17e9), "float16": (0.2e9, 0.15e9)}

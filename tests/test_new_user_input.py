@@ -85,12 +85,13 @@ def test_validation_and_loading_apply_one_rule(checkpoints):
     import transformers as tf
 
     from engine.config import EngineError, ModelConfig, TrialConfig, replace
-    from engine.models import LoadedModel, local_config
-    from engine.native.backend import NativeBackend
-    from engine.native.support import unsupported
+    from engine.model_facts import inspect
+    from engine.models import LoadedModel
+    from engine.engines.native.backend import NativeBackend
+    from engine.engines.native.support import unsupported
     from engine.tokenizer import ByteTokenizer
 
-    cfg = local_config(ModelConfig(name="g", path=checkpoints["gpt2"]))
+    cfg = inspect(ModelConfig(name="g", path=checkpoints["gpt2"])).config
     why = unsupported(cfg)
     model = tf.GPT2LMHeadModel(cfg).eval()
     loaded = LoadedModel(model=model, tokenizer=ByteTokenizer(), spec=ModelConfig(name="g", path="tiny://g"), load_s=0.0)
@@ -246,3 +247,55 @@ def test_two_sweeps_initialising_a_new_sqlite_store_both_record(tmp_path):
     exp = client.get_experiment_by_name("race")
     runs = client.search_runs([exp.experiment_id], "tags.kind = 'sweep'")
     assert sorted(r.data.tags["sweep_id"] for r in runs) == ["sweep-0", "sweep-1"]
+
+
+# engine variants (issue 18) ---------------------------------------------------------------------------------
+TINY_SHORT = [o for o in TINY if not o.startswith("workload.context_len=")] + ["workload.context_len=24"]
+
+
+def test_an_engine_variant_is_chosen_as_the_help_lists_it(tmp_path, capsys):
+    """`engine_variant=x` works with or without `+`, on its own and inside experiment=engines, and runs."""
+    (plain,) = expand(TINY + ["engine_variant=native-int8"])
+    (plus,) = expand(TINY + ["+engine_variant=native-int8"])
+    assert plain.config == plus.config
+    got = plain.config
+    assert (got["engine"]["backend"], got["quant"]["level"], got["model"]["dtype"]) == ("native", "int8-weight", "float32")
+    # inside the experiment (whose defaults list has the group) both spellings pin the variant the same way
+    pinned = {o: [s.config_hash for s in expand(["experiment=engines", o, *TINY_SHORT, "workload.batch_size=1"])]
+              for o in ("engine_variant=hf-int8", "+engine_variant=hf-int8")}
+    assert len(pinned["engine_variant=hf-int8"]) == 1 and pinned["engine_variant=hf-int8"] == pinned["+engine_variant=hf-int8"]
+    # and it runs: one trial on the engine and quantization the variant names
+    from mlflow.tracking import MlflowClient
+
+    rc = main(["sweep", "--in-process", "sweep_name=t-variant", "engine_variant=native-int8", *TINY, *_store(tmp_path)])
+    assert rc == 0, capsys.readouterr()
+    client = MlflowClient(tracking_uri=f"sqlite:///{tmp_path}/mlflow.db")
+    (run,) = client.search_runs([client.get_experiment_by_name("t-variant").experiment_id])
+    assert run.info.status == "FINISHED"
+    assert (run.data.params["engine.backend"], run.data.params["quant.level"]) == ("native", "int8-weight")
+
+
+def test_a_choice_an_engine_variant_contradicts_exits_2_naming_both_keys(tmp_path, capsys):
+    rc = main(["sweep", "--in-process", "+engine_variant=native-fp32", "engine=hf", *TINY, *_store(tmp_path)])
+    err = capsys.readouterr().err
+    assert rc == 2 and "invalid sweep" in err
+    assert "engine=hf conflicts with engine_variant=native-fp32, which sets engine.backend=native" in err
+    assert not (tmp_path / "mlflow.db").exists() and not (tmp_path / "spool").exists()  # nothing launched or logged
+
+    # inside experiment=engines: a pinned variant and a group choice, or the experiment's own variant axis
+    engines = ["experiment=engines", *TINY_SHORT]
+    assert _problems(engines + ["engine_variant=hf-int8", "quant=none"]) == [
+        "quant=none conflicts with engine_variant=hf-int8, which sets quant.level=int8-weight: an engine variant sets "
+        "the engine, attention, quant and dtype itself; drop one of the two"]
+    (msg,) = [p for p in _problems(engines + ["engine_variant=hf-fp32,hf-int8,native-int8", "quant=none"])
+              if "conflicts" in p]
+    assert msg.startswith("quant=none conflicts with engine_variant=hf-int8 (sets quant.level=int8-weight), "
+                          "engine_variant=native-int8 (sets quant.level=int8-weight):")
+    # a value override of a key the variant sets, and a swept one, are checked the same way
+    assert _problems(TINY + ["engine_variant=hf-fp32", "model.dtype=float16"])[0].startswith(
+        "model.dtype=float16 conflicts with engine_variant=hf-fp32, which sets model.dtype=float32")
+    assert any(p.startswith("attention=eager conflicts with engine_variant=hf-fp32, which sets attention.impl=sdpa")
+               for p in _problems(TINY + ["engine_variant=hf-fp32", "attention=eager,sdpa"]))
+    # the value the variant has anyway is no conflict
+    (same,) = expand(TINY + ["engine_variant=hf-int8", "quant=int8-weight", "model.dtype=float32"])
+    assert same.config == expand(TINY + ["engine_variant=hf-int8"])[0].config

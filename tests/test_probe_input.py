@@ -89,11 +89,6 @@ def test_probe_notes_a_dtype_without_arithmetic_units(cache, capsys, monkeypatch
 # `auto` is resolved by experiments/config/compose.py resolve_auto_dtype (it calls
 # engine.measure.hardware.preferred_cpu_dtype, which raises EngineError naming the variable); the sweep turns
 # it into a clean SweepError only once resolve_auto_dtype's caller in `expand` catches EngineError.
-PENDING = pytest.mark.xfail(strict=True, raises=Exception,
-                            reason="expand() must catch the EngineError of resolve_auto_dtype (compose.py, the lead's)")
-
-
-@PENDING
 @pytest.mark.parametrize("overrides", [["model=tiny-llama", "model.dtype=auto"], []], ids=["tiny-auto", "default-model"])
 def test_dtype_auto_with_a_bad_bf16_override_is_a_sweep_error(monkeypatch, overrides):
     from experiments.config.compose import SweepError, expand
@@ -104,7 +99,6 @@ def test_dtype_auto_with_a_bad_bf16_override_is_a_sweep_error(monkeypatch, overr
     assert any(f"{BF16_ENV}='banana'" in p for p in ei.value.problems), ei.value.problems
 
 
-@PENDING
 def test_sweep_cli_with_a_bad_bf16_override_exits_2_and_logs_nothing(monkeypatch, tmp_path, capsys):
     monkeypatch.setenv(BF16_ENV, "banana")
     store = tmp_path / "mlflow"

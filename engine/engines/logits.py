@@ -134,7 +134,10 @@ class LogitsSession:
         """Forget transient peaks of the warm-up (an engine that tracks its own, e.g. native's attention)."""
 
     def run_serving(self, plan: ServingPlan, say: Say) -> Runs:
-        raise EngineError(f"engine={self.engine.name} runs one static batch; it does not serve requests")
+        from . import all_engines
+
+        serves = " or ".join(f"engine={e.name}" for e in all_engines() if e.serves)
+        raise EngineError(f"engine={self.engine.name} runs one static batch; serving workloads run on {serves}")
 
     def score_windows(self, windows: torch.Tensor, topk: int, say: Say) -> WindowScores:
         return self.backend

@@ -120,6 +120,9 @@ def check_config(config: dict, gpu_available: bool | None = None) -> list[str]:
 
 
 _COMPOSITIONS: dict[tuple, "Composition"] = {}  # see Composer.composition
+# Hydra's words for a group choice spelled for the wrong defaults list (see Composer.compose_raw)
+_NOT_IN_DEFAULTS = re.compile(r"Could not override '([\w/.-]+)'\. No match in the defaults list")
+_CHOSEN_TWICE = re.compile(r"Multiple values for ([\w/.-]+)\. To override a value use")
 _COMPOSITIONS_MAX = 256
 
 
@@ -144,6 +147,7 @@ class Composition:
     cfg: Any
     params: dict[str, str]
     blob: bytes
+    choices: dict[str, Any] = dataclasses.field(default_factory=dict)  # group -> option (Hydra's runtime.choices)
 
     def copy(self):
         return pickle.loads(self.blob)
@@ -190,9 +194,37 @@ class Composer:
         return None if value in options else unknown_option(label or group, options)
 
     def compose_raw(self, overrides: list[str]):
+        """Hydra's compose, with a group choice spelled the way the defaults list needs it: `group=option`
+        for a group the defaults list lacks (engine_variant, outside `experiment=engines`) appends it, as
+        `+group=option` does; `+group=option` for a group it has (inside that experiment) overrides it."""
         from hydra import compose
+        from hydra.errors import ConfigCompositionException
 
-        return compose(self.config_name, overrides=overrides, return_hydra_config=True)
+        tried = [list(overrides)]
+        while True:
+            try:
+                return compose(self.config_name, overrides=tried[-1], return_hydra_config=True)
+            except ConfigCompositionException as e:
+                respelled = self._respell_group_choice(tried[-1], str(e))
+                if respelled is None or respelled in tried:
+                    raise
+                tried.append(respelled)
+
+    def _respell_group_choice(self, overrides: list[str], error: str) -> list[str] | None:
+        from hydra.core.global_hydra import GlobalHydra
+
+        if m := _NOT_IN_DEFAULTS.search(error):
+            group, old, new = m.group(1), "", "+"
+        elif m := _CHOSEN_TWICE.search(error):
+            group, old, new = m.group(1), "+", ""
+        else:
+            return None
+        if not GlobalHydra.instance().config_loader().repository.group_exists(group):
+            return None
+        for i, line in enumerate(overrides):
+            if line.startswith(f"{old}{group}="):
+                return overrides[:i] + [new + line[len(old):]] + overrides[i + 1:]
+        return None
 
     def composition(self, overrides: list[str]) -> Composition:
         """Hydra's full compose of `overrides` without its `hydra` node, and the experiment's sweeper params.
@@ -204,12 +236,18 @@ class Composer:
             cfg = self.compose_raw(list(overrides))
             raw = cfg.hydra.sweeper.get("params")
             params = OmegaConf.to_container(raw, resolve=False) if raw is not None else {}
+            choices = OmegaConf.to_container(cfg.hydra.runtime.choices, resolve=False)
             with open_dict(cfg):
                 del cfg["hydra"]  # its own interpolations only resolve inside a Hydra job
             while len(_COMPOSITIONS) >= _COMPOSITIONS_MAX:
                 _COMPOSITIONS.pop(next(iter(_COMPOSITIONS)))
-            _COMPOSITIONS[key] = Composition(cfg, {str(k): str(v) for k, v in params.items()}, pickle.dumps(cfg))
+            _COMPOSITIONS[key] = Composition(cfg, {str(k): str(v) for k, v in params.items()}, pickle.dumps(cfg),
+                                             {str(k): v for k, v in choices.items()})
         return _COMPOSITIONS[key]
+
+    def choices(self, fixed: list[str], extra: list[str]) -> dict[str, Any]:
+        """Hydra's group choices (group -> option) of `compose_fast(fixed, extra)`'s composition."""
+        return dict(self.composition(fixed + [o for o in extra if not _is_value_override(o)]).choices)
 
     def compose(self, overrides: list[str]) -> tuple[dict[str, Any], dict[str, str]]:
         """(resolved trial config without `hydra`, the experiment's sweeper params)."""
@@ -275,6 +313,87 @@ def _key(override) -> str:
     return override.get_key_element()
 
 
+# --- groups whose options set several axes at once -------------------------------------------------------
+# An engine variant (conf/engine_variant/) is one engine at one number format: it sets engine.backend,
+# attention.impl, quant.level, model.dtype (and kv_cache.mode) together. Choosing one of those on the command
+# line too (`engine=hf`, `quant=none`, `model.dtype=...`) would be silently lost to the variant or silently
+# win over it, so a different value is an error naming both keys; the same value is harmless.
+BUNDLE_GROUPS = ("engine_variant",)
+
+
+def _flat(node: Any, prefix: str) -> dict[str, Any]:
+    if not isinstance(node, dict):
+        return {prefix: node}
+    out: dict[str, Any] = {}
+    for k, v in node.items():
+        out.update(_flat(v, f"{prefix}.{k}" if prefix else str(k)))
+    return out
+
+
+@functools.lru_cache(maxsize=None)
+def _option_values(root: str, group: str, option: str) -> dict[str, str]:
+    """{dotted key: value} that `conf/<group>/<option>.yaml` sets (in its package: the group, or `_global_`)."""
+    import yaml
+
+    path = Path(root) / group / f"{option}.yaml"
+    if not path.is_file():
+        return {}
+    text = path.read_text()
+    data = yaml.safe_load(text) or {}
+    if not isinstance(data, dict):
+        return {}
+    data.pop("defaults", None)
+    glob = any(ln.strip().replace(" ", "") == "#@package_global_" for ln in text.splitlines()[:5])
+    return {k: str(v) for k, v in _flat(data, "" if glob else group.replace("/", ".")).items()}
+
+
+def _axis_values(key: str, value: Any) -> dict[str, str]:
+    """The axis keys a command-line choice sets: `quant=none` -> {quant.level: none} (an axis group's
+    option sets its axis key), `model.dtype=float16` -> itself; other groups (model, workload) none."""
+    from engine.axes import resolve_key
+
+    if (conf_dir() / key).is_dir():
+        axis_key = resolve_key(key)
+        if axis_key == key or not isinstance(value, str):
+            return {}
+        sets = _option_values(str(conf_dir()), key, value)
+        return {axis_key: sets[axis_key]} if axis_key in sets else {}
+    return {k: str(v) for k, v in _flat(value, key).items()}
+
+
+def bundle_conflicts(choices: dict[str, Any], requested: dict[str, Any]) -> list[tuple[str, str, str]]:
+    """(`key=value` as requested, `group=option` of the bundle, `axis_key=value` the bundle sets instead) for
+    every requested choice that a chosen bundle option (`choices`: Hydra's group -> option) contradicts."""
+    out = []
+    for group in BUNDLE_GROUPS:
+        option = choices.get(group)
+        if not isinstance(option, str):
+            continue
+        sets = _option_values(str(conf_dir()), group, option)
+        for key, value in requested.items():
+            for axis_key, want in _axis_values(key, value).items():
+                got = sets.get(axis_key)
+                if got is not None and got != want:
+                    out.append((f"{key}={_unescape(str(value)) if isinstance(value, str) else value}",
+                                f"{group}={option}", f"{axis_key}={got}"))
+    return out
+
+
+def _bundle_problems(conflicts: dict[str, dict[str, str]]) -> list[str]:
+    """One message per requested choice, naming every bundle option that contradicts it."""
+    out = []
+    for req, by_option in conflicts.items():
+        if len(by_option) == 1:
+            ((option, sets),) = by_option.items()
+            out.append(f"{req} conflicts with {option}, which sets {sets}: an engine variant sets the engine, "
+                       f"attention, quant and dtype itself; drop one of the two")
+        else:
+            them = ", ".join(f"{o} (sets {s})" for o, s in by_option.items())
+            out.append(f"{req} conflicts with {them}: an engine variant sets the engine, attention, quant and dtype "
+                       f"itself; drop {req} or those variants")
+    return out
+
+
 def expand(overrides: list[str], gpu_available: bool | None = None) -> list[TrialSpec]:
     """Expand CLI overrides (+ the chosen experiment's `hydra.sweeper.params`) into validated trials."""
     problems: list[str] = []
@@ -315,7 +434,7 @@ def expand(overrides: list[str], gpu_available: bool | None = None) -> list[Tria
                 raise SweepError(problems) from None
 
         # 2. sweep axes: the experiment's params, then the command line's (which win per key)
-        fixed_keys = {_key(o) for o in fixed}
+        fixed_keys = {_key(o).lstrip("+") for o in fixed}
         axes: dict[str, list[str]] = {}
         for k, v in params.items():
             if k in fixed_keys:
@@ -346,6 +465,10 @@ def expand(overrides: list[str], gpu_available: bool | None = None) -> list[Tria
 
         # 3. the Cartesian product, each trial composed and checked
         keys = list(axes)
+        # what the command line chose itself, for the bundle check (an engine variant must not contradict it)
+        chosen = {o.key_or_group: o.value() for o in fixed
+                  if not o.is_delete() and o.key_or_group not in BUNDLE_GROUPS + ("experiment",)}
+        conflicts: dict[str, dict[str, str]] = {}
         specs: list[TrialSpec] = []
         hashes: set[str] = set()
         merged_hashes: set[str] = set()  # hashes a normalization produced: a repeat is the same trial
@@ -356,6 +479,10 @@ def expand(overrides: list[str], gpu_available: bool | None = None) -> list[Tria
             except Exception as e:
                 problems.append(f"trial {i} ({swept}): {describe_error('overrides', e)}")
                 continue
+            requested = dict(chosen, **{k: v for k, v in swept.items() if k not in BUNDLE_GROUPS})
+            for req, option, sets in bundle_conflicts(c.choices(fixed_strs, [f"{k}={v}" for k, v in swept.items()]),
+                                                      requested):
+                conflicts.setdefault(req, {})[option] = sets
             # keys that cannot change this trial (speculative.k with speculative=off) are reset, and a
             # combination that only differed in them is the same trial: run it once
             config, inert = normalize(config)
@@ -364,7 +491,11 @@ def expand(overrides: list[str], gpu_available: bool | None = None) -> list[Tria
             kept = {k: folded.get(k, _unescape(v)) for k, v in swept.items() if k not in inert}
             # model.dtype=auto becomes this hardware's dtype before hashing (the hash names what ran); a
             # sweep of auto,float32 on a CPU without bf16 units is then one trial, not a duplicate
-            config, resolved = resolve_auto_dtype(config, gpu_available)
+            try:
+                config, resolved = resolve_auto_dtype(config, gpu_available)
+            except EngineError as e:  # e.g. a bad INFERSWEEP_CPU_BF16: a clear problem, not a traceback
+                problems.append(f"model.dtype=auto: {e}")
+                continue
             if resolved and "model.dtype" in kept:
                 kept["model.dtype"] = config["model"]["dtype"]
             spec = TrialSpec(config=config, swept=kept, index=len(specs))
@@ -376,6 +507,7 @@ def expand(overrides: list[str], gpu_available: bool | None = None) -> list[Tria
             hashes.add(spec.config_hash)
             specs.append(spec)
 
+    problems += _bundle_problems(conflicts)
     by_msg: dict[str, list[str]] = {}
     seen: dict[str, int] = {}
     for spec in specs:
