@@ -179,5 +179,10 @@ def run_engine_trial(
     labels = {} if serving else roofline(trial, engine, session.device, metrics)
     evaluate(trial, session, loaded, metrics, say)
     info = dict(device_info(session.device), **session.info())
+    from .measure.hardware import slow_dtype_note
+
+    note = slow_dtype_note(trial.model.dtype, session.device)
+    if note:  # not an error: the user may want to see it, but should know why the numbers look so
+        info["dtype_note"] = note
     return EngineResult(metrics=metrics, token_ids=token_ids, sample_text=session.tokenizer.decode(token_ids[0]),
                         info=info, labels=labels)

@@ -108,3 +108,24 @@ def test_sweep_cli_with_a_bad_bf16_override_exits_2_and_logs_nothing(monkeypatch
     err = capsys.readouterr().err
     assert f"{BF16_ENV}='banana'" in err and "Traceback" not in err
     assert not store.exists()  # nothing recorded
+
+
+def test_a_slow_dtype_is_noted_under_the_results_table():
+    """model.dtype=bfloat16 on a CPU without bf16 units runs, and the sweep table says why it is slow."""
+    from engine import ModelConfig, TrialConfig, WorkloadConfig, run_engine_trial
+    from engine.config import EvalConfig
+    from engine.measure.hardware import slow_dtype_note
+    from experiments.analysis.summary import table
+    from experiments.run.trial import TrialOutcome
+
+    trial = TrialConfig(model=ModelConfig(name="tiny", path="tiny://llama", dtype="bfloat16"),
+                        workload=WorkloadConfig(context_len=8, max_new_tokens=2, repeats=1, warmup=0),
+                        eval=EvalConfig(enabled=False))
+    result = run_engine_trial(trial)
+    expected = slow_dtype_note("bfloat16", "cpu")
+    assert result.info.get("dtype_note") == expected  # None on a CPU with bf16 units: then no note
+    outcome = TrialOutcome(config_hash="abc", index=0, status="FINISHED", metrics=result.metrics, info=result.info)
+    text = table([{"hash": "abc123", "swept": {"model.dtype": "bfloat16"}, "metrics": result.metrics,
+                   "status": "FINISHED", "outcome": outcome}])
+    assert (f"note (abc123): {expected}" in text) == bool(expected)
+    assert "note (" not in table([{"hash": "f", "swept": {}, "metrics": {}, "status": "FINISHED", "outcome": None}])

@@ -43,7 +43,19 @@ def table(rows: Sequence[dict[str, Any]]) -> str:
     def line(cells: list[str]) -> str:
         return "  ".join(c.ljust(w) for c, w in zip(cells, widths)).rstrip()
 
-    return "\n".join([line(header), line(["-" * w for w in widths])] + [line(b) for b in body])
+    return "\n".join([line(header), line(["-" * w for w in widths])] + [line(b) for b in body] + notes(rows))
+
+
+def notes(rows: Sequence[dict[str, Any]]) -> list[str]:
+    """Lines under a results table for what a worker noted about its trials (a dtype without arithmetic
+    units on that hardware), each note once with the trials it concerns."""
+    by_note: dict[str, list[str]] = {}
+    for r in rows:
+        outcome = r.get("outcome")
+        note = getattr(outcome, "info", {}).get("dtype_note") if outcome is not None else None
+        if note:
+            by_note.setdefault(note, []).append(r["hash"])
+    return [f"note ({', '.join(h)}): {n}" for n, h in by_note.items()]
 
 
 def markdown(rows: Sequence[dict[str, Any]]) -> str:
