@@ -58,11 +58,19 @@ def test_sweep_writes_one_finished_child_run_per_trial_with_comparable_records(g
 
 def test_failing_trial_is_recorded_failed_the_rest_finish_and_the_cli_exits_1(ray_local, tiny_overrides, tmp_path,
                                                                                mlflow_client, capsys):
+    # two checkpoints whose config.json is sound (so validation passes: a broken config.json is refused before
+    # launch, tests/test_model_facts.py) but that fail when loaded: no weights, and weights that are not a file
+    from engine.config import TinyModelConfig
+    from engine.models import tiny_checkpoint
+
+    config = (tiny_checkpoint(TinyModelConfig()) / "config.json").read_text()
     broken = {}
-    for name, text in (("not-json", "{not json"), ("not-a-mapping", "[]")):  # two ways a config.json breaks
+    for name, weights in (("no-weights", None), ("corrupt-weights", b"not a safetensors file")):
         broken[name] = tmp_path / name
         broken[name].mkdir()
-        (broken[name] / "config.json").write_text(text)
+        (broken[name] / "config.json").write_text(config)
+        if weights is not None:
+            (broken[name] / "model.safetensors").write_bytes(weights)
     rc = main(["sweep", *tiny_overrides, "sweep_name=t-fail", f"model.path=tiny://llama,{','.join(map(str, broken.values()))}"])
     out = capsys.readouterr().out
     assert rc == 1
