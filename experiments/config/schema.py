@@ -2,8 +2,9 @@
 
 What a trial measures is the engine's own `engine.config.TrialConfig` (every default lives there); this
 module adds only what the platform needs around it: where the trial runs (`cluster`: the cluster layer's own
-`ClusterConfig`, whose defaults live there) and where its result goes (`tracking`). The YAML files in conf/ stay short and only set values; the schema gives them types, so
-an unknown key or a wrong type is a composition error. Value ranges are checked in validation.
+`ClusterConfig`, whose defaults live there) and where its result goes (`tracking`). The YAML files in conf/
+stay short and only set values; the schema gives them types, so an unknown key or a wrong type is a
+composition error. Value ranges are checked in validation.
 """
 from __future__ import annotations
 
