@@ -185,7 +185,7 @@ def _self_draft_support(trial: TrialConfig, facts) -> list[tuple[str, str]]:
     m = trial.model
     if trial.speculative.method != "self-draft" or m.path.startswith(TINY_SCHEME):
         return []  # tiny:// is a window-less Llama built in code
-    why = model_problem(facts)
+    why = model_problem(facts, trial.workload.context_len + trial.workload.max_new_tokens)  # static only
     if why is None:
         return []
     return [("speculative.method", f"self-draft runs its draft (the target's first layers) on the native runtime "

@@ -37,11 +37,12 @@ DRAFT_RUNTIME = "speculative.method=self-draft runs its draft (the target's firs
 INSTEAD = "use speculative.method=draft or prompt-lookup with this model"
 
 
-def model_problem(facts) -> str | None:
-    """Why the self-draft cannot run a model with these facts (engine.model_facts.ModelFacts): its draft
-    runs on the native runtime whatever the engine, so that runtime's own rule applies; None when it can."""
-    from ..engines.native.support import unsupported
+def model_problem(facts, num_tokens: int) -> str | None:
+    """Why the self-draft cannot run a model with these facts (engine.model_facts.ModelFacts) over
+    `num_tokens` positions: its draft runs on the native runtime whatever the engine, so that runtime's own
+    rules apply (architecture, sliding window); None when it can."""
+    from ..engines.native.support import unsupported, window_exceeded
 
     if facts is None or facts.config is None:
         return None
-    return unsupported(facts.config)
+    return unsupported(facts.config) or window_exceeded(facts.sliding_window, num_tokens)

@@ -65,7 +65,9 @@ def build_trial(config: dict[str, Any]) -> TrialConfig:
 
     trial = TrialConfig.from_dict(config, ignore=PLATFORM_KEYS + ("hydra",))
     if not trial.engine.threads:
-        trial.engine.threads = int(config.get("cluster", {}).get("num_cpus_per_trial") or 0)
+        from cluster.config import ClusterConfig
+
+        trial.engine.threads = int(ClusterConfig.from_dict(config.get("cluster") or {}).num_cpus_per_trial or 0)
     return trial
 
 

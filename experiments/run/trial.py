@@ -14,6 +14,8 @@ import traceback
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
+from cluster.config import ClusterConfig
+
 from ..config.spec import TrialSpec, model_key
 
 FINISHED, FAILED = "FINISHED", "FAILED"
@@ -108,7 +110,7 @@ def execute_trial(spec: TrialSpec, warm: Optional[WarmModels] = None) -> TrialOu
     proc = {"host": socket.gethostname(), "pid": str(os.getpid())}
     if os.environ.get("CUDA_VISIBLE_DEVICES") is not None:
         proc["cuda_visible_devices"] = os.environ["CUDA_VISIBLE_DEVICES"]
-    key = model_key(spec.config) if spec.config["cluster"].get("warm_workers", True) else None
+    key = model_key(spec.config) if ClusterConfig.from_dict(spec.config["cluster"]).warm_workers else None
     warm = WarmModels() if warm is None else warm
     reused = False
     try:

@@ -31,6 +31,7 @@ import numpy as np
 import torch
 
 from ...config import EngineError, ModelConfig
+from ...model_facts import read_config_json
 from ...models import (
     PREPARED_MODELS,
     PREPARED_SCHEME,
@@ -215,7 +216,7 @@ def convert(src: Source, ftype: str, out: Path) -> None:
     """Write `src` as a GGUF of float type `ftype` (F32 | F16 | BF16) to `out`."""
     import gguf
 
-    cfg = json.loads((src.path / "config.json").read_text())
+    cfg = read_config_json(str(src.path))  # the one reader of config.json, its shape fields type-checked
     hp = _hparams(cfg)
     tensors = _tensors(src.path)
     w = gguf.GGUFWriter(str(out), "llama")
