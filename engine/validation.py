@@ -252,12 +252,11 @@ def _batching(trial: TrialConfig, limit: int | None) -> list[tuple[str, str]]:
     for field, value in (("slo.ttft_ms", trial.slo.ttft_ms), ("slo.tpot_ms", trial.slo.tpot_ms)):
         if not value > 0:
             p.append((field, f"must be > 0, got {value}"))
-    serves = [e.name for e in engines.all_engines() if e.serves]
+    serves = [e.serving_usage or f"engine={e.name}" for e in engines.all_engines() if e.serves]
     if (b.mode == "continuous" or serving) and trial.engine.backend in engines.NAMES \
             and not engines.get(trial.engine.backend).serves:
         what = "serving workloads run" if serving else "batching=continuous runs"
-        p.append(("engine.backend", f"{what} on {' or '.join('engine=' + n for n in serves)} (the engines that "
-                                    f"serve; e.g. engine=native kv_cache=paged); engine {trial.engine.backend} runs one "
+        p.append(("engine.backend", f"{what} on {' or '.join(serves)}; engine {trial.engine.backend} runs one "
                                     "static batch only"))
     if not serving:
         if b.mode == "continuous":

@@ -99,6 +99,7 @@ class Engine:
     setup: str = ""  # how to install what it needs beyond `make setup` ("" = nothing)
     support: Mapping[str, Support] = {}  # config key -> what it honours; a key not listed: every value
     serves: bool = False  # runs serving workloads (requests arriving over time)
+    serving_usage: str = ""  # the overrides that make a serving trial run on it, for error messages
 
     def missing(self) -> Optional[str]:
         """Why this engine cannot run on this machine (not installed), or None."""

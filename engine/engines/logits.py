@@ -136,7 +136,7 @@ class LogitsSession:
     def run_serving(self, plan: ServingPlan, say: Say) -> Runs:
         from . import all_engines
 
-        serves = " or ".join(f"engine={e.name}" for e in all_engines() if e.serves)
+        serves = " or ".join(e.serving_usage or f"engine={e.name}" for e in all_engines() if e.serves)
         raise EngineError(f"engine={self.engine.name} runs one static batch; serving workloads run on {serves}")
 
     def score_windows(self, windows: torch.Tensor, topk: int, say: Say) -> WindowScores:

@@ -27,6 +27,7 @@ class NativeEngine(LogitsEngine):
     summary = "our Llama-family runtime: contiguous or paged KV cache, continuous batching, prefix caching"
     support = dict(TORCH_SUPPORT)
     serves = True
+    serving_usage = "engine=native kv_cache=paged"
 
     def check(self, trial: TrialConfig, facts, gpu_available: bool):
         p = torch_checks(trial, gpu_available)

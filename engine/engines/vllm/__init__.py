@@ -30,6 +30,7 @@ class VLLMEngine(Engine):
     summary = "vLLM (CPU build) in its own venv: paged KV cache, continuous batching, prefix caching"
     setup = "make setup-vllm"
     serves = True
+    serving_usage = "engine=vllm batching=continuous"
     support = {
         # vLLM always runs its paged cache: asking for contiguous runs the same thing (one config hash)
         "kv_cache.mode": Support(("paged",), "vLLM always keeps its paged KV cache", aliases={"contiguous": "paged"}),
