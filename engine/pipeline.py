@@ -18,7 +18,8 @@ import torch
 from . import engines
 from .config import EngineError, TrialConfig
 from .engines.base import Engine, Runs, ServingPlan, StaticPlan, TrialSession
-from .measure.metrics import median_metrics, request_metrics, static_batch_metrics, tokens_equal
+from .measure.metrics import instability, median_metrics, request_metrics, static_batch_metrics, timing_spread, tokens_equal
+from .measure.noise import NoiseMonitor
 from .model_facts import facts_or_none
 
 log = logging.getLogger(__name__)
@@ -170,13 +171,20 @@ def run_engine_trial(
         loaded = engine.load(trial, say)
     session = engine.open(trial, loaded, say)
     serving = trial.workload.serving
-    per_run, runs, token_ids = (_serving if serving else _static)(trial, session, say)
+    with NoiseMonitor() as noise:
+        per_run, runs, token_ids = (_serving if serving else _static)(trial, session, say)
     metrics = median_metrics(per_run)
+    metrics.update(timing_spread(per_run, runs, serving))
+    if engine.in_process:
+        metrics.update(noise.result)
     metrics["peak_mem_bytes"] = float(runs.peak_mem_bytes)
     metrics["weights_bytes"] = float(session.weights_bytes())
     metrics["model_load_s"] = float(session.load_s)
     metrics.update(session.metrics())
     labels = {} if serving else roofline(trial, engine, session.device, metrics)
+    why = instability(metrics)
+    if why:
+        labels["unstable"] = why
     evaluate(trial, session, loaded, metrics, say)
     info = dict(device_info(session.device), **session.info())
     from .measure.hardware import slow_dtype_note

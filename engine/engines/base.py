@@ -100,6 +100,9 @@ class Engine:
     support: Mapping[str, Support] = {}  # config key -> what it honours; a key not listed: every value
     serves: bool = False  # runs serving workloads (requests arriving over time)
     serving_usage: str = ""  # the overrides that make a serving trial run on it, for error messages
+    # its timed work runs in this process (and threads), so /proc can tell other processes' CPU time from its
+    # own (engine/measure/noise.py); an engine that runs in other processes cannot be told apart that way
+    in_process: bool = True
 
     def missing(self) -> Optional[str]:
         """Why this engine cannot run on this machine (not installed), or None."""

@@ -95,7 +95,19 @@ METRICS: dict[str, str] = {
     "decode_compute_util": "attained decode FLOP/s / hw_flops",
     "decode_gemv_util": "attained decode bandwidth / hw_gemv_bw: near 1, the dtype's matmul kernel is the limit; "
                         "far below, time goes elsewhere (attention, Python, launches)",
+    "noise_other_cpu_frac": "CPU time other processes took during the timed runs / all CPUs' time (0 = quiet; "
+                            "engines that run in their own processes, vLLM, do not record it)",
+    "noise_steal_frac": "CPU steal during the timed runs / all CPUs' time (a hypervisor ran someone else)",
+    "noise_load_avg": "1-minute load average per CPU at the end of the timed runs",
 }
+# Each timing below also carries its spread (engine/measure/spread.py): NAME_ci_lo, NAME_ci_hi (95% interval
+# of the median, percentile bootstrap), NAME_cv (stdev / mean), NAME_n (samples). NAME itself stays the median.
+TIMINGS = ("ttft_ms_p50", "tpot_ms_p50", "itl_ms_p50", "e2e_s_p50", "output_tok_s", "decode_tok_s", "prefill_tok_s",
+           "request_s", "goodput")
+# A trial is `unstable` when a timing's spread or the machine's load says its medians cannot be trusted.
+UNSTABLE_CV = 0.10  # pyperf warns from a std dev of 10% of the mean
+UNSTABLE_OTHER_CPU = 0.25  # other processes took a quarter of the machine (half a core of two)
+STABILITY_KEYS = ("tpot_ms_p50", "ttft_ms_p50", "output_tok_s")  # judged: per-token, first-token, throughput
 
 # Labels (MLflow tags) a trial carries about itself; values are "memory" or "compute".
 LABELS: dict[str, str] = {
@@ -106,6 +118,8 @@ LABELS: dict[str, str] = {
     "regime.phase": "the phase (prefill or decode) that took the most measured time",
     "regime": "measured regime of that phase: what the next optimization should attack",
     "hw.source": "where the hardware peaks came from: table (known GPU), probe (measured now) or cache",
+    "unstable": "why the trial's timings cannot be trusted (a timing's CV above 10%, or other processes busy); "
+                "absent on a stable trial",
 }
 
 # Metrics that must be bit-identical when a trial is re-run (reproduce compares them exactly).
@@ -229,3 +243,59 @@ def median_metrics(runs: list[dict[str, float]]) -> dict[str, float]:
 
 def tokens_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.shape == b.shape and bool(torch.equal(a, b))
+
+
+def base_metric(key: str) -> str:
+    """The METRICS entry a logged key belongs to: `ttft_ms_p50_ci_lo` -> `ttft_ms`."""
+    from .spread import SUFFIXES
+
+    for suffix in SUFFIXES:
+        if key.endswith(suffix):
+            key = key[: -len(suffix)]
+            break
+    for q in ("_mean",) + tuple(f"_p{p}" for p in PERCENTILES):
+        if key.endswith(q) and key[: -len(q)] in METRICS:
+            return key[: -len(q)]
+    return key
+
+
+def _gaps_ms(times_s) -> list[float]:
+    return [(b - a) * 1e3 for a, b in zip(times_s, times_s[1:])]
+
+
+def timing_spread(per_run: list[dict[str, float]], runs, serving: bool) -> dict[str, float]:
+    """The spread of every timing over the timed repeats. Per-token and per-request timings use every
+    token / request of every repeat (ITL: all gaps; serving TTFT and TPOT: all requests); whole-run timings
+    (throughputs, a static batch's TTFT and TPOT) use one sample per repeat."""
+    from .spread import spread_metrics
+
+    samples: dict[str, list[float]] = {k: [r[k] for r in per_run] for k in TIMINGS if k in per_run[0]}
+    if serving:
+        reqs = [r for t in runs.traces for r in t.requests]
+        samples["ttft_ms_p50"] = [r.ttft_s * 1e3 for r in reqs]
+        tpot = [(r.e2e_s - r.ttft_s) / (len(r.output) - 1) * 1e3 for r in reqs if len(r.output) > 1]
+        if tpot:
+            samples["tpot_ms_p50"] = tpot
+        gaps = [g for r in reqs for g in _gaps_ms(r.token_times_s)]
+    else:
+        gaps = [g for t in runs.traces for g in _gaps_ms(t.token_times_s)]
+    if gaps:
+        samples["itl_ms_p50"] = gaps
+    out: dict[str, float] = {}
+    for name, xs in samples.items():
+        out.update(spread_metrics(name, xs))
+    return out
+
+
+def instability(metrics: dict[str, float]) -> str:
+    """Why a trial's timings cannot be trusted ('' when they can): a judged timing's CV over
+    UNSTABLE_CV across repeats, or other processes' CPU share over UNSTABLE_OTHER_CPU."""
+    why = []
+    for k in STABILITY_KEYS:
+        cv = metrics.get(f"{k}_cv")
+        if cv is not None and metrics.get(f"{k}_n", 0) > 1 and cv > UNSTABLE_CV:
+            why.append(f"{k} CV {cv:.0%} > {UNSTABLE_CV:.0%}")
+    other = metrics.get("noise_other_cpu_frac")
+    if other is not None and other > UNSTABLE_OTHER_CPU:
+        why.append(f"other processes used {other:.0%} of the CPUs (> {UNSTABLE_OTHER_CPU:.0%})")
+    return "; ".join(why)

@@ -47,15 +47,21 @@ def table(rows: Sequence[dict[str, Any]]) -> str:
 
 
 def notes(rows: Sequence[dict[str, Any]]) -> list[str]:
-    """Lines under a results table for what a worker noted about its trials (a dtype without arithmetic
-    units on that hardware), each note once with the trials it concerns."""
+    """Lines under a results table for what a worker noted about its trials: a dtype without arithmetic
+    units on that hardware (each note once with the trials it concerns), and each trial whose timings are
+    unstable, with the reason."""
     by_note: dict[str, list[str]] = {}
+    unstable = []
     for r in rows:
         outcome = r.get("outcome")
-        note = getattr(outcome, "info", {}).get("dtype_note") if outcome is not None else None
+        if outcome is None:
+            continue
+        note = outcome.info.get("dtype_note")
         if note:
             by_note.setdefault(note, []).append(r["hash"])
-    return [f"note ({', '.join(h)}): {n}" for n, h in by_note.items()]
+        if outcome.labels.get("unstable"):
+            unstable.append(f"unstable ({r['hash']}): {outcome.labels['unstable']}")
+    return [f"note ({', '.join(h)}): {n}" for n, h in by_note.items()] + unstable
 
 
 def markdown(rows: Sequence[dict[str, Any]]) -> str:

@@ -27,6 +27,7 @@ class Comparison:
     config_hash: str
     tokens_match: bool
     rows: list[tuple[str, str, str, str]]  # (metric, original, reproduced, verdict)
+    why_original: str = ""  # which of several runs with this hash is the original, and why
 
     @property
     def deterministic_match(self) -> bool:
@@ -42,12 +43,23 @@ def find_original(tracker: Tracker, prefix: str):
         shown = ", ".join(h[:16] for h in hashes[:5])
         raise ReproduceError([f"prefix {prefix!r} is ambiguous: {len(hashes)} hashes match ({shown}); give more characters"])
     originals = [r for r in runs if "reproduces" not in r.data.tags] or runs
-    return originals[0]
+    originals.sort(key=lambda r: r.info.start_time or 0)
+    return originals[0], why_original(originals, len(runs))
+
+
+def why_original(originals, total: int) -> str:
+    """Which run is compared against, and why, when several FINISHED runs share the hash."""
+    if total == 1:
+        return ""
+    others = ", ".join(r.info.run_id[:8] for r in originals[1:5]) + (" ..." if len(originals) > 5 else "")
+    return (f"{total} FINISHED runs share this hash ({total - len(originals)} of them reproductions); the original "
+            f"is the earliest that is not a reproduction: run {originals[0].info.run_id[:8]}, experiment id "
+            f"{originals[0].info.experiment_id}" + (f" (the other originals: {others})" if others else ""))
 
 
 def reproduce(prefix: str, tracking: dict) -> Comparison:
     tracker = Tracker(tracking)
-    orig = find_original(tracker, prefix)
+    orig, why = find_original(tracker, prefix)
     config = yaml.safe_load(tracker.load_text(orig.info.run_id, CONFIG_ARTIFACT))
     config["tracking"] = tracking  # record where this invocation tracks, not where the original did
     try:
@@ -76,8 +88,23 @@ def reproduce(prefix: str, tracking: dict) -> Comparison:
             rows.append((k, _num(a), _num(b), "MATCH" if a == b else "DIFFERS"))
     for k in TIMING:
         if k in om and k in outcome.metrics and om[k]:
-            rows.append((k, _num(om[k]), _num(outcome.metrics[k]), f"x{outcome.metrics[k] / om[k]:.2f}"))
-    return Comparison(orig.info.run_id, new_id, stored, tokens_match, rows)
+            rows.append((k, _num(om[k]), _num(outcome.metrics[k]), timing_verdict(k, om, outcome.metrics)))
+    return Comparison(orig.info.run_id, new_id, stored, tokens_match, rows, why)
+
+
+CONSISTENT, DIFFERS_BEYOND_NOISE, NO_INTERVAL = "consistent", "differs beyond noise", "no interval recorded"
+
+
+def timing_verdict(k: str, original: dict, new: dict) -> str:
+    """`xRATIO verdict` for timing `k`: consistent when the two runs' 95% intervals of the median overlap
+    (each run's own noise widens the other's interval), else differs beyond noise; a run recorded before
+    intervals existed has none to judge by."""
+    ratio = f"x{new[k] / original[k]:.2f}"
+    bounds = [d.get(f"{k}_ci_{e}") for d in (original, new) for e in ("lo", "hi")]
+    if any(b is None for b in bounds):
+        return f"{ratio} {NO_INTERVAL}"
+    lo, hi, nlo, nhi = bounds
+    return f"{ratio} {CONSISTENT if lo <= nhi and nlo <= hi else DIFFERS_BEYOND_NOISE}"
 
 
 def _num(v) -> str:
@@ -95,6 +122,12 @@ def format_comparison(c: Comparison) -> str:
         lines.append("  ".join(x.ljust(w[j]) for j, x in enumerate(r)).rstrip())
         if i == 0:
             lines.append("  ".join("-" * x for x in w))
+    if c.why_original:
+        lines.insert(1, c.why_original)
     verdict = "deterministic results MATCH" if c.deterministic_match else "deterministic results DIFFER"
-    lines.append(verdict + " (timings are shown as reproduced/original ratios; the machine is noisy)")
+    lines.append(verdict)
+    timings = [v for *_, v in c.rows if v.startswith("x")]
+    judged = {w: sum(t.endswith(w) for t in timings) for w in (CONSISTENT, DIFFERS_BEYOND_NOISE, NO_INTERVAL)}
+    lines.append("timings (reproduced/original, judged by both runs' 95% intervals): "
+                 + ", ".join(f"{n} {w}" for w, n in judged.items() if n))
     return "\n".join(lines)

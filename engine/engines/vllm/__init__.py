@@ -30,6 +30,7 @@ class VLLMEngine(Engine):
     summary = "vLLM (CPU build) in its own venv: paged KV cache, continuous batching, prefix caching"
     setup = "make setup-vllm"
     serves = True
+    in_process = False  # vLLM's engine-core processes: their CPU time cannot be told from other processes'
     serving_usage = "engine=vllm batching=continuous"
     support = {
         # vLLM always runs its paged cache: asking for contiguous runs the same thing (one config hash)
