@@ -78,9 +78,7 @@ def canonical(engine_name: str, key: str, value: Any) -> Any:
     if engine_name not in NAMES:
         return value
     s = get(engine_name).support.get(key)
-    if s is None or str(value) not in s.aliases:
-        return value
-    return s.aliases[str(value)]
+    return value if s is None else s.runs_as(value)
 
 
 def support_markdown(keys: tuple[str, ...] | None = None) -> str:

@@ -35,6 +35,10 @@ class Support:
     def accepts(self, value: Any) -> bool:
         return str(value) in self.values or str(value) in self.aliases
 
+    def runs_as(self, value: Any) -> Any:
+        """The value the engine really runs when asked for `value` (its alias target, else `value`)."""
+        return self.aliases.get(str(value), value)
+
 
 @dataclass
 class StaticPlan:

@@ -92,11 +92,11 @@ def fold_aliases(config: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]
     if name not in engines.NAMES:
         return config, {}
     folded: dict[str, Any] = {}
-    for key, support in engines.get(name).support.items():
+    for key in engines.get(name).support:
         group, _, leaf = key.partition(".")
         value = (config.get(group) or {}).get(leaf)
-        if value is not None and str(value) in support.aliases:
-            folded[key] = support.aliases[str(value)]
+        if value is not None and engines.canonical(name, key, value) != value:
+            folded[key] = engines.canonical(name, key, value)
     if not folded:
         return config, folded
     out = copy.deepcopy(config)

@@ -65,8 +65,7 @@ class LlamaCppEngine(LogitsEngine):
         return p
 
     def attention(self, trial: TrialConfig) -> str:
-        s = self.support["attention.impl"]
-        return s.aliases.get(trial.attention.impl, trial.attention.impl)
+        return self.support["attention.impl"].runs_as(trial.attention.impl)
 
     def materializes_scores(self, trial: TrialConfig) -> bool:
         return self.attention(trial) != "flash"  # the non-flash path writes KQ and softmax(KQ) to memory

@@ -389,8 +389,8 @@ class VLLMSession:
 
 
 def _problems(trial: TrialConfig):
-    from . import ENGINE
+    """What validation would refuse on engine=vllm (a notebook can call the engine without validating)."""
+    from .. import problems
     from ...model_facts import facts_or_none
 
-    return ENGINE.check(trial, facts_or_none(trial.model), False) + ([("engine.backend", ENGINE.missing())]
-                                                                     if ENGINE.missing() else [])
+    return problems(trial, facts_or_none(trial.model), False)
