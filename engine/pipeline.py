@@ -18,7 +18,7 @@ import torch
 from . import engines
 from .config import EngineError, TrialConfig
 from .engines.base import Engine, Runs, ServingPlan, StaticPlan, TrialSession
-from .measure.metrics import instability, median_metrics, request_metrics, static_batch_metrics, timing_spread, tokens_equal
+from .measure.metrics import UNSTABLE, instability, median_metrics, request_metrics, static_batch_metrics, timing_spread, tokens_equal
 from .measure.noise import NoiseMonitor
 from .model_facts import facts_or_none
 
@@ -184,7 +184,7 @@ def run_engine_trial(
     labels = {} if serving else roofline(trial, engine, session.device, metrics)
     why = instability(metrics)
     if why:
-        labels["unstable"] = why
+        labels[UNSTABLE] = why
     evaluate(trial, session, loaded, metrics, say)
     info = dict(device_info(session.device), **session.info())
     from .measure.hardware import slow_dtype_note

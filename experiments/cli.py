@@ -115,7 +115,7 @@ def cmd_reproduce(args) -> int:
 
 
 def cmd_report(args) -> int:
-    from .analysis.report import ReportError, build, text_table
+    from .analysis.report import ReportError, build, table_notes, text_table
     from .analysis.results import NotFound
 
     try:
@@ -124,6 +124,8 @@ def cmd_report(args) -> int:
     except (NotFound, ValueError) as e:
         raise ReportError([str(e)]) from None
     print(text_table(rep.lines))
+    for note in table_notes(rep.lines):
+        print(note)
     for a in rep.advice:
         n = a.next
         if n is not None:

@@ -19,6 +19,8 @@ from typing import Any, Callable, Optional
 
 from engine import axes as axis_registry
 from engine.axes import BACKEND
+from engine.measure.metrics import UNSTABLE
+from engine.measure.spread import Ratio
 
 from . import advice as adv
 from . import claims as cl
@@ -28,6 +30,7 @@ from .results import (
     Selection,
     TrialRow,
     axes,
+    compare,
     is_opt_axis,
     load,
     opt_label,
@@ -96,6 +99,12 @@ def choose_baselines(rows: list[TrialRow], ax: list[str], spec: Optional[dict[st
 
 
 # --- table ----------------------------------------------------------------------------------------------
+# each speedup against the baseline: (name in the table's values, the timing it compares)
+SPEEDUPS = (("speedup", "output_tok_s"), ("decode_speedup", "decode_tok_s"), ("prefill_speedup", "prefill_tok_s"))
+# A share of the roofline above 100% is not a fact about the engine: the probe's peaks describe torch's own
+# kernels (another engine can beat them) or were measured on a loaded machine (too low).
+ROOFLINE_MISMATCH = ("above the roofline: the probe's peaks do not describe this engine's kernels or were measured "
+                     "under load (`infersweep probe --force` on a quiet machine) -- not a physical share")
 @dataclass
 class Line:
     """One trial with its comparisons to the baseline of its workload."""
@@ -105,6 +114,7 @@ class Line:
     optimizations: str
     baseline: Optional[TrialRow]
     values: dict[str, Any] = field(default_factory=dict)
+    comparisons: dict[str, Optional[Ratio]] = field(default_factory=dict)  # speedup name -> interval, verdict
 
     @property
     def is_baseline(self) -> bool:
@@ -125,9 +135,15 @@ def lines(rows: list[TrialRow], ax: list[str], baselines: dict[tuple, Optional[T
                   "roofline_efficiency", "ppl", "kl_div_mean", "top1_agreement", "peak_mem_bytes", "attn_peak_bytes",
                   "weights_bytes", "decode_bw_util", "decode_compute_util", "prefill_bw_util", "prefill_compute_util"):
             v[k] = m.get(k)
-        v["speedup"] = speedup(b.get("output_tok_s"), m.get("output_tok_s"))
-        v["decode_speedup"] = speedup(b.get("decode_tok_s"), m.get("decode_tok_s"))
-        v["prefill_speedup"] = speedup(b.get("prefill_tok_s"), m.get("prefill_tok_s"))
+        for name, metric in SPEEDUPS:
+            v[name] = speedup(b.get(metric), m.get(metric))
+            cmp = compare(base, r, metric) if base is not None and not ln.is_baseline else None
+            ln.comparisons[name] = cmp
+            if cmp is not None:
+                v[f"{name}_lo"], v[f"{name}_hi"], v[f"{name}_verdict"] = cmp.lo, cmp.hi, cmp.verdict
+        v[UNSTABLE] = r.tags.get(UNSTABLE)
+        eff = m.get("roofline_efficiency")
+        v["roofline_flag"] = ROOFLINE_MISMATCH if eff is not None and eff > 1 else None
         if m.get("ppl") is not None and b.get("ppl"):
             v["ppl_delta"] = m["ppl"] - b["ppl"]
             v["ppl_delta_pct"] = 100 * (m["ppl"] / b["ppl"] - 1)
@@ -153,18 +169,47 @@ TABLE_HEADER = ["workload", "optimizations", "hash", "regime p/d", "out tok/s", 
                 "prefill tok/s", "ttft ms", "roofline tok/s", "roofline %", "ppl", "Δppl", "peak MB", "status"]
 
 
+def _speedup_cell(ln: Line, name: str) -> str:
+    """'x1.23 [1.10-1.35]' with its interval (' ~': within noise), or 'x1.23' where no interval was logged."""
+    cmp = ln.comparisons.get(name)
+    return cmp.cell() if cmp is not None else _f(ln.values[name], "x{:.2f}")
+
+
+def _roofline_cell(v: dict[str, Any]) -> str:
+    eff = v["roofline_efficiency"]
+    if eff is None:
+        return "-"
+    return f">100 (!{100 * eff:.0f})" if v.get("roofline_flag") else f"{100 * eff:.3g}"
+
+
 def table_cells(ln: Line) -> list[str]:
     v = ln.values
     mark = " (baseline)" if ln.is_baseline else ""
     dppl = "-" if v.get("ppl_delta_pct") is None else f"{v['ppl_delta']:+.3f} ({v['ppl_delta_pct']:+.1f}%)"
     return [
         ln.workload, ln.optimizations + mark, ln.row.hash[:8], _regime_cell(ln),
-        _f(v["output_tok_s"], "{:.2f}"), _f(v["speedup"], "x{:.2f}"), _f(v["decode_tok_s"], "{:.2f}"),
-        _f(v["decode_speedup"], "x{:.2f}"), _f(v["prefill_tok_s"], "{:.0f}"), _f(v["ttft_ms_p50"], "{:.1f}"),
-        _f(v["roofline_tok_s"], "{:.1f}"), _f(None if v["roofline_efficiency"] is None else 100 * v["roofline_efficiency"], "{:.3g}"),
+        _f(v["output_tok_s"], "{:.2f}"), _speedup_cell(ln, "speedup"), _f(v["decode_tok_s"], "{:.2f}"),
+        _speedup_cell(ln, "decode_speedup"), _f(v["prefill_tok_s"], "{:.0f}"), _f(v["ttft_ms_p50"], "{:.1f}"),
+        _f(v["roofline_tok_s"], "{:.1f}"), _roofline_cell(v),
         _f(v["ppl"], "{:.3f}"), dppl, _f(None if v["peak_mem_bytes"] is None else v["peak_mem_bytes"] / 1e6, "{:.0f}"),
-        ln.row.status,
+        ln.row.status + (" unstable" if v.get(UNSTABLE) else ""),
     ]
+
+
+def table_notes(ls: list[Line]) -> list[str]:
+    """What the table's marks mean, for the marks it uses: intervals and '~', unstable trials and why,
+    roofline shares above 100%."""
+    out = []
+    if any(ln.comparisons.get(n) for ln in ls for n, _ in SPEEDUPS):
+        out.append("speedups: x median ratio [95% interval from both trials' intervals]; `~` = within noise "
+                   "(the interval contains x1)")
+    for ln in ls:
+        if ln.values.get(UNSTABLE):
+            out.append(f"unstable ({ln.row.hash[:8]}, {ln.optimizations}): {ln.values[UNSTABLE]}")
+    flagged = [ln.row.hash[:8] for ln in ls if ln.values.get("roofline_flag")]
+    if flagged:
+        out.append(f"roofline % `>100 (!N)` ({', '.join(flagged)}): {ROOFLINE_MISMATCH}")
+    return out
 
 
 def markdown_table(ls: list[Line]) -> str:
@@ -180,8 +225,10 @@ def text_table(ls: list[Line]) -> str:
     return "\n".join([fmt(TABLE_HEADER), fmt(["-" * w for w in widths])] + [fmt(b) for b in body])
 
 
-CSV_FIELDS = ["run_id", "hash", "name", "status", "workload", "optimizations", "baseline_hash", "chain", "output_tok_s",
-              "speedup", "decode_tok_s", "decode_speedup", "prefill_tok_s", "prefill_speedup", "ttft_ms_p50",
+CSV_FIELDS = ["run_id", "hash", "name", "status", UNSTABLE, "workload", "optimizations", "baseline_hash", "chain",
+              "output_tok_s", "speedup", "speedup_lo", "speedup_hi", "speedup_verdict", "decode_tok_s", "decode_speedup",
+              "decode_speedup_lo", "decode_speedup_hi", "decode_speedup_verdict", "prefill_tok_s", "prefill_speedup",
+              "prefill_speedup_lo", "prefill_speedup_hi", "prefill_speedup_verdict", "roofline_flag", "ttft_ms_p50",
               "tpot_ms_p50", "roofline_tok_s", "roofline_efficiency", "ppl", "ppl_delta", "ppl_delta_pct",
               "kl_div_mean", "top1_agreement", "peak_mem_bytes", "attn_peak_bytes", "weights_bytes",
               "decode_bw_util", "decode_compute_util", "prefill_bw_util", "prefill_compute_util", "regime",
@@ -403,6 +450,8 @@ def render_markdown(rep: Report, ax_keys: list[str], plots: list[Path], baseline
         "## Trials",
         "",
         markdown_table(rep.lines),
+        "",
+        *[f"- {n}" for n in table_notes(rep.lines)],
         "",
         "## Next optimization",
         "",

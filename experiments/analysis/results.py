@@ -13,6 +13,8 @@ from pathlib import Path
 from typing import Any, Callable, Iterable, Optional
 
 from engine import axes as axis_registry
+from engine.measure.metrics import LOWER_IS_BETTER, UNSTABLE
+from engine.measure.spread import Ratio, ratio, spread_of
 
 from ..tracking.store import PARENT_TAG
 
@@ -220,6 +222,24 @@ def is_opt_axis(key: str) -> bool:
 def speedup(base: Optional[float], new: Optional[float]) -> Optional[float]:
     """new / base: how many times faster `new` is (None when either is missing or base is 0)."""
     return new / base if base and new is not None else None
+
+
+def compare(base: Optional[TrialRow], new: Optional[TrialRow], metric: str) -> Optional[Ratio]:
+    """How many times better `new` is than `base` on timing `metric` (a rate: new/base; a time: base/new),
+    with the 95% interval from both trials' logged intervals and the verdict faster / slower / within noise
+    (engine/measure/spread.py). None where either trial has no interval for it."""
+    if base is None or new is None:
+        return None
+    a, b = spread_of(base.metrics, metric), spread_of(new.metrics, metric)
+    if a is None or b is None:
+        return None
+    return ratio(a, b, higher_is_better=metric not in LOWER_IS_BETTER)
+
+
+def unstable_note(rows: Iterable[TrialRow]) -> str:
+    """'' or ' (judged from unstable trials: HASH, ...)' for the rows labelled unstable."""
+    bad = [r.hash[:8] for r in rows if r.tags.get(UNSTABLE)]
+    return f" (judged from unstable trials: {', '.join(bad)})" if bad else ""
 
 
 def workload_key(row: TrialRow, ax: list[str]) -> tuple[tuple[str, str], ...]:
