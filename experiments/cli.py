@@ -230,7 +230,8 @@ def cmd_probe(args) -> int:
     import torch
 
     from engine.config import EngineError
-    from engine.measure.hardware import cache_path, node_peaks, node_probe, preferred_dtype, slow_dtype_note
+    from engine.measure.hardware import (PROBE_LOADED, PROBE_MAX_OTHER_CPU, cache_path, cached_entry, node_peaks,
+                                         node_probe, preferred_dtype, slow_dtype_note)
 
     # every input is checked before anything is probed or written to the cache
     device = _probe_device(args.device)
@@ -242,12 +243,21 @@ def cmd_probe(args) -> int:
     p = node_peaks(device, args.dtype, threads, refresh=args.refresh)
     print(f"{p.name} ({device.type}{f', {threads} threads' if device.type == 'cpu' else ''}, {p.dtype}): "
           f"{p.mem_bw / 1e9:.1f} GB/s, {p.flops / 1e9:.1f} GFLOP/s, balance {p.balance:.1f} FLOP/byte  [{p.source}]")
-    if p.source != "table":
+    if p.source == PROBE_LOADED:
+        print(f"warning: other processes kept the CPUs busy during the probe (> {PROBE_MAX_OTHER_CPU:.0%}); these "
+              "numbers read low and were not cached -- run again on a quiet machine")
+    elif p.source != "table":
         probe, _ = node_probe(device, threads)
         for d, r in probe.rates.items():
             print(f"  {d:9s} GEMM {r.gemm_flops / 1e9:9.1f} GFLOP/s   batch-1 GEMV {r.gemv_bw / 1e9:6.1f} GB/s")
         print(f"  fast formats: {', '.join(probe.fast_dtypes())}; preferred dtype here: {preferred}")
-        print(f"cache: {cache_path()}")
+        entry = cached_entry(device, threads or 0) or {}
+        load = entry.get("load") or {}
+        when = entry.get("measured_at", "?")
+        cv = f", streaming read CV {100 * probe.stream_bw_cv:.1f}%" if probe.stream_bw_cv else ""
+        under = (f"other processes {100 * load['noise_other_cpu_frac']:.0f}% of the CPUs, load {load.get('noise_load_avg', 0):.2f}/CPU"
+                 if "noise_other_cpu_frac" in load else "load not recorded (probed before loads were)")
+        print(f"cache: {cache_path()} (probed {when}; {under}{cv})")
     note = slow_dtype_note(args.dtype, device)
     if note:
         print(f"note: {note}")

@@ -121,6 +121,21 @@ def ratio(base: Spread, new: Spread, higher_is_better: bool = True) -> Optional[
     return Ratio(r, lo, hi, verdict)
 
 
+def paired_ratio(base: Sequence[float], new: Sequence[float], higher_is_better: bool = True,
+                 resamples: int = RESAMPLES, seed: int = 0) -> Optional[Ratio]:
+    """The ratio of two variants measured round-robin (`engine.pipeline.run_interleaved`): sample i of each
+    ran in the same round, so the per-round ratios new_i / base_i share that round's drift and the median of
+    them, with its percentile-bootstrap interval, is free of it. None with fewer than two rounds."""
+    if len(base) != len(new):
+        raise ValueError(f"paired samples need equal counts, got {len(base)} and {len(new)}")
+    if len(base) < 2:
+        return None
+    rs = [(n / b if higher_is_better else b / n) for b, n in zip(base, new)]
+    s = spread(rs, resamples=resamples, seed=seed)
+    verdict = FASTER if s.ci_lo > 1 else (SLOWER if s.ci_hi < 1 else WITHIN_NOISE)
+    return Ratio(s.median, s.ci_lo, s.ci_hi, verdict)
+
+
 def spread_of(metrics: dict[str, float], name: str) -> Optional[Spread]:
     """The logged spread of timing `name` (its median and NAME_ci_lo/_ci_hi/_cv/_n), or None."""
     keys = [name] + [name + s for s in SUFFIXES]
