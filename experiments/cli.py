@@ -109,7 +109,7 @@ def cmd_run(args) -> int:
 def cmd_reproduce(args) -> int:
     from .run.reproduce import format_comparison, reproduce
 
-    cmp = reproduce(args.hash, _tracking(args.overrides))
+    cmp = reproduce(args.hash, _tracking(args.overrides), against_all=args.against_all)
     print(format_comparison(cmp))
     return 0 if cmp.deterministic_match else 1
 
@@ -300,6 +300,9 @@ def build_parser() -> argparse.ArgumentParser:
     rp = sub.add_parser("reproduce", help="re-run a recorded trial by config hash (a prefix is enough) and compare")
     rp.add_argument("hash", help="config_hash or a unique prefix of it")
     rp.add_argument("overrides", nargs="*", help="tracking.* overrides, to read another store")
+    rp.add_argument("--against-all", action="store_true",
+                    help="also judge the new run against every other FINISHED run with this hash (other "
+                         "experiments, earlier sweeps, earlier reproductions)")
     rp.set_defaults(fn=cmd_reproduce)
     rep = sub.add_parser("report", help="table, plots, next-optimization advice (and seed claims) of a recorded sweep")
     rep.add_argument("sweep", help="experiment (sweep) name, sweep id (or a prefix) or parent run id")

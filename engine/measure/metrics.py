@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from ..config import SLOConfig
+from .noise import UNSTABLE  # noqa: F401 -- the label's home is the noise module (torch-free); LABELS documents it
 from ..generate import GenerationTrace
 
 if TYPE_CHECKING:
@@ -108,11 +109,9 @@ METRICS: dict[str, str] = {
 # of the median, percentile bootstrap), NAME_cv (stdev / mean), NAME_n (samples). NAME itself stays the median.
 TIMINGS = ("ttft_ms_p50", "tpot_ms_p50", "itl_ms_p50", "e2e_s_p50", "output_tok_s", "decode_tok_s", "prefill_tok_s",
            "request_s", "goodput")
-LOWER_IS_BETTER = ("ttft_ms_p50", "tpot_ms_p50", "itl_ms_p50", "e2e_s_p50")  # times; the other timings are rates
 # A trial is `unstable` when a timing's spread or the machine's load says its medians cannot be trusted.
 UNSTABLE_CV = 0.10  # pyperf warns from a std dev of 10% of the mean
 UNSTABLE_OTHER_CPU = 0.25  # other processes took a quarter of the machine (half a core of two)
-UNSTABLE = "unstable"  # the label (MLflow tag) naming why; absent on a stable trial
 STABILITY_KEYS = ("tpot_ms_p50", "ttft_ms_p50", "output_tok_s")  # judged: per-token, first-token, throughput
 
 # Labels (MLflow tags) a trial carries about itself; values are "memory" or "compute".

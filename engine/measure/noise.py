@@ -16,6 +16,8 @@ import os
 import time
 from typing import Optional
 
+UNSTABLE = "unstable"  # the label (MLflow tag) naming why a trial's timings cannot be trusted; absent when they can
+
 # /proc/stat cpu line: user nice system idle iowait irq softirq steal guest guest_nice
 _BUSY = (0, 1, 2, 5, 6, 7)
 _STEAL = 7

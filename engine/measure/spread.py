@@ -20,6 +20,7 @@ from typing import Optional, Sequence
 CONFIDENCE = 0.95
 RESAMPLES = 2000
 SUFFIXES = ("_ci_lo", "_ci_hi", "_cv", "_n")
+LOWER_IS_BETTER = ("ttft_ms_p50", "tpot_ms_p50", "itl_ms_p50", "e2e_s_p50")  # times; the other timings are rates
 
 
 @dataclass(frozen=True)

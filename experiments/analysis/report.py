@@ -19,7 +19,7 @@ from typing import Any, Callable, Optional
 
 from engine import axes as axis_registry
 from engine.axes import BACKEND
-from engine.measure.metrics import UNSTABLE
+from engine.measure.noise import UNSTABLE
 from engine.measure.spread import Ratio
 
 from ..config.compose import BUNDLE_GROUPS

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from typing import Any, Sequence
 
-from engine.measure.metrics import UNSTABLE
+from engine.measure.noise import UNSTABLE
 
 KEY_METRICS = (
     ("output_tok_s", "out tok/s", "{:.1f}"),

@@ -17,7 +17,7 @@ import time
 from typing import Any, Optional
 from urllib.parse import urlencode
 
-from engine.measure.metrics import UNSTABLE
+from engine.measure.noise import UNSTABLE
 
 KIND_TAG = "mlflow.experimentKind"
 KIND = "custom_model_development"
