@@ -9,17 +9,14 @@ width (relative to the median), CV, the other-process CPU share and the `unstabl
 from __future__ import annotations
 
 import argparse
-import multiprocessing as mp
 import os
 import time
 
 
-def _burn(stop) -> None:
-    while not stop.is_set():
-        pass
-
 
 def run_once(args, loaded: bool) -> dict:
+    from cpu_load import CpuBurners
+
     from engine import EvalConfig, ModelConfig, TrialConfig, WorkloadConfig, run_engine_trial
     from engine.config import EngineConfig, KVCacheConfig, TinyModelConfig
 
@@ -32,20 +29,8 @@ def run_once(args, loaded: bool) -> dict:
                         workload=WorkloadConfig(context_len=args.context, max_new_tokens=args.new_tokens,
                                                 repeats=args.repeats, warmup=1),
                         eval=EvalConfig(enabled=False))
-    stop, burners = mp.Event(), []
-    if loaded:
-        burners = [mp.Process(target=_burn, args=(stop,), daemon=True) for _ in range(os.cpu_count() or 1)]
-        for b in burners:
-            b.start()
-        time.sleep(0.5)
-    try:
+    with CpuBurners(enabled=loaded):
         r = run_engine_trial(trial)
-    finally:
-        stop.set()
-        for b in burners:
-            b.join(5)
-            if b.is_alive():
-                b.kill()
     return {"metrics": r.metrics, "unstable": r.labels.get("unstable", "")}
 
 

@@ -15,46 +15,12 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import multiprocessing as mp
 import os
-import threading
 import time
 
 
-def _burn(stop) -> None:
-    while not stop.is_set():
-        pass
-
-
-class Drift:
-    """One busy process per core, started `after_s` seconds from `start()`, ended by `stop()`."""
-
-    def __init__(self, after_s: float, enabled: bool = True):
-        self.after_s, self.enabled = after_s, enabled
-        self.flag, self.procs, self.timer = mp.Event(), [], None
-
-    def _go(self) -> None:
-        self.procs = [mp.Process(target=_burn, args=(self.flag,), daemon=True) for _ in range(os.cpu_count() or 1)]
-        for p in self.procs:
-            p.start()
-
-    def start(self) -> "Drift":
-        if self.enabled:
-            self.timer = threading.Timer(self.after_s, self._go)
-            self.timer.start()
-        return self
-
-    def stop(self) -> None:
-        if self.timer is not None:
-            self.timer.cancel()
-        self.flag.set()
-        for p in self.procs:
-            p.join(5)
-            if p.is_alive():
-                p.kill()
-
-
 def main() -> None:
+    from cpu_load import CpuBurners
     from engine import EvalConfig, ModelConfig, TrialConfig, WorkloadConfig, run_engine_trial, run_interleaved
     from engine.config import EngineConfig, KVCacheConfig, TimingConfig, TinyModelConfig
     from engine.measure.spread import paired_ratio, ratio, spread
@@ -86,20 +52,14 @@ def main() -> None:
     # sequential: A then B; the drift starts when A is done (halfway through the measurement)
     run_engine_trial(a)  # warm caches and the hardware probe outside both measurements
     ra = run_engine_trial(a)
-    drift = Drift(0.0, not args.no_drift).start()
-    try:
+    with CpuBurners(enabled=not args.no_drift):
         rb = run_engine_trial(b)
-    finally:
-        drift.stop()
     seq = ratio(spread(ra.samples[args.metric]), spread(rb.samples[args.metric]))
     seq_s = sum(1 / x for x in ra.samples[args.metric] + rb.samples[args.metric])  # rough: for the drift timer
 
     # interleaved: ABBA rounds; the drift starts halfway through by the sequential run's duration
-    drift = Drift(0.5 * seq_s * args.new_tokens, not args.no_drift).start()
-    try:
+    with CpuBurners(after_s=0.5 * seq_s * args.new_tokens, enabled=not args.no_drift):
         ia, ib = run_interleaved([a, b], args.rounds)
-    finally:
-        drift.stop()
     inter = paired_ratio(ia.samples[args.metric], ib.samples[args.metric])
 
     print(f"\n| mode | {args.metric} A (median) | B (median) | B/A | 95% interval | width | verdict |")

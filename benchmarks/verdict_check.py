@@ -10,35 +10,19 @@ noise), the trials labelled `unstable`, and whether the two quiet runs agree on 
 from __future__ import annotations
 
 import argparse
-import multiprocessing as mp
 import os
 import tempfile
 import time
 
 
-def _burn(stop) -> None:
-    while not stop.is_set():
-        pass
-
 
 def one_sweep(name: str, overrides: list[str], tracking: list[str], loaded: bool) -> dict:
+    from cpu_load import CpuBurners
     from experiments.analysis.report import build
     from experiments.run.sweep import run_sweep
 
-    stop, burners = mp.Event(), []
-    if loaded:
-        burners = [mp.Process(target=_burn, args=(stop,), daemon=True) for _ in range(os.cpu_count() or 1)]
-        for b in burners:
-            b.start()
-        time.sleep(0.5)
-    try:
+    with CpuBurners(enabled=loaded):
         res = run_sweep(overrides + tracking + [f"sweep_name={name}"], echo=lambda *_: None, force=True)
-    finally:
-        stop.set()
-        for b in burners:
-            b.join(5)
-            if b.is_alive():
-                b.kill()
     uri = next(t.split("=", 1)[1] for t in tracking if t.startswith("tracking.uri="))
     rep = build(name, {"uri": uri}, out_dir=tempfile.mkdtemp(prefix="verdicts-"), log_artifacts=False, progress=False)
     out = {"failed": len(res.failed), "verdicts": {}, "unstable": {}}
