@@ -32,6 +32,8 @@ class EngineResult:
     sample_text: str  # decoded first sequence, for humans
     info: dict[str, str] = field(default_factory=dict)
     labels: dict[str, str] = field(default_factory=dict)  # what the trial *is* (regime.*), not where it ran
+    # metric -> values by step (a capacity search's probe curve, in rate order), logged with steps
+    series: dict[str, list[float]] = field(default_factory=dict)
 
 
 def seed_everything(seed: int) -> None:
@@ -88,20 +90,85 @@ def _static(trial: TrialConfig, session: TrialSession, say) -> tuple[list[dict],
     return per_run, runs, runs.traces[0].tokens.tolist()
 
 
-def _serving(trial: TrialConfig, session: TrialSession, say) -> tuple[list[dict], Runs, list[list[int]]]:
-    from .prompts import corpus_ids
-    from .serving.requests import make_requests, max_request_tokens, warmup_requests
+def serving_plan(wl, corpus: torch.Tensor, seed: int, warmup: int) -> ServingPlan:
+    """The plan of a serving workload: its requests (multi-turn: the first turns, and the follow-up that
+    builds each next turn from the answer before it)."""
+    from .serving.requests import make_requests, warmup_requests
 
-    wl = trial.workload
-    _check_context(trial, max_request_tokens(wl), "the longest request")
-    requests = make_requests(wl, corpus_ids(session.tokenizer, wl.text), trial.seed)
-    plan = ServingPlan(requests, warmup_requests(requests), wl.warmup, max(1, wl.repeats))
+    follow_up = None
+    if wl.multi_turn:
+        from .serving.conversations import make_conversations
+
+        convs = make_conversations(wl, corpus, seed)
+        requests, follow_up = convs.first_turns(), convs.next_turn
+    else:
+        requests = make_requests(wl, corpus, seed)
+    return ServingPlan(requests, warmup_requests(requests), warmup, max(1, wl.repeats), follow_up)
+
+
+def _serving_runs(trial: TrialConfig, session: TrialSession, plan: ServingPlan, say) -> tuple[list[dict], Runs, list[list[int]]]:
     runs = session.run_serving(plan, say)
     outputs = [[list(r.output) for r in t.requests] for t in runs.traces]
     if any(o != outputs[0] for o in outputs[1:]):  # sampling is seeded per request
         raise EngineError("generation is not deterministic: repeats produced different tokens")
     per_run = [dict(request_metrics(t.requests, t.duration_s, trial.slo), **x) for t, x in zip(runs.traces, runs.extra)]
+    if trial.workload.multi_turn:
+        from .measure.metrics import turn_metrics
+
+        for m, t in zip(per_run, runs.traces):
+            m.update(turn_metrics([t.requests], trial.workload.turns)[0])
     return per_run, runs, outputs[0]
+
+
+def _serving(trial: TrialConfig, session: TrialSession, say) -> tuple[list[dict], Runs, list[list[int]]]:
+    from .prompts import corpus_ids
+    from .serving.requests import max_request_tokens
+
+    wl = trial.workload
+    _check_context(trial, max_request_tokens(wl), "the longest request")
+    plan = serving_plan(wl, corpus_ids(session.tokenizer, wl.text), trial.seed, wl.warmup)
+    return _serving_runs(trial, session, plan, say)
+
+
+def _capacity(trial: TrialConfig, session: TrialSession, say):
+    """A capacity search (engine/serving/capacity.py): the same requests probed at several arrival rates.
+    The trial's metrics are those of the probe at the found rate; the curve is every probe's, in rate order.
+    Token ids are the synchronous probe's (one request at a time: the reference outputs)."""
+    import dataclasses
+
+    from .measure.metrics import capacity_metrics, percentile
+    from .prompts import corpus_ids
+    from .serving.capacity import RATE, SATURATE, SYNC, ProbeStats, SearchBudget, meets, search_capacity
+    from .serving.requests import max_request_tokens
+
+    wl, cap = trial.workload, trial.capacity
+    _check_context(trial, max_request_tokens(wl), "the longest request")
+    corpus = corpus_ids(session.tokenizer, wl.text)
+    done: dict[int, tuple[list[dict], Runs, list[list[int]]]] = {}  # probe index -> what it measured
+
+    def probe(kind: str, rate: float) -> ProbeStats:
+        spec = {SYNC: dataclasses.replace(wl, arrival="all-at-once", max_concurrency=1),
+                SATURATE: dataclasses.replace(wl, arrival="all-at-once"),
+                RATE: dataclasses.replace(wl, arrival="poisson", rate=rate)}[kind]
+        plan = serving_plan(spec, corpus, trial.seed, wl.warmup if not done else 0)
+        per_run, runs, outputs = _serving_runs(trial, session, plan, say)
+        done[len(done)] = (per_run, runs, outputs)
+        reqs = [r for t in runs.traces for r in t.requests]
+        tpot = [(r.e2e_s - r.ttft_s) / (len(r.output) - 1) * 1e3 for r in reqs if len(r.output) > 1] or [0.0]
+        return ProbeStats(ttft_ms=percentile([r.ttft_s * 1e3 for r in reqs], cap.percentile),
+                          tpot_ms=percentile(tpot, cap.percentile), request_s=median_metrics(per_run)["request_s"],
+                          metrics=median_metrics(per_run))
+
+    budget = SearchBudget(cap.max_probes, cap.tolerance, cap.max_s)
+    result = search_capacity(probe, lambda s: meets(s, trial.slo.ttft_ms, trial.slo.tpot_ms), budget, say=say)
+    say(f"capacity: {result.verdict}")
+    best = result.probes.index(result.best)
+    per_run, runs, _ = done[best]
+    reference = done[0][2]
+    mismatched = {i for _, _, out in done.values() for i, (a, b) in enumerate(zip(out, reference)) if a != b}
+    scalars, series = capacity_metrics(result, trial.capacity.percentile)
+    scalars["capacity_token_mismatches"] = float(len(mismatched))
+    return per_run, runs, reference, scalars, series, result.verdict
 
 
 def roofline(trial: TrialConfig, engine: Engine, device: torch.device, metrics: dict[str, float]) -> dict[str, str]:
@@ -171,10 +238,24 @@ def run_engine_trial(
         loaded = engine.load(trial, say)
     session = engine.open(trial, loaded, say)
     serving = trial.workload.serving
+    searched, series, verdict = serving and trial.capacity.search, {}, ""
+    if searched and not engine.searches_capacity:
+        raise EngineError(f"engine {engine.name} cannot run a capacity search: {engine.searches_capacity_why}")
+    if trial.workload.multi_turn and not engine.serves_conversations:
+        raise EngineError(f"engine {engine.name} cannot serve multi-turn conversations: {engine.serves_conversations_why}")
     with NoiseMonitor() as noise:
-        per_run, runs, token_ids = (_serving if serving else _static)(trial, session, say)
+        if searched:
+            per_run, runs, token_ids, found, series, verdict = _capacity(trial, session, say)
+        else:
+            per_run, runs, token_ids = (_serving if serving else _static)(trial, session, say)
+    if trial.workload.multi_turn:
+        from .measure.metrics import turn_metrics
+
+        series.update(turn_metrics([t.requests for t in runs.traces], trial.workload.turns)[1])
     metrics = median_metrics(per_run)
     metrics.update(timing_spread(per_run, runs, serving))
+    if searched:
+        metrics.update(found)
     if engine.in_process:
         metrics.update(noise.result)
     metrics["peak_mem_bytes"] = float(runs.peak_mem_bytes)
@@ -185,6 +266,8 @@ def run_engine_trial(
     why = instability(metrics)
     if why:
         labels["unstable"] = why
+    if verdict:
+        labels["capacity"] = verdict
     evaluate(trial, session, loaded, metrics, say)
     info = dict(device_info(session.device), **session.info())
     from .measure.hardware import slow_dtype_note
@@ -193,4 +276,4 @@ def run_engine_trial(
     if note:  # not an error: the user may want to see it, but should know why the numbers look so
         info["dtype_note"] = note
     return EngineResult(metrics=metrics, token_ids=token_ids, sample_text=session.tokenizer.decode(token_ids[0]),
-                        info=info, labels=labels)
+                        info=info, labels=labels, series=series)

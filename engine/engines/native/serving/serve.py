@@ -46,10 +46,10 @@ class ServingSetup:
         self.sync = device_synchronizer(backend.device)
         self.check_invariants = check_invariants
 
-    def run(self, requests: list[Request]) -> ServingTrace:
+    def run(self, requests: list[Request], follow_up=None) -> ServingTrace:
         t = self.trial
         space = BlockSpace(BlockManager(self.num_blocks, t.kv_cache.block_size), t.kv_cache.prefix_caching)
         engine = ServingEngine(self.runner, make_scheduler(t.batching, space),
                                Sampler(t.workload.sampling, t.seed, self.runner.backend.device), self.sync,
                                check_invariants=self.check_invariants)
-        return engine.run(requests, t.workload.max_concurrency)
+        return engine.run(requests, t.workload.max_concurrency, follow_up)
