@@ -103,7 +103,7 @@ def serving_plan(wl, corpus: torch.Tensor, seed: int, warmup: int) -> ServingPla
         requests, follow_up = convs.first_turns(), convs.next_turn
     else:
         requests = make_requests(wl, corpus, seed)
-    return ServingPlan(requests, warmup_requests(requests), warmup, max(1, wl.repeats), follow_up)
+    return ServingPlan(requests, warmup_requests(requests), warmup, max(1, wl.repeats), follow_up, wl.max_concurrency)
 
 
 def _serving_runs(trial: TrialConfig, session: TrialSession, plan: ServingPlan, say) -> tuple[list[dict], Runs, list[list[int]]]:

@@ -60,6 +60,8 @@ class ServingPlan:
     repeats: int
     # multi-turn: (finished request, its output, finish time s) -> the request it leads to, or None
     follow_up: Optional[Callable[[Any, list, float], Any]] = None
+    max_concurrency: int = 0  # client-side cap on requests in flight (0 = none; a capacity search's
+    # synchronous probe sends one at a time)
 
 
 @dataclass

@@ -120,7 +120,7 @@ class NativeTrialSession(LogitsSession):
             for i in range(plan.repeats):
                 say(f"serving run {i + 1}/{plan.repeats}: {len(plan.requests)} requests, "
                     f"{self.trial.batching.mode} batching")
-                traces.append(setup.run(plan.requests, plan.follow_up))
+                traces.append(setup.run(plan.requests, plan.follow_up, plan.max_concurrency))
         return Runs(traces, [scheduler_metrics(t) for t in traces], mem.peak_bytes)
 
     def reset_peaks(self) -> None:
