@@ -134,6 +134,9 @@ def test_search_through_the_pipeline_logs_the_found_rate_its_curve_and_reference
     assert all(len(v) == 2 for v in r.series.values())
     assert r.series["probe_rate"] == sorted(r.series["probe_rate"])  # steps in rate order
     assert "max_rate_at_slo" not in plain.metrics and not plain.series
+    from engine.measure.metrics import METRICS, LABELS, base_metric
+
+    assert {base_metric(k) for k in m} | set(r.series) <= set(METRICS) and set(r.labels) <= set(LABELS)
 
 
 def test_search_with_an_slo_no_probe_meets_finishes_and_says_so():

@@ -102,6 +102,9 @@ def test_multi_turn_trial_reports_prefill_and_ttft_per_turn(tiny):
         grow = r.series["turn_prompt_tokens"]
         assert grow == sorted(grow) and grow[0] < grow[-1]  # the history grows every turn
         assert r.metrics["ttft_ms_last_turn"] == r.series["turn_ttft_ms"][-1]
+        from engine.measure.metrics import METRICS, base_metric
+
+        assert {base_metric(k) for k in r.metrics} | set(r.series) <= set(METRICS)
 
 
 def test_capacity_search_runs_on_a_multi_turn_workload(tiny):
