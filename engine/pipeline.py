@@ -166,7 +166,7 @@ def _capacity(trial: TrialConfig, session: TrialSession, say):
     per_run, runs, _ = done[best]
     reference = done[0][2]
     mismatched = {i for _, _, out in done.values() for i, (a, b) in enumerate(zip(out, reference)) if a != b}
-    scalars, series = capacity_metrics(result, trial.capacity.percentile)
+    scalars, series = capacity_metrics(result)
     scalars["capacity_token_mismatches"] = float(len(mismatched))
     return per_run, runs, reference, scalars, series, result.verdict
 

@@ -275,7 +275,7 @@ CURVE = ("probe_rate", "probe_ttft_ms_p50", "probe_ttft_ms_p99", "probe_tpot_ms_
          "probe_output_tok_s", "probe_request_s", "probe_goodput", "probe_meets_slo")
 
 
-def capacity_metrics(result, pct: float) -> tuple[dict[str, float], dict[str, list[float]]]:
+def capacity_metrics(result) -> tuple[dict[str, float], dict[str, list[float]]]:
     """(scalars, curve) of a capacity search (`engine.serving.capacity.SearchResult`); the curve's steps
     are the probes in rate order."""
     from ..serving.capacity import RATE, SATURATE, SYNC
