@@ -133,6 +133,7 @@ def test_search_through_the_pipeline_logs_the_found_rate_its_curve_and_reference
     assert set(r.series) >= {"probe_rate", "probe_ttft_ms_p99", "probe_tpot_ms_p50", "probe_goodput"}
     assert all(len(v) == 2 for v in r.series.values())
     assert r.series["probe_rate"] == sorted(r.series["probe_rate"])  # steps in rate order
+    assert r.series["probe_kind"] == [0.0, 2.0]  # synchronous, then saturating (a higher rate)
     assert "max_rate_at_slo" not in plain.metrics and not plain.series
     from engine.measure.metrics import METRICS, LABELS, base_metric
 

@@ -50,6 +50,14 @@ def test_serving_points_table_and_plot_name_every_configuration(tmp_path):
     assert md[3].startswith("| serving-mixed | cfgr3 | 1.5 | 1.4 | 25.0 | 20.0 | * |")
     assert md[4].endswith("| 20.0 | 4.0 |  |")  # dominated: not starred
     assert sv.plot(pts, tmp_path / "p.png") == tmp_path / "p.png" and (tmp_path / "p.png").stat().st_size > 0
+    # a search that found no rate is shown with its one-at-a-time numbers, but never ranked on the frontier
+    none = _row(5, metrics={"output_tok_s": 99.0, "tpot_ms_p50": 10.0, "max_rate_at_slo": 0.0, "goodput_at_slo": 0.0})
+    pts = sv.points(lines + [_Line(none, "serving-mixed", "cfgr5")])
+    assert not pts[-1].within_slo and all(p.within_slo for p in pts[:-1])
+    md = sv.to_markdown(pts).splitlines()
+    assert md[2] == "| serving-mixed | cfgr5 | none (one at a time shown) | 0 | 99.0 | 100.0 |  |"
+    assert md[3].endswith("| 5.0 | * |")  # cfgr2 still on the frontier
+    assert sv.plot(pts, tmp_path / "p2.png") is not None
     assert sv.plot([], tmp_path / "none.png") is None
 
 

@@ -87,6 +87,7 @@ METRICS: dict[str, str] = {
     "probe_request_s": "capacity curve: completed requests/s of the probe",
     "probe_goodput": "capacity curve: goodput of the probe (req/s meeting both SLOs)",
     "probe_meets_slo": "capacity curve: 1 when the probe met the SLO at capacity.percentile",
+    "probe_kind": "capacity curve: 0 synchronous (one request at a time), 1 Poisson at probe_rate, 2 saturating (all at once)",
     # prefill work and multi-turn conversations (workload.kind=multi-turn; engine/serving/conversations.py)
     "prompt_tokens": "serving: prompt tokens of all requests of the run (what re-prompting from scratch computes)",
     "prefill_tokens": "serving: prompt tokens actually computed (prompt minus what the prefix cache held at admission)",
@@ -272,7 +273,7 @@ def serving_metrics(trace: "ServingTrace", slo: SLOConfig) -> dict[str, float]:
 
 
 CURVE = ("probe_rate", "probe_ttft_ms_p50", "probe_ttft_ms_p99", "probe_tpot_ms_p50", "probe_tpot_ms_p99",
-         "probe_output_tok_s", "probe_request_s", "probe_goodput", "probe_meets_slo")
+         "probe_output_tok_s", "probe_request_s", "probe_goodput", "probe_meets_slo", "probe_kind")
 
 
 def capacity_metrics(result) -> tuple[dict[str, float], dict[str, list[float]]]:
@@ -300,7 +301,7 @@ def capacity_metrics(result) -> tuple[dict[str, float], dict[str, list[float]]]:
                      ("probe_ttft_ms_p99", s.get("ttft_ms_p99")), ("probe_tpot_ms_p50", s.get("tpot_ms_p50")),
                      ("probe_tpot_ms_p99", s.get("tpot_ms_p99")), ("probe_output_tok_s", s.get("output_tok_s")),
                      ("probe_request_s", s.get("request_s")), ("probe_goodput", s.get("goodput")),
-                     ("probe_meets_slo", float(p.passed))):
+                     ("probe_meets_slo", float(p.passed)), ("probe_kind", float(kinds[p.kind]))):
             curve[k].append(float(v) if v is not None else float("nan"))
     return m, curve
 

@@ -3,7 +3,7 @@ tokens/s one user sees (1000 / median TPOT) against the tokens/s the server deli
 frontier marked; and goodput against the offered rate (a capacity search: at its found rate).
 
 A configuration is on the frontier when no other configuration of the same workload is at least as good on
-both axes and better on one. Works on the report's `Line`s (experiments/analysis/report.py), so the
+both axes and better on one; a capacity search that found no rate within the SLO is shown but not ranked. Works on the report's `Line`s (experiments/analysis/report.py), so the
 configurations carry the names the trial table gives them.
 """
 from __future__ import annotations
@@ -23,6 +23,12 @@ class ServingPoint:
     goodput: Optional[float]
     searched: bool
     hash: str
+
+    @property
+    def within_slo(self) -> bool:
+        """False for a capacity search that found no rate: its numbers are the synchronous probe's (one
+        request at a time), not a load it serves within the SLO, so it is left out of the frontier."""
+        return not self.searched or bool(self.rate)
 
 
 def points(lines) -> list[ServingPoint]:
@@ -61,15 +67,23 @@ def by_workload(pts: list[ServingPoint]) -> dict[str, list[ServingPoint]]:
     return g
 
 
+def ranked_front(ps: list[ServingPoint]) -> set[int]:
+    """Indices (into `ps`) of the frontier among the points within the SLO."""
+    ranked = [i for i, p in enumerate(ps) if p.within_slo]
+    return {ranked[j] for j in frontier([(ps[i].total_tok_s, ps[i].user_tok_s) for i in ranked])}
+
+
 def to_markdown(pts: list[ServingPoint]) -> str:
     rows = ["| workload | configuration | max rate at SLO req/s | goodput req/s | total tok/s | tok/s per user | Pareto |",
             "|---|---|---:|---:|---:|---:|:---:|"]
     for wl, ps in sorted(by_workload(pts).items()):
-        front = set(frontier([(p.total_tok_s, p.user_tok_s) for p in ps]))
+        front = ranked_front(ps)
         for i, p in sorted(enumerate(ps), key=lambda ip: -ip[1].total_tok_s):
             rate = "-" if p.rate is None else f"{p.rate:.3g}"
             if not p.searched and p.rate is not None:
                 rate = f"({rate} offered)"
+            if not p.within_slo:
+                rate = "none (one at a time shown)"
             good = "-" if p.goodput is None else f"{p.goodput:.3g}"
             rows.append(f"| {wl} | {p.name} | {rate} | {good} | {p.total_tok_s:.1f} | {p.user_tok_s:.1f} | "
                         f"{'*' if i in front else ''} |")
@@ -92,13 +106,15 @@ def plot(pts: list[ServingPoint], path: Path) -> Optional[Path]:
     fig, axs = plt.subplots(n, 2, figsize=(12, (4.5 + 0.14 * most) * n), squeeze=False)
     for (left, right), (wl, ps) in zip(axs, sorted(groups.items())):
         xy = [(p.total_tok_s, p.user_tok_s) for p in ps]
-        front = frontier(xy)
+        front = ranked_front(ps)
         fx = sorted((xy[i] for i in front))
         left.plot([x for x, _ in fx], [y for _, y in fx], "k--", lw=1, label="Pareto frontier", zorder=2)
         for i, p in enumerate(ps):
             on = i in front
-            left.scatter(*xy[i], s=70 if on else 35, edgecolor="black" if on else "none", zorder=3,
-                         label=f"{i + 1}: {p.name}" + (" *" if on else ""))
+            style = {"edgecolor": "black" if on else "none"} if p.within_slo else {"marker": "x"}
+            left.scatter(*xy[i], s=70 if on else 35, zorder=3, **style,
+                         label=f"{i + 1}: {p.name}" + (" *" if on else "") + ("" if p.within_slo else
+                                                                                " (no rate within SLO: one at a time)"))
             left.annotate(str(i + 1), xy[i], fontsize=8, xytext=(4, 4), textcoords="offset points")
         left.set_xlabel("total output tok/s (right: more throughput)")
         left.set_ylabel("tok/s per user = 1000 / TPOT p50 (up: faster per user)")
