@@ -27,6 +27,9 @@ class ClusterConfig:
     placement_timeout_s: float = 600  # fail queued trials when no worker can be placed for this long
     local_num_cpus: Optional[int] = None  # embedded Ray only; None = all cores
     local_num_gpus: Optional[int] = None  # embedded Ray only; None = detected
+    # > 0: the variants of each workload run on one worker, round-robin, this many rounds of one timed repeat
+    # each (ABBA), so drift hits them alike and their ratios pair by round (0: one trial per task)
+    interleave: int = 0
 
     @classmethod
     def from_dict(cls, section: Mapping[str, Any] | "ClusterConfig") -> "ClusterConfig":
@@ -64,6 +67,8 @@ class ClusterConfig:
         for k, v in (self.resources or {}).items():
             if v <= 0:
                 out.append(f"cluster.resources.{k}: must be > 0, got {v}")
+        if self.interleave < 0 or self.interleave == 1:
+            out.append(f"cluster.interleave: rounds must be 0 (off) or >= 2 (a ratio needs two rounds), got {self.interleave}")
         if self.memory_per_trial_gb < 0:
             out.append(f"cluster.memory_per_trial_gb: must be >= 0, got {self.memory_per_trial_gb}")
         return out

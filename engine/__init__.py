@@ -29,7 +29,7 @@ from .config import (
 # The runtime (torch, transformers) is imported on first use, so `engine.config` and the axis registry
 # stay cheap to import: the CLI's --help, `report` and `sync` need the config model, not a model.
 _LAZY = {"METRICS": ".measure.metrics", "LoadedModel": ".models", "load_model": ".models",
-         "prepare_model": ".models", "EngineResult": ".pipeline", "run_engine_trial": ".pipeline"}
+         "prepare_model": ".models", "EngineResult": ".pipeline", "run_engine_trial": ".pipeline", "run_interleaved": ".pipeline"}
 
 
 def __getattr__(name: str):
@@ -66,4 +66,5 @@ __all__ = [
     "load_model",
     "prepare_model",
     "run_engine_trial",
+    "run_interleaved",
 ]

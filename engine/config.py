@@ -254,6 +254,20 @@ class CapacityConfig:
 
 
 @dataclass
+class TimingConfig:
+    """How many timed repeats a trial takes (pyperf/criterion style): `workload.repeats` first, then more
+    until the 95% interval of every judged timing's median (output tok/s, TTFT, TPOT) is within
+    +-`target_ci` of it, at most `max_repeats` repeats and `budget_s` seconds of extra timed runs.
+    `max_repeats` <= `workload.repeats` pins the count. Engines in their own process (vLLM) restart per
+    call, so they run the fixed count. How precisely a number is measured is not what is measured: this
+    section is outside the config hash, like placement."""
+
+    target_ci: float = 0.05  # relative half-width of the 95% interval of the median
+    max_repeats: int = 10
+    budget_s: float = 20.0  # seconds of extra timed runs a trial may spend to reach the target
+
+
+@dataclass
 class DraftModelConfig:
     """speculative=draft: the separate draft model. Unset fields follow the target."""
 
@@ -326,6 +340,7 @@ class TrialConfig:
     capacity: CapacityConfig = field(default_factory=CapacityConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     seed: int = 0
+    timing: TimingConfig = field(default_factory=TimingConfig)  # precision of the timings (not hashed)
 
     @classmethod
     def from_dict(cls, data: dict[str, Any], ignore: tuple[str, ...] = ()) -> "TrialConfig":

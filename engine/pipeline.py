@@ -18,7 +18,7 @@ import torch
 from . import engines
 from .config import EngineError, TrialConfig
 from .engines.base import Engine, Runs, ServingPlan, StaticPlan, TrialSession
-from .measure.metrics import instability, median_metrics, request_metrics, static_batch_metrics, timing_spread, tokens_equal
+from .measure.metrics import STABILITY_KEYS, TIMINGS, UNSTABLE, instability, median_metrics, request_metrics, static_batch_metrics, timing_spread, tokens_equal
 from .measure.noise import NoiseMonitor
 from .model_facts import facts_or_none
 
@@ -32,6 +32,7 @@ class EngineResult:
     sample_text: str  # decoded first sequence, for humans
     info: dict[str, str] = field(default_factory=dict)
     labels: dict[str, str] = field(default_factory=dict)  # what the trial *is* (regime.*), not where it ran
+    samples: dict[str, list[float]] = field(default_factory=dict)  # each timed repeat's whole-run timings, in order
     # metric -> values by step (a capacity search's probe curve, in rate order), logged with steps
     series: dict[str, list[float]] = field(default_factory=dict)
 
@@ -75,22 +76,83 @@ def _check_context(trial: TrialConfig, need: int, what: str) -> None:
         raise EngineError(f"{what} = {need} exceeds the model's maximum of {limit} positions")
 
 
-def _static(trial: TrialConfig, session: TrialSession, say) -> tuple[list[dict], Runs, list[list[int]]]:
+def precise_enough(per_run: list[dict[str, float]], target: float) -> float:
+    """The widest relative half-width of the 95% interval of a judged timing's median over the repeats so
+    far (0 when none is judged; infinite from one repeat, which has no interval)."""
+    from .measure.spread import spread
+
+    if len(per_run) < 2:
+        return float("inf")
+    widths = [spread([r[k] for r in per_run]).half_width for k in STABILITY_KEYS if per_run and k in per_run[0]]
+    return max(widths, default=0.0)
+
+
+def _repeat_until_precise(trial: TrialConfig, run: Callable[[int, int], Runs], metrics_of: Callable[[Any, dict], dict],
+                          adaptive: bool, say) -> tuple[Runs, str]:
+    """`run(warmup, repeats)` once with the workload's warm-up and repeats, then -- `adaptive` -- again
+    with as many more repeats as the interval's 1/sqrt(n) narrowing needs to reach `timing.target_ci`,
+    within `timing.max_repeats` and `timing.budget_s` (at most two more calls: each may pay a setup).
+    Returns the runs and why repeating stopped."""
+    import math
+    import time
+
+    wl, tm = trial.workload, trial.timing
+    t0 = time.perf_counter()
+    runs = run(wl.warmup, max(1, wl.repeats))
+    if not adaptive or tm.max_repeats <= len(runs.traces):
+        return runs, "fixed count"
+    per_repeat_s = (time.perf_counter() - t0) / (len(runs.traces) + wl.warmup)
+    spent = 0.0
+    for _ in range(2):
+        per_run = [metrics_of(t, x) for t, x in zip(runs.traces, runs.extra)]
+        width, n = precise_enough(per_run, tm.target_ci), len(runs.traces)
+        if width <= tm.target_ci:
+            return runs, f"interval within +-{tm.target_ci:.0%}"
+        # the interval narrows as 1/sqrt(n); one repeat has none yet: ask for what the limits allow
+        want = math.ceil(n * (width / tm.target_ci) ** 2) - n if math.isfinite(width) else tm.max_repeats - n
+        k = min(want, tm.max_repeats - n, int((tm.budget_s - spent) / max(per_repeat_s, 1e-9)))
+        if k <= 0:
+            break
+        say(f"interval +-{width:.0%} > +-{tm.target_ci:.0%} after {n} repeats: {k} more")
+        t1 = time.perf_counter()
+        more = run(0, k)
+        spent += time.perf_counter() - t1
+        per_repeat_s = (time.perf_counter() - t1) / max(1, len(more.traces))
+        runs = Runs(runs.traces + list(more.traces), runs.extra + list(more.extra),
+                    max(runs.peak_mem_bytes, more.peak_mem_bytes))
+    per_run = [metrics_of(t, x) for t, x in zip(runs.traces, runs.extra)]
+    if precise_enough(per_run, tm.target_ci) <= tm.target_ci:
+        return runs, f"interval within +-{tm.target_ci:.0%}"
+    return runs, ("repeat limit" if len(runs.traces) >= tm.max_repeats else "time budget")
+
+
+@dataclass
+class Workload:
+    """One trial's workload on an open session: `run(warmup, repeats)` measures, `outcome(runs)` checks the
+    repeats (same tokens) and turns their traces into per-repeat metrics and the generated ids."""
+
+    run: Callable[[int, int], Runs]
+    metrics_of: Callable[[Any, dict], dict]
+    outputs_of: Callable[[Any], list[list[int]]]
+
+    def outcome(self, runs: Runs) -> tuple[list[dict], list[list[int]]]:
+        outputs = [self.outputs_of(t) for t in runs.traces]
+        if any(o != outputs[0] for o in outputs[1:]):  # sampling is seeded per run / per request
+            raise EngineError("generation is not deterministic: repeats produced different tokens")
+        return [self.metrics_of(t, x) for t, x in zip(runs.traces, runs.extra)], outputs[0]
+
+
+def _static(trial: TrialConfig, session: TrialSession, say) -> Workload:
     from .prompts import workload_prompts
 
     wl = trial.workload
     _check_context(trial, wl.context_len + wl.max_new_tokens, "context_len + max_new_tokens")
-    plan = StaticPlan(workload_prompts(session.tokenizer, wl), wl.max_new_tokens, wl.warmup, max(1, wl.repeats))
-    runs = session.run_static(plan, say)
-    # Sampling is seeded per run, so greedy or not, every repeat must produce the same tokens.
-    for t in runs.traces[1:]:
-        if not tokens_equal(t.tokens, runs.traces[0].tokens):
-            raise EngineError("generation is not deterministic: repeats produced different tokens")
-    per_run = [dict(static_batch_metrics(t), **x) for t, x in zip(runs.traces, runs.extra)]
-    return per_run, runs, runs.traces[0].tokens.tolist()
+    prompts = workload_prompts(session.tokenizer, wl)
+    return Workload(lambda warmup, repeats: session.run_static(StaticPlan(prompts, wl.max_new_tokens, warmup, repeats), say),
+                    lambda t, x: dict(static_batch_metrics(t), **x), lambda t: t.tokens.tolist())
 
 
-def serving_plan(wl, corpus: torch.Tensor, seed: int, warmup: int) -> ServingPlan:
+def serving_plan(wl, corpus: torch.Tensor, seed: int, warmup: int, repeats: int) -> ServingPlan:
     """The plan of a serving workload: its requests (multi-turn: the first turns, and the follow-up that
     builds each next turn from the answer before it)."""
     from .serving.requests import make_requests, warmup_requests
@@ -103,72 +165,71 @@ def serving_plan(wl, corpus: torch.Tensor, seed: int, warmup: int) -> ServingPla
         requests, follow_up = convs.first_turns(), convs.next_turn
     else:
         requests = make_requests(wl, corpus, seed)
-    return ServingPlan(requests, warmup_requests(requests), warmup, max(1, wl.repeats), follow_up, wl.max_concurrency)
+    return ServingPlan(requests, warmup_requests(requests), warmup, repeats, follow_up, wl.max_concurrency)
 
 
-def _serving_runs(trial: TrialConfig, session: TrialSession, plan: ServingPlan, say) -> tuple[list[dict], Runs, list[list[int]]]:
-    runs = session.run_serving(plan, say)
-    outputs = [[list(r.output) for r in t.requests] for t in runs.traces]
-    if any(o != outputs[0] for o in outputs[1:]):  # sampling is seeded per request
-        raise EngineError("generation is not deterministic: repeats produced different tokens")
-    per_run = [dict(request_metrics(t.requests, t.duration_s, trial.slo), **x) for t, x in zip(runs.traces, runs.extra)]
-    if trial.workload.multi_turn:
-        from .measure.metrics import turn_metrics
+def _serving_workload(trial: TrialConfig, session: TrialSession, wl, corpus: torch.Tensor, say) -> Workload:
+    """The serving workload `wl` (the trial's, or a capacity probe's arrivals of it) on `session`."""
+    def metrics_of(t, x):
+        m = dict(request_metrics(t.requests, t.duration_s, trial.slo), **x)
+        if wl.multi_turn:
+            from .measure.metrics import turn_metrics
 
-        for m, t in zip(per_run, runs.traces):
-            m.update(turn_metrics([t.requests], trial.workload.turns)[0])
-    return per_run, runs, outputs[0]
+            m.update(turn_metrics([t.requests], wl.turns)[0])
+        return m
+
+    return Workload(lambda warmup, repeats: session.run_serving(serving_plan(wl, corpus, trial.seed, warmup, repeats), say),
+                    metrics_of, lambda t: [list(r.output) for r in t.requests])
 
 
-def _serving(trial: TrialConfig, session: TrialSession, say) -> tuple[list[dict], Runs, list[list[int]]]:
+def _serving(trial: TrialConfig, session: TrialSession, say) -> Workload:
     from .prompts import corpus_ids
     from .serving.requests import max_request_tokens
 
     wl = trial.workload
     _check_context(trial, max_request_tokens(wl), "the longest request")
-    plan = serving_plan(wl, corpus_ids(session.tokenizer, wl.text), trial.seed, wl.warmup)
-    return _serving_runs(trial, session, plan, say)
+    return _serving_workload(trial, session, wl, corpus_ids(session.tokenizer, wl.text), say)
 
 
-def _capacity(trial: TrialConfig, session: TrialSession, say):
-    """A capacity search (engine/serving/capacity.py): the same requests probed at several arrival rates.
-    The trial's metrics are those of the probe at the found rate; the curve is every probe's, in rate order.
-    Token ids are the synchronous probe's (one request at a time: the reference outputs)."""
+def _capacity(m: "Measurement"):
+    """A capacity search (engine/serving/capacity.py): the same requests probed at several arrival rates,
+    each probe the workload's warm-up (first probe only) and repeats. Returns the runs of the probe at the
+    found rate (the trial's metrics), the scalars and curve of the search, its verdict, and the synchronous
+    probe's outputs (one request at a time: the reference tokens)."""
     import dataclasses
 
     from .measure.metrics import capacity_metrics, percentile
     from .prompts import corpus_ids
     from .serving.capacity import RATE, SATURATE, SYNC, ProbeStats, SearchBudget, meets, search_capacity
-    from .serving.requests import max_request_tokens
 
+    trial, session, say = m.trial, m.session, m.say
     wl, cap = trial.workload, trial.capacity
-    _check_context(trial, max_request_tokens(wl), "the longest request")
     corpus = corpus_ids(session.tokenizer, wl.text)
-    done: dict[int, tuple[list[dict], Runs, list[list[int]]]] = {}  # probe index -> what it measured
+    done: list[tuple[Runs, list[list[int]]]] = []  # per probe: its runs, its outputs
 
     def probe(kind: str, rate: float) -> ProbeStats:
         spec = {SYNC: dataclasses.replace(wl, arrival="all-at-once", max_concurrency=1),
                 SATURATE: dataclasses.replace(wl, arrival="all-at-once"),
                 RATE: dataclasses.replace(wl, arrival="poisson", rate=rate)}[kind]
-        plan = serving_plan(spec, corpus, trial.seed, wl.warmup if not done else 0)
-        per_run, runs, outputs = _serving_runs(trial, session, plan, say)
-        done[len(done)] = (per_run, runs, outputs)
+        w = _serving_workload(trial, session, spec, corpus, say)
+        runs = w.run(wl.warmup if not done else 0, max(1, wl.repeats))
+        per_run, outputs = w.outcome(runs)
+        done.append((runs, outputs))
         reqs = [r for t in runs.traces for r in t.requests]
         tpot = [(r.e2e_s - r.ttft_s) / (len(r.output) - 1) * 1e3 for r in reqs if len(r.output) > 1] or [0.0]
+        med = median_metrics(per_run)
         return ProbeStats(ttft_ms=percentile([r.ttft_s * 1e3 for r in reqs], cap.percentile),
-                          tpot_ms=percentile(tpot, cap.percentile), request_s=median_metrics(per_run)["request_s"],
-                          metrics=median_metrics(per_run))
+                          tpot_ms=percentile(tpot, cap.percentile), request_s=med["request_s"], metrics=med)
 
     budget = SearchBudget(cap.max_probes, cap.tolerance, cap.max_s)
     result = search_capacity(probe, lambda s: meets(s, trial.slo.ttft_ms, trial.slo.tpot_ms), budget, say=say)
     say(f"capacity: {result.verdict}")
-    best = result.probes.index(result.best)
-    per_run, runs, _ = done[best]
-    reference = done[0][2]
-    mismatched = {i for _, _, out in done.values() for i, (a, b) in enumerate(zip(out, reference)) if a != b}
+    runs = done[result.probes.index(result.best)][0]
+    reference = done[0][1]
+    mismatched = {i for _, out in done for i, (a, b) in enumerate(zip(out, reference)) if a != b}
     scalars, series = capacity_metrics(result)
     scalars["capacity_token_mismatches"] = float(len(mismatched))
-    return per_run, runs, reference, scalars, series, result.verdict
+    return runs, scalars, series, result.verdict, reference
 
 
 def roofline(trial: TrialConfig, engine: Engine, device: torch.device, metrics: dict[str, float]) -> dict[str, str]:
@@ -222,12 +283,55 @@ def evaluate(trial: TrialConfig, session: TrialSession, loaded: Any, metrics: di
     metrics["fidelity_ref_cached"] = float(cached)
 
 
-def run_engine_trial(
-    trial: TrialConfig,
-    loaded: Optional[Any] = None,
-    progress: Optional[Callable[[str], None]] = None,
-) -> EngineResult:
-    """Measure one configuration. `loaded` lets a warm worker reuse a model (from `load_trial_model`)."""
+@dataclass
+class Measurement:
+    """One trial between its phases: loaded and open (`open_trial`), measured (`Workload.run`, by
+    `run_engine_trial` alone or round-robin with others by `run_interleaved`), then finished (`finish`)."""
+
+    trial: TrialConfig
+    engine: Engine
+    loaded: Any
+    session: TrialSession
+    workload: Workload
+    say: Callable[[str], None]
+
+    @property
+    def gpu(self) -> Optional[int]:
+        return (self.session.device.index or 0) if self.session.device.type == "cuda" else None
+
+    def finish(self, runs: Runs, stop: str, noise: dict[str, float]) -> EngineResult:
+        """Medians, spread, noise, memory, weights, load time, roofline, accuracy and labels of `runs`."""
+        trial, engine, session = self.trial, self.engine, self.session
+        serving = trial.workload.serving
+        per_run, token_ids = self.workload.outcome(runs)
+        metrics = median_metrics(per_run)
+        metrics["timed_repeats"] = float(len(runs.traces))
+        metrics.update(timing_spread(per_run, runs, serving))
+        if engine.in_process:
+            metrics.update(noise)
+        metrics["peak_mem_bytes"] = float(runs.peak_mem_bytes)
+        metrics["weights_bytes"] = float(session.weights_bytes())
+        metrics["model_load_s"] = float(session.load_s)
+        metrics.update(session.metrics())
+        labels = {} if serving else roofline(trial, engine, session.device, metrics)
+        why = instability(metrics)
+        if why:
+            labels[UNSTABLE] = why
+        evaluate(trial, session, self.loaded, metrics, self.say)
+        info = dict(device_info(session.device), **session.info(), repeats_stop=stop)
+        from .measure.hardware import slow_dtype_note
+
+        note = slow_dtype_note(trial.model.dtype, session.device)
+        if note:  # not an error: the user may want to see it, but should know why the numbers look so
+            info["dtype_note"] = note
+        samples = {k: [float(r[k]) for r in per_run] for k in TIMINGS if k in per_run[0]}
+        return EngineResult(metrics=metrics, token_ids=token_ids, sample_text=session.tokenizer.decode(token_ids[0]),
+                            info=info, labels=labels, samples=samples)
+
+
+def open_trial(trial: TrialConfig, loaded: Optional[Any] = None,
+               progress: Optional[Callable[[str], None]] = None) -> Measurement:
+    """Load (unless `loaded`) and open `trial`'s model, ready to measure its workload."""
     say = progress or (lambda msg: log.info(msg))
     engine = engines.get(trial.engine.backend)
     if trial.engine.threads > 0:  # the trial's threads, also for the cost model's probe of this node
@@ -236,44 +340,69 @@ def run_engine_trial(
     if loaded is None:
         say(f"loading {trial.model.name}")
         loaded = engine.load(trial, say)
-    session = engine.open(trial, loaded, say)
-    serving = trial.workload.serving
-    searched, series, verdict = serving and trial.capacity.search, {}, ""
-    if searched and not engine.searches_capacity:
+    if trial.workload.serving and trial.capacity.search and not engine.searches_capacity:
         raise EngineError(f"engine {engine.name} cannot run a capacity search: {engine.searches_capacity_why}")
     if trial.workload.multi_turn and not engine.serves_conversations:
         raise EngineError(f"engine {engine.name} cannot serve multi-turn conversations: {engine.serves_conversations_why}")
-    with NoiseMonitor() as noise:
-        if searched:
-            per_run, runs, token_ids, found, series, verdict = _capacity(trial, session, say)
+    session = engine.open(trial, loaded, say)
+    workload = (_serving if trial.workload.serving else _static)(trial, session, say)
+    return Measurement(trial, engine, loaded, session, workload, say)
+
+
+def run_engine_trial(
+    trial: TrialConfig,
+    loaded: Optional[Any] = None,
+    progress: Optional[Callable[[str], None]] = None,
+) -> EngineResult:
+    """Measure one configuration. `loaded` lets a warm worker reuse a model (from `load_trial_model`)."""
+    m = open_trial(trial, loaded, progress)
+    searched = trial.workload.serving and trial.capacity.search
+    with NoiseMonitor(m.gpu) as noise:
+        if searched:  # each probe runs the workload's fixed warm-up and repeats
+            runs, found, series, verdict, reference = _capacity(m)
+            stop = "capacity search"
         else:
-            per_run, runs, token_ids = (_serving if serving else _static)(trial, session, say)
+            runs, stop = _repeat_until_precise(trial, m.workload.run, m.workload.metrics_of, m.engine.in_process, m.say)
+    result = m.finish(runs, stop, noise.result)
+    if searched:
+        result.metrics.update(found)
+        result.series.update(series)
+        result.labels["capacity"] = verdict
+        result.token_ids, result.sample_text = reference, m.session.tokenizer.decode(reference[0])
     if trial.workload.multi_turn:
         from .measure.metrics import turn_metrics
 
-        series.update(turn_metrics([t.requests for t in runs.traces], trial.workload.turns)[1])
-    metrics = median_metrics(per_run)
-    metrics.update(timing_spread(per_run, runs, serving))
-    if searched:
-        metrics.update(found)
-    if engine.in_process:
-        metrics.update(noise.result)
-    metrics["peak_mem_bytes"] = float(runs.peak_mem_bytes)
-    metrics["weights_bytes"] = float(session.weights_bytes())
-    metrics["model_load_s"] = float(session.load_s)
-    metrics.update(session.metrics())
-    labels = {} if serving else roofline(trial, engine, session.device, metrics)
-    why = instability(metrics)
-    if why:
-        labels["unstable"] = why
-    if verdict:
-        labels["capacity"] = verdict
-    evaluate(trial, session, loaded, metrics, say)
-    info = dict(device_info(session.device), **session.info())
-    from .measure.hardware import slow_dtype_note
+        result.series.update(turn_metrics([t.requests for t in runs.traces], trial.workload.turns)[1])
+    return result
 
-    note = slow_dtype_note(trial.model.dtype, session.device)
-    if note:  # not an error: the user may want to see it, but should know why the numbers look so
-        info["dtype_note"] = note
-    return EngineResult(metrics=metrics, token_ids=token_ids, sample_text=session.tokenizer.decode(token_ids[0]),
-                        info=info, labels=labels, series=series)
+
+def run_interleaved(trials: list[TrialConfig], rounds: int,
+                    progress: Optional[Callable[[str], None]] = None) -> list[EngineResult]:
+    """Measure several configurations round-robin on this worker: each warms up, then every round runs one
+    timed repeat of each, in ABBA order (reversed every other round), so drift on a shared machine (another
+    process starting, a thermal or frequency change) hits every variant alike. Repeat i of every variant ran
+    in round i: their per-round ratios are paired samples (`engine.measure.spread.paired_ratio`). Each
+    configuration keeps its own model in memory for the whole run."""
+    if rounds < 1:
+        raise EngineError(f"rounds must be >= 1, got {rounds}")
+    if any(t.workload.serving and t.capacity.search for t in trials):
+        raise EngineError("a capacity search runs its own probes; it cannot be interleaved with other trials")
+    apart = sorted({t.engine.backend for t in trials if not engines.get(t.engine.backend).in_process})
+    if apart:  # each call would start the engine's process again: one repeat per call measures the start-up
+        raise EngineError(f"interleaving needs engines that run in this process; {', '.join(apart)} runs in its own")
+    ms = [open_trial(t, progress=progress) for t in trials]
+    collected: list[list[Runs]] = [[] for _ in ms]
+    for m in ms:
+        m.workload.run(m.trial.workload.warmup, 0)
+    gpus = {m.gpu for m in ms} - {None}
+    with NoiseMonitor(min(gpus) if gpus else None) as noise:
+        for r in range(rounds):
+            order = list(range(len(ms))) if r % 2 == 0 else list(reversed(range(len(ms))))
+            for i in order:
+                collected[i].append(ms[i].workload.run(0, 1))
+    out = []
+    for m, parts in zip(ms, collected):
+        runs = Runs([t for p in parts for t in p.traces], [x for p in parts for x in p.extra],
+                    max(p.peak_mem_bytes for p in parts))
+        out.append(m.finish(runs, f"interleaved: {rounds} round(s)", noise.result))
+    return out

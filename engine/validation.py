@@ -299,9 +299,12 @@ def _batching(trial: TrialConfig, limit: int | None) -> list[tuple[str, str]]:
                              ("kv_cache.num_blocks", trial.kv_cache.num_blocks, 0)):
         if value < lo:
             p.append((field, f"must be >= {lo}, got {value}"))
-    for field, value in (("slo.ttft_ms", trial.slo.ttft_ms), ("slo.tpot_ms", trial.slo.tpot_ms)):
+    for field, value in (("slo.ttft_ms", trial.slo.ttft_ms), ("slo.tpot_ms", trial.slo.tpot_ms),
+                         ("timing.target_ci", trial.timing.target_ci)):
         if not value > 0:
             p.append((field, f"must be > 0, got {value}"))
+    if trial.timing.budget_s < 0:
+        p.append(("timing.budget_s", f"must be >= 0 (0: no extra repeats), got {trial.timing.budget_s}"))
     serves = [e.serving_usage or f"engine={e.name}" for e in engines.all_engines() if e.serves]
     if (b.mode == "continuous" or serving) and trial.engine.backend in engines.NAMES \
             and not engines.get(trial.engine.backend).serves:

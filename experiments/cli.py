@@ -109,13 +109,13 @@ def cmd_run(args) -> int:
 def cmd_reproduce(args) -> int:
     from .run.reproduce import format_comparison, reproduce
 
-    cmp = reproduce(args.hash, _tracking(args.overrides))
+    cmp = reproduce(args.hash, _tracking(args.overrides), against_all=args.against_all)
     print(format_comparison(cmp))
     return 0 if cmp.deterministic_match else 1
 
 
 def cmd_report(args) -> int:
-    from .analysis.report import ReportError, build, text_table
+    from .analysis.report import ReportError, build, table_notes, text_table
     from .analysis.results import NotFound
 
     try:
@@ -124,6 +124,8 @@ def cmd_report(args) -> int:
     except (NotFound, ValueError) as e:
         raise ReportError([str(e)]) from None
     print(text_table(rep.lines))
+    for note in table_notes(rep.lines):
+        print(note)
     for a in rep.advice:
         n = a.next
         if n is not None:
@@ -228,7 +230,8 @@ def cmd_probe(args) -> int:
     import torch
 
     from engine.config import EngineError
-    from engine.measure.hardware import cache_path, node_peaks, node_probe, preferred_dtype, slow_dtype_note
+    from engine.measure.hardware import (PROBE_LOADED, PROBE_MAX_OTHER_CPU, cache_path, cached_entry, node_peaks,
+                                         node_probe, preferred_dtype, slow_dtype_note)
 
     # every input is checked before anything is probed or written to the cache
     device = _probe_device(args.device)
@@ -240,12 +243,21 @@ def cmd_probe(args) -> int:
     p = node_peaks(device, args.dtype, threads, refresh=args.refresh)
     print(f"{p.name} ({device.type}{f', {threads} threads' if device.type == 'cpu' else ''}, {p.dtype}): "
           f"{p.mem_bw / 1e9:.1f} GB/s, {p.flops / 1e9:.1f} GFLOP/s, balance {p.balance:.1f} FLOP/byte  [{p.source}]")
-    if p.source != "table":
+    if p.source == PROBE_LOADED:
+        print(f"warning: other processes kept the CPUs busy during the probe (> {PROBE_MAX_OTHER_CPU:.0%}); these "
+              "numbers read low and were not cached -- run again on a quiet machine")
+    elif p.source != "table":
         probe, _ = node_probe(device, threads)
         for d, r in probe.rates.items():
             print(f"  {d:9s} GEMM {r.gemm_flops / 1e9:9.1f} GFLOP/s   batch-1 GEMV {r.gemv_bw / 1e9:6.1f} GB/s")
         print(f"  fast formats: {', '.join(probe.fast_dtypes())}; preferred dtype here: {preferred}")
-        print(f"cache: {cache_path()}")
+        entry = cached_entry(device, threads or 0) or {}
+        load = entry.get("load") or {}
+        when = entry.get("measured_at", "?")
+        cv = f", streaming read CV {100 * probe.stream_bw_cv:.1f}%" if probe.stream_bw_cv else ""
+        under = (f"other processes {100 * load['noise_other_cpu_frac']:.0f}% of the CPUs, load {load.get('noise_load_avg', 0):.2f}/CPU"
+                 if "noise_other_cpu_frac" in load else "load not recorded (probed before loads were)")
+        print(f"cache: {cache_path()} (probed {when}; {under}{cv})")
     note = slow_dtype_note(args.dtype, device)
     if note:
         print(f"note: {note}")
@@ -288,6 +300,9 @@ def build_parser() -> argparse.ArgumentParser:
     rp = sub.add_parser("reproduce", help="re-run a recorded trial by config hash (a prefix is enough) and compare")
     rp.add_argument("hash", help="config_hash or a unique prefix of it")
     rp.add_argument("overrides", nargs="*", help="tracking.* overrides, to read another store")
+    rp.add_argument("--against-all", action="store_true",
+                    help="also judge the new run against every other FINISHED run with this hash (other "
+                         "experiments, earlier sweeps, earlier reproductions)")
     rp.set_defaults(fn=cmd_reproduce)
     rep = sub.add_parser("report", help="table, plots, next-optimization advice (and seed claims) of a recorded sweep")
     rep.add_argument("sweep", help="experiment (sweep) name, sweep id (or a prefix) or parent run id")

@@ -219,8 +219,8 @@ def test_the_synchronous_probe_sends_one_request_at_a_time_and_the_saturating_al
     native = engines.get(trial.engine.backend)
     session = native.open(trial, native.load(trial, lambda _m: None), lambda _m: None)
     corpus = corpus_ids(session.tokenizer, trial.workload.text)
-    sync = serving_plan(dataclasses.replace(trial.workload, arrival="all-at-once", max_concurrency=1), corpus, 0, 0)
+    sync = serving_plan(dataclasses.replace(trial.workload, arrival="all-at-once", max_concurrency=1), corpus, 0, 0, 1)
     recs = sorted(session.run_serving(sync, lambda _m: None).traces[0].requests, key=lambda r: r.sent_s)
     assert len(recs) == 5 and all(b.sent_s >= a.token_times_s[-1] for a, b in zip(recs, recs[1:]))  # no overlap
-    sat = serving_plan(dataclasses.replace(trial.workload, arrival="all-at-once"), corpus, 0, 0)
+    sat = serving_plan(dataclasses.replace(trial.workload, arrival="all-at-once"), corpus, 0, 0, 1)
     assert all(r.sent_s == 0.0 for r in session.run_serving(sat, lambda _m: None).traces[0].requests)

@@ -150,11 +150,17 @@ def test_printed_url_opens_the_runs_table_with_the_metric_columns(ui, dashboard_
         return {r.get_attribute("row-id"): int(r.get_attribute("row-index"))
                 for r in d.find_elements(By.CSS_SELECTOR, "[role='row'][row-id]")}
 
+    # a trial labelled unstable (here by hand; the pipeline writes the same tag) shows why in its own column
+    slowest = min(trials, key=lambda rid: trials[rid]["output_tok_s"])
+    mlflow_client.set_tag(slowest, "unstable", "output_tok_s CV 14% > 10%")
+    unstable_cell = f"[role='row'][row-id='{slowest}'] [col-id='tags.`unstable`']"
     d.get(url)
     try:
         WebDriverWait(d, 90, poll_frequency=0.5).until(lambda _: len(headers()) == len(expected) and set(rows()) == set(trials))
+        WebDriverWait(d, 30, poll_frequency=0.5).until(lambda _: d.find_elements(By.CSS_SELECTOR, unstable_cell))
     finally:
         _shot(d, "mlflow-printed-url")
+    assert "CV 14%" in d.find_element(By.CSS_SELECTOR, unstable_cell).text
     # it stayed on the runs table of the classic (model training) view: no GenAI overview or evaluations
     assert f"/#/experiments/{exp_id}/runs?" in d.current_url and "workflowType=machine_learning" in d.current_url
     text = d.find_element(By.TAG_NAME, "body").text

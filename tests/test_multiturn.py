@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from support import make_trial
-from engine.config import BatchingConfig, EvalConfig, LengthConfig, ModelConfig, SLOConfig, WorkloadConfig
+from engine.config import BatchingConfig, EvalConfig, LengthConfig, ModelConfig, SLOConfig, TimingConfig, WorkloadConfig
 from engine.engines import make_backend
 from engine.engines.native.serving.serve import ServingSetup
 from engine.models import load_model
@@ -89,7 +89,7 @@ def test_multi_turn_trial_reports_prefill_and_ttft_per_turn(tiny):
     spec = chat(c=2, t=3, arrival="all-at-once")
     trial = make_trial(TINY, backend="native", kv_cache="paged", kv_block_size=4, prefix_caching=True, workload=spec,
                        batching=BatchingConfig("continuous", max_batch_size=4), eval=EvalConfig(enabled=False),
-                       slo=SLOConfig(ttft_ms=1e6, tpot_ms=1e6))
+                       slo=SLOConfig(ttft_ms=1e6, tpot_ms=1e6), timing=TimingConfig(max_repeats=1))  # one timed run
     on = run_engine_trial(trial, loaded=tiny)
     off = run_engine_trial(dataclasses.replace(trial, kv_cache=dataclasses.replace(trial.kv_cache, prefix_caching=False)),
                            loaded=tiny)

@@ -110,6 +110,20 @@ def test_reproduce_matches_token_ids_exactly(grid_sweep, tracking, mlflow_client
     assert new.data.tags["config_hash"] == cmp.config_hash
 
 
+def test_reproduce_against_all_judges_every_run_with_the_hash(grid_sweep, tracking, tracking_overrides, capsys):
+    """A second reproduction of one hash: the original stays the earliest non-reproduction (and says why),
+    and --against-all judges the new run against the other runs too (here the first reproduction)."""
+    row = grid_sweep.rows[2]
+    first = reproduce(row["hash"][:8], tracking)
+    assert main(["reproduce", row["hash"][:10], *tracking_overrides, "--against-all"]) == 0
+    out = capsys.readouterr().out
+    assert f"original run {row['run_id']}" in out and "the original is the earliest that is not a reproduction" in out
+    assert "against the 1 other run(s) with this hash:" in out
+    other = next(ln for ln in out.splitlines() if ln.startswith(f"  run {first.new_run_id[:8]} (a reproduction)"))
+    assert "tokens MATCH" in other and "ttft_ms_p50 x" in other
+    assert ("consistent" in other) or ("differs beyond noise" in other)
+
+
 def test_reproduce_unknown_hash_is_a_clear_error(tracking_overrides, capsys):
     rc = main(["reproduce", "ffffffffffff", *tracking_overrides])
     assert rc == 2 and "no FINISHED run" in capsys.readouterr().err

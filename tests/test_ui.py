@@ -71,7 +71,7 @@ def test_tracker_tags_new_and_existing_experiments_and_keeps_an_edited_view(trac
         state = json.loads(envelope["state"])
         assert state["selectedColumns"] == state["columnOrder"] == [
             "metrics.`output_tok_s`", "metrics.`ttft_ms_p50`", "metrics.`tpot_ms_p50`", "metrics.`ppl`",
-            "metrics.`kl_div_mean`", "metrics.`peak_mem_bytes`"]
+            "metrics.`kl_div_mean`", "metrics.`peak_mem_bytes`", "tags.`unstable`"]
         assert state["searchFilter"] == "tags.kind = 'trial'" and state["orderByAsc"] is False
     edited = mlflow_client.get_experiment(edited_id)
     assert edited.tags[view_key] == "{\"edited\": true}" and edited.tags[dashboard.KIND_TAG] == "custom_model_development"

@@ -200,7 +200,9 @@ def _synchronizer(device: torch.device) -> Callable[[], None]:
     return (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
 
 
-def _best_of(fn: Callable[[], None], sync: Callable[[], None], repeats: int, clock: Clock = time.perf_counter) -> float:
+def _best_of(fn: Callable[[], None], sync: Callable[[], None], repeats: int, clock: Clock = time.perf_counter,
+             samples: Optional[list[float]] = None) -> float:
+    """Best seconds of `repeats` calls after a warm-up; every call's seconds go to `samples` if given."""
     fn()  # warm-up (first call pays allocation, kernel selection, page faults)
     sync()
     best = float("inf")
@@ -208,17 +210,24 @@ def _best_of(fn: Callable[[], None], sync: Callable[[], None], repeats: int, clo
         t0 = clock()
         fn()
         sync()
-        best = min(best, clock() - t0)
+        dt = clock() - t0
+        best = min(best, dt)
+        if samples is not None:
+            samples.append(dt)
     return best
 
 
 def probe_bandwidth(device: torch.device, nbytes: int = 256 << 20, repeats: int = 6,
-                    clock: Clock = time.perf_counter) -> float:
-    """Bytes/s of a streaming read (a sum over a tensor far larger than any cache)."""
+                    clock: Clock = time.perf_counter, samples: Optional[list[float]] = None) -> float:
+    """Bytes/s of a streaming read (a sum over a tensor far larger than any cache); each repeat's bytes/s
+    go to `samples` if given (the probe's own spread)."""
     if device.type == "cuda":
         nbytes = max(nbytes, 2 << 30)
     x = torch.ones(nbytes // 4, dtype=torch.float32, device=device)
-    dt = _best_of(lambda: x.sum(), _synchronizer(device), repeats, clock)
+    times: list[float] = []
+    dt = _best_of(lambda: x.sum(), _synchronizer(device), repeats, clock, times)
+    if samples is not None:
+        samples.extend(x.numel() * 4 / t for t in times)
     return x.numel() * 4 / dt
 
 
@@ -300,6 +309,7 @@ class NodeProbe:
     name: str
     stream_bw: float  # bytes/s of a streaming read (dtype-independent)
     rates: dict[str, DtypeRates]
+    stream_bw_cv: float = 0.0  # spread of the streaming read's repeats (stdev / mean)
 
     def peaks(self, dtype: str, source: str) -> HardwarePeaks:
         if dtype not in self.rates:
@@ -322,24 +332,56 @@ class NodeProbe:
         for d, r in self.rates.items():
             o = other.rates.get(d)
             rates[d] = r if o is None else DtypeRates(max(r.gemm_flops, o.gemm_flops), max(r.gemv_bw, o.gemv_bw))
-        return NodeProbe(self.name, max(self.stream_bw, other.stream_bw), rates)
+        return NodeProbe(self.name, max(self.stream_bw, other.stream_bw), rates, self.stream_bw_cv)
 
     def to_json(self) -> dict:
-        return {"name": self.name, "stream_bw": self.stream_bw, "rates": {d: asdict(r) for d, r in self.rates.items()}}
+        return {"name": self.name, "stream_bw": self.stream_bw, "stream_bw_cv": self.stream_bw_cv,
+                "rates": {d: asdict(r) for d, r in self.rates.items()}}
 
     @classmethod
     def from_json(cls, d: dict) -> "NodeProbe":
         rates = {k: DtypeRates(float(v["gemm_flops"]), float(v["gemv_bw"])) for k, v in d["rates"].items()}
-        return cls(d["name"], float(d["stream_bw"]), rates)
+        return cls(d["name"], float(d["stream_bw"]), rates, float(d.get("stream_bw_cv", 0.0)))
 
 
 def probe_node(device: torch.device, dtypes: tuple[str, ...] = PROBE_DTYPES, clock: Clock = time.perf_counter) -> NodeProbe:
     """Measure the streaming read and each dtype's GEMM and GEMV (a few seconds on a CPU)."""
+    import statistics
+
     rates = {}
     for d in dtypes:
         dt = TORCH_DTYPES[d]
         rates[d] = DtypeRates(gemm_flops=probe_matmul(device, dt, clock=clock), gemv_bw=probe_gemv(device, dt, clock=clock))
-    return NodeProbe(device_name(device), probe_bandwidth(device, clock=clock), rates)
+    bws: list[float] = []
+    bw = probe_bandwidth(device, clock=clock, samples=bws)
+    cv = statistics.stdev(bws) / statistics.fmean(bws) if len(bws) > 1 else 0.0
+    return NodeProbe(device_name(device), bw, rates, cv)
+
+
+# A probe during which other processes took more than this share of the CPUs reads low (the issue's loaded
+# machine cached 4 GB/s instead of 20.9): it is used for the trial at hand, flagged, and never cached.
+PROBE_MAX_OTHER_CPU = 0.25
+PROBE_LOADED = "probe-loaded"  # hw.source of such a probe
+
+
+def _quiet_probe(device: torch.device, attempts: int = 2, wait_s: float = 2.0) -> tuple[NodeProbe, dict[str, float]]:
+    """A probe with the load it ran under ({noise_other_cpu_frac, noise_steal_frac, noise_load_avg}); a
+    probe taken under load is tried again after `wait_s` (a passing burst), at most `attempts` times."""
+    from .noise import NoiseMonitor, load_per_cpu
+
+    for i in range(attempts):
+        with NoiseMonitor() as noise:
+            probe = probe_node(device)
+        load = dict(noise.result)
+        if load.get("noise_other_cpu_frac", 0.0) <= PROBE_MAX_OTHER_CPU:
+            break
+        if i + 1 < attempts:
+            log.info("hardware probe under load (other processes used %.0f%% of the CPUs): probing again in %.0f s",
+                     100 * load["noise_other_cpu_frac"], wait_s)
+            time.sleep(wait_s)
+    if "noise_load_avg" not in load and load_per_cpu() is not None:
+        load["noise_load_avg"] = load_per_cpu()
+    return probe, load
 
 
 # --- cache -----------------------------------------------------------------------------------------------
@@ -372,16 +414,28 @@ def node_probe(device: torch.device, threads: Optional[int] = None, refresh: boo
         t0 = time.perf_counter()
         if threads and device.type == "cpu":
             torch.set_num_threads(threads)
-        probe = probe_node(device)
+        probe, load = _quiet_probe(device)
+        other = load.get("noise_other_cpu_frac", 0.0)
+        if other > PROBE_MAX_OTHER_CPU:  # never cached: the next trial probes again
+            log.warning("hardware probe taken under load (other processes used %.0f%% of the CPUs, > %.0f%%): "
+                        "not cached; this trial's roofline numbers read high (hw.source=%s). Re-probe on a quiet "
+                        "machine with `infersweep probe --refresh`.", 100 * other, 100 * PROBE_MAX_OTHER_CPU, PROBE_LOADED)
+            return (probe.merged(old) if old is not None else probe), PROBE_LOADED
         if old is not None:
             probe = probe.merged(old)
         entries[key] = {**probe.to_json(), "threads": threads, "fast_dtypes": list(probe.fast_dtypes()),
                         "probe_s": round(time.perf_counter() - t0, 2),
-                        "measured_at": time.strftime("%Y-%m-%dT%H:%M:%S")}
+                        "measured_at": time.strftime("%Y-%m-%dT%H:%M:%S"),
+                        "load": {k: round(v, 4) for k, v in load.items()}}
         tmp = path.with_suffix(f".tmp{os.getpid()}")
         tmp.write_text(json.dumps(entries, indent=2, sort_keys=True))
         tmp.replace(path)
         return probe, "probe"
+
+
+def cached_entry(device: torch.device, threads: int) -> Optional[dict]:
+    """The cache's record of this node's probe at `threads` (with when and under what load), or None."""
+    return _read(cache_path()).get(probe_key(device_name(device), device, threads))
 
 
 def node_peaks(device: torch.device, dtype: str, threads: Optional[int] = None, refresh: bool = False) -> HardwarePeaks:

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from ..config import SLOConfig
+from .noise import UNSTABLE  # noqa: F401 -- the label's home is the noise module (torch-free); LABELS documents it
 from ..generate import GenerationTrace
 
 if TYPE_CHECKING:
@@ -130,6 +131,10 @@ METRICS: dict[str, str] = {
                             "engines that run in their own processes, vLLM, do not record it)",
     "noise_steal_frac": "CPU steal during the timed runs / all CPUs' time (a hypervisor ran someone else)",
     "noise_load_avg": "1-minute load average per CPU at the end of the timed runs",
+    "noise_gpu_other_procs": "processes other than the trial's holding its GPU during the timed runs (CUDA with NVML)",
+    "noise_gpu_other_mem_bytes": "device memory those processes held",
+    "timed_repeats": "timed repeats behind the medians and intervals: workload.repeats, then more until each judged "
+                     "timing's interval is within timing.target_ci (or timing.max_repeats / timing.budget_s ran out)",
 }
 # Each timing below also carries its spread (engine/measure/spread.py): NAME_ci_lo, NAME_ci_hi (95% interval
 # of the median, percentile bootstrap), NAME_cv (stdev / mean), NAME_n (samples). NAME itself stays the median.
@@ -148,9 +153,10 @@ LABELS: dict[str, str] = {
     "regime.decode.measured": "the roof the measured decode is nearer to",
     "regime.phase": "the phase (prefill or decode) that took the most measured time",
     "regime": "measured regime of that phase: what the next optimization should attack",
-    "hw.source": "where the hardware peaks came from: table (known GPU), probe (measured now) or cache",
+    "hw.source": "where the hardware peaks came from: table (known GPU), probe (measured now), cache, or "
+                 "probe-loaded (measured now under load: not cached, the roofline shares read high)",
     "capacity": "capacity search: why it stopped (bracket within tolerance, budget spent, or no rate meets the SLO)",
-    "unstable": "why the trial's timings cannot be trusted (a timing's CV above 10%, or other processes busy); "
+    UNSTABLE: "why the trial's timings cannot be trusted (a timing's CV above 10%, or other processes busy); "
                 "absent on a stable trial",
 }
 
@@ -397,4 +403,7 @@ def instability(metrics: dict[str, float]) -> str:
     other = metrics.get("noise_other_cpu_frac")
     if other is not None and other > UNSTABLE_OTHER_CPU:
         why.append(f"other processes used {other:.0%} of the CPUs (> {UNSTABLE_OTHER_CPU:.0%})")
+    gpu_procs = metrics.get("noise_gpu_other_procs")
+    if gpu_procs:
+        why.append(f"{gpu_procs:.0f} other process(es) on the GPU")
     return "; ".join(why)

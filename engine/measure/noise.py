@@ -5,13 +5,18 @@
   region (busy jiffies of every core from /proc/stat, less this process's and its finished children's
   CPU time): 0 on a quiet machine, 0.5 when another process kept one of two cores busy;
 - `noise_steal_frac`: CPU steal (a hypervisor running someone else on our cores), same units;
-- `noise_load_avg`: the 1-minute load average at the end, per CPU.
+- `noise_load_avg`: the 1-minute load average at the end, per CPU;
+- on a CUDA device (with NVML, `pip install nvidia-ml-py`; nothing without it): `noise_gpu_other_procs`,
+  the most processes other than this one seen holding the device (at entry or exit), and
+  `noise_gpu_other_mem_bytes`, the device memory they held.
 """
 from __future__ import annotations
 
 import os
 import time
 from typing import Optional
+
+UNSTABLE = "unstable"  # the label (MLflow tag) naming why a trial's timings cannot be trusted; absent when they can
 
 # /proc/stat cpu line: user nice system idle iowait irq softirq steal guest guest_nice
 _BUSY = (0, 1, 2, 5, 6, 7)
@@ -41,19 +46,51 @@ def load_per_cpu() -> Optional[float]:
         return None
 
 
+def gpu_other_processes(index: int) -> Optional[tuple[int, int]]:
+    """(processes other than this one on CUDA device `index`, the device memory they hold), from NVML;
+    None without NVML or a driver (every CPU-only machine)."""
+    try:
+        import pynvml
+    except ImportError:
+        return None
+    try:
+        pynvml.nvmlInit()
+        try:
+            handle = pynvml.nvmlDeviceGetHandleByIndex(index)
+            procs = list(pynvml.nvmlDeviceGetComputeRunningProcesses(handle))
+            procs += list(pynvml.nvmlDeviceGetGraphicsRunningProcesses(handle))
+        finally:
+            pynvml.nvmlShutdown()
+    except Exception:  # pynvml.NVMLError and driver mismatches: no reading, not a failed trial
+        return None
+    others = {p.pid: (p.usedGpuMemory or 0) for p in procs if p.pid != os.getpid()}
+    return len(others), int(sum(others.values()))
+
+
 class NoiseMonitor:
-    def __init__(self) -> None:
+    """`gpu`: the CUDA device index whose other processes to count (None: CPU only)."""
+
+    def __init__(self, gpu: Optional[int] = None) -> None:
         self._start: Optional[tuple[float, float, tuple[int, int]]] = None
+        self._gpu = gpu
+        self._gpu_start: Optional[tuple[int, int]] = None
         self.result: dict[str, float] = {}
 
     def __enter__(self) -> "NoiseMonitor":
         jiffies = _cpu_jiffies()
         if jiffies is not None:
             self._start = (time.monotonic(), _own_cpu_s(), jiffies)
+        if self._gpu is not None:
+            self._gpu_start = gpu_other_processes(self._gpu)
         return self
 
     def __exit__(self, *exc) -> None:
         self.result = self.measure()
+        if self._gpu is not None:
+            seen = [x for x in (self._gpu_start, gpu_other_processes(self._gpu)) if x is not None]
+            if seen:
+                self.result["noise_gpu_other_procs"] = float(max(n for n, _ in seen))
+                self.result["noise_gpu_other_mem_bytes"] = float(max(m for _, m in seen))
 
     def measure(self) -> dict[str, float]:
         """The noise metrics from entry until now ({} where /proc cannot be read)."""

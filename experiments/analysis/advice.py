@@ -14,10 +14,13 @@ from typing import Optional
 from engine import axes
 from engine.axes import RIGHT_SIZE, Axis
 
-from .results import TrialRow, counterpart, describe
+from engine.measure.spread import WITHIN_NOISE
 
-APPLIED, NEXT, LATER, NO_GAIN, NOT_APPLICABLE, MISSING = (
-    "applied", "next", "later", "measured: no gain", "not applicable", "not measured (feature missing)")
+from .results import TrialRow, compare, counterpart, describe, unstable_note
+
+APPLIED, NEXT, LATER, NO_GAIN, WITHIN, UNLIKELY, NOT_APPLICABLE, MISSING = (
+    "applied", "next", "later", "measured: no gain", "measured: within noise", "unlikely to pay off",
+    "not applicable", "not measured (feature missing)")
 
 
 CHAIN: tuple[Axis, ...] = axes.CHAIN
@@ -129,6 +132,7 @@ class Advice:
     workload: str
     best: TrialRow
     steps: list[StepAdvice] = field(default_factory=list)
+    tied: list[TrialRow] = field(default_factory=list)  # other trials whose throughput is within noise of best's
 
     @property
     def next(self) -> Optional[StepAdvice]:
@@ -153,6 +157,8 @@ def advise(rows: list[TrialRow], ax: list[str], workload: str = "") -> Optional[
         return None
     best = max(done, key=lambda r: r.num("output_tok_s"))
     adv = Advice(workload, best)
+    adv.tied = [r for r in done if r is not best and (c := compare(r, best, "output_tok_s")) is not None
+                and c.verdict == WITHIN_NOISE]
     have_next = False
     for step in CHAIN:
         value = step_value(best, step)
@@ -166,6 +172,15 @@ def advise(rows: list[TrialRow], ax: list[str], workload: str = "") -> Optional[
         # measured in this sweep on top of the same settings, and slower (or it would be the best)
         tried = counterpart(rows, best, {step.key: lambda v, off=step.off: v is not None and v != off}, ax)
         if tried is not None:
+            cmp = compare(best, tried, "output_tok_s")
+            if cmp is not None:
+                within = cmp.verdict == WITHIN_NOISE
+                adv.steps.append(StepAdvice(
+                    step.label, value, WITHIN if within else NO_GAIN,
+                    f"measured here: {step_value(tried, step)} runs at {cmp.cell()} of this trial's throughput -- "
+                    + ("within noise: no measurable gain on this workload and hardware" if within
+                       else "on this workload and hardware it does not pay off") + unstable_note([best, tried]), False))
+                continue
             r = tried.num("output_tok_s") / best.num("output_tok_s")
             adv.steps.append(StepAdvice(step.label, value, NO_GAIN,
                                         f"measured here: {step_value(tried, step)} runs at x{r:.2f} of this trial's "
@@ -173,6 +188,9 @@ def advise(rows: list[TrialRow], ax: list[str], workload: str = "") -> Optional[
             continue
         if not ok:
             adv.steps.append(StepAdvice(step.label, value, NOT_APPLICABLE, why, pays))
+            continue
+        if pays is False:  # the regime argues against it: never the recommended next step
+            adv.steps.append(StepAdvice(step.label, value, UNLIKELY, why, pays))
             continue
         adv.steps.append(StepAdvice(step.label, value, LATER if have_next else NEXT, why, pays))
         have_next = True
@@ -192,7 +210,11 @@ def to_markdown(advices: list[Advice], ax: list[str]) -> str:
         preg, phow = regime(b, "prefill")
         out.append(f"### {a.workload}\n")
         out.append(f"Best so far: **{opt_label(b, ax)}** ({b.hash}) -- {b.num('output_tok_s'):.2f} output tok/s; "
-                   f"prefill {preg or '?'}-bound ({phow or 'unknown'}), decode {dreg or '?'}-bound ({dhow or 'unknown'}).\n")
+                   f"prefill {preg or '?'}-bound ({phow or 'unknown'}), decode {dreg or '?'}-bound ({dhow or 'unknown'})"
+                   + unstable_note([b]) + ".\n")
+        if a.tied:
+            out.append("Within noise of it: " + ", ".join(f"{opt_label(r, ax)} ({r.hash[:8]})" for r in a.tied)
+                       + " -- the intervals cannot tell these apart.\n")
         n = a.next
         if n is not None:
             pay = {True: "should pay off", False: "unlikely to pay off", None: "unknown"}[n.pays_off]

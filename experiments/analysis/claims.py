@@ -7,8 +7,10 @@ in this sweep)". To add a row, append a `Claim` to `CLAIMS`.
 
 Verdicts compare ratios measured here with the seed's ranges (its absolute numbers are for a 7B model on an
 H100): "yes" inside the range (or beyond it in the claimed direction), "partly" right direction but short of
-it (or one half of a two-part claim), "no" otherwise. Arithmetic claims are checked with the cost model's
-own formulas and hold on any hardware.
+it (or one half of a two-part claim), "no" otherwise. A claimed speed-up carries the 95% interval of its
+ratio (both trials' intervals, engine/measure/spread.py) and reads "within noise" when that interval
+contains x1, whatever the median ratio says; a verdict judged from trials labelled `unstable` says so.
+Arithmetic claims are checked with the cost model's own formulas and hold on any hardware.
 """
 from __future__ import annotations
 
@@ -19,9 +21,12 @@ from engine.measure.costmodel import ModelShape
 
 from engine.axes import ATTENTION, BACKEND, BATCHING, KV_CACHE, QUANT, SPECULATIVE
 
-from .results import CONTEXT, TrialRow, axes, counterpart, speedup
+from engine.measure.spread import WITHIN_NOISE
+
+from .results import CONTEXT, TrialRow, axes, compare, counterpart, speedup, unstable_note
 
 YES, PARTLY, NO = "yes", "partly", "no"
+WITHIN = "within noise"  # a claimed gain whose interval contains x1
 MISSING = "not measured yet (feature missing)"
 ABSENT = "not measured (no such trials in this sweep)"
 ARITHMETIC = "any (arithmetic)"
@@ -77,6 +82,18 @@ def _range_verdict(r: float, lo: float, partly_above: float = 1.1) -> str:
     return PARTLY if r > partly_above else NO
 
 
+def _interval(base: TrialRow, new: TrialRow, metric: str) -> str:
+    """' [95%: x1.10-x1.35, faster]' for the ratio new/base of `metric`, '' where no interval was logged."""
+    c = compare(base, new, metric)
+    return "" if c is None else f" [95%: x{c.lo:.2f}-x{c.hi:.2f}, {c.verdict}]"
+
+
+def _gain(holds: str, base: TrialRow, new: TrialRow, metric: str) -> str:
+    """A claimed gain judged from its interval: 'within noise' when the interval cannot tell it from x1."""
+    c = compare(base, new, metric)
+    return WITHIN if c is not None and c.verdict == WITHIN_NOISE else holds
+
+
 def _mb(x: Optional[float]) -> str:
     return "?" if x is None else f"{x / 1e6:.0f} MB"
 
@@ -95,8 +112,8 @@ def kv_speedup(t: Trials) -> Optional[Finding]:
     off, on = p
     r = speedup(off.num("decode_tok_s"), on.num("decode_tok_s"))
     measured = (f"x{r:.1f} decode at context {ctx} ({off.num('decode_tok_s'):.2f} -> {on.num('decode_tok_s'):.2f} tok/s, "
-                f"{on.params.get('engine.backend')}/{on.params.get('attention.impl')})")
-    return Finding(measured, _range_verdict(r, 10, 2), [off, on])
+                f"{on.params.get('engine.backend')}/{on.params.get('attention.impl')})" + _interval(off, on, "decode_tok_s"))
+    return Finding(measured, _gain(_range_verdict(r, 10, 2), off, on, "decode_tok_s"), [off, on])
 
 
 def kv_regime(t: Trials) -> Optional[Finding]:
@@ -137,8 +154,8 @@ def flash_speedup(t: Trials) -> Optional[Finding]:
     r = speedup(eager.num("output_tok_s"), fused.num("output_tok_s"))
     rp = speedup(eager.num("prefill_tok_s"), fused.num("prefill_tok_s"))
     measured = (f"x{r:.2f} end-to-end at context {ctx} ({fused.params.get('attention.impl')} vs eager, "
-                f"{fused.params.get('engine.backend')}; prefill x{rp:.2f})")
-    return Finding(measured, _range_verdict(r, 2), [eager, fused])
+                f"{fused.params.get('engine.backend')}; prefill x{rp:.2f})" + _interval(eager, fused, "output_tok_s"))
+    return Finding(measured, _gain(_range_verdict(r, 2), eager, fused, "output_tok_s"), [eager, fused])
 
 
 def flash_memory(t: Trials) -> Optional[Finding]:
@@ -184,7 +201,8 @@ def flash_short(t: Trials) -> Optional[Finding]:
         return None
     eager, fused = p
     r = speedup(eager.num("output_tok_s"), fused.num("output_tok_s"))
-    measured = f"x{r:.2f} end-to-end at context {ctx}, batch {eager.batch_size}" + (" (fused slower here)" if r < 0.9 else "")
+    measured = (f"x{r:.2f} end-to-end at context {ctx}, batch {eager.batch_size}" + (" (fused slower here)" if r < 0.9 else "")
+                + _interval(eager, fused, "output_tok_s"))
     return Finding(measured, YES if r < 1.2 else (PARTLY if r < 1.5 else NO), [eager, fused])
 
 
@@ -197,7 +215,8 @@ def flash_needs_kv(t: Trials) -> Optional[Finding]:
         return None
     r_on = speedup(on[0].num("output_tok_s"), on[1].num("output_tok_s"))
     r_off = speedup(off[0].num("output_tok_s"), off[1].num("output_tok_s"))
-    measured = f"fused vs eager at context {ctx}: x{r_off:.2f} without KV cache, x{r_on:.2f} with it"
+    measured = (f"fused vs eager at context {ctx}: x{r_off:.2f} without KV cache{_interval(*off, 'output_tok_s')}, "
+                f"x{r_on:.2f} with it{_interval(*on, 'output_tok_s')}")
     # "won't be visible": the gain without a cache is no larger than with it (within noise)
     return Finding(measured, YES if r_off <= r_on * 1.05 else NO, [*off, *on])
 
@@ -215,8 +234,8 @@ def _quant_claim(levels: tuple[str, ...], speed: tuple[float, float], drop_pct: 
                     acc = f", ppl {base.num('ppl'):.3f} -> {q.num('ppl'):.3f} ({drop:+.1f}%)"
                 else:
                     drop, acc = None, ""
-                measured = f"{level}: x{r:.2f} output tok/s at context {q.context_len}{acc}"
-                fast = r >= speed[0]
+                measured = f"{level}: x{r:.2f} output tok/s at context {q.context_len}{_interval(base, q, 'output_tok_s')}{acc}"
+                fast = r >= speed[0] and _gain(YES, base, q, "output_tok_s") == YES
                 accurate = drop is not None and drop <= drop_pct[1]
                 holds = YES if fast and accurate else (PARTLY if fast or accurate else NO)
                 return Finding(measured, holds, [base, q])
@@ -287,8 +306,9 @@ def speculative_speedup(t: Trials) -> Optional[Finding]:
             continue
         r = speedup(base.num("output_tok_s"), s.num("output_tok_s"))
         measured = (f"x{r:.2f} output tok/s ({_spec_desc(s)}: {base.num('output_tok_s'):.1f} -> "
-                    f"{s.num('output_tok_s'):.1f} tok/s, alpha={s.num('acceptance_rate') or 0:.2f})")
-        return Finding(measured, _range_verdict(r, 2), [base, s])
+                    f"{s.num('output_tok_s'):.1f} tok/s, alpha={s.num('acceptance_rate') or 0:.2f})"
+                    + _interval(base, s, "output_tok_s"))
+        return Finding(measured, _gain(_range_verdict(r, 2), base, s, "output_tok_s"), [base, s])
     return None
 
 
@@ -298,8 +318,9 @@ def continuous_batching(t: Trials) -> Optional[Finding]:
         if c is None:
             continue
         r = speedup(base.num("output_tok_s"), c.num("output_tok_s"))
-        return Finding(f"continuous vs static: x{r:.2f} output tok/s (static = {100 / r:.0f}% of continuous)",
-                       _range_verdict(r, 1 / 0.7), [base, c])
+        return Finding(f"continuous vs static: x{r:.2f} output tok/s (static = {100 / r:.0f}% of continuous)"
+                       + _interval(base, c, "output_tok_s"), _gain(_range_verdict(r, 1 / 0.7), base, c, "output_tok_s"),
+                       [base, c])
     return None
 
 
@@ -430,7 +451,7 @@ def evaluate(rows: list[TrialRow], claims: tuple[Claim, ...] = CLAIMS) -> list[C
             out.append(ClaimRow(c.name, c.seed, "-", "-", ABSENT))
             continue
         hw = f.hardware or "; ".join(dict.fromkeys(r.hardware() for r in f.used)) or "-"
-        out.append(ClaimRow(c.name, c.seed, f.measured, hw, f.holds))
+        out.append(ClaimRow(c.name, c.seed, f.measured, hw, f.holds + unstable_note(f.used)))
     return out
 
 

@@ -19,6 +19,10 @@ from typing import Any, Callable, Optional
 
 from engine import axes as axis_registry
 from engine.axes import BACKEND
+from engine.measure.noise import UNSTABLE
+from engine.measure.spread import Ratio
+
+from ..config.compose import BUNDLE_GROUPS
 
 from . import advice as adv
 from . import claims as cl
@@ -29,6 +33,7 @@ from .results import (
     Selection,
     TrialRow,
     axes,
+    compare,
     is_opt_axis,
     load,
     opt_label,
@@ -98,6 +103,12 @@ def choose_baselines(rows: list[TrialRow], ax: list[str], spec: Optional[dict[st
 
 
 # --- table ----------------------------------------------------------------------------------------------
+# each speedup against the baseline: (name in the table's values, the timing it compares)
+SPEEDUPS = (("speedup", "output_tok_s"), ("decode_speedup", "decode_tok_s"), ("prefill_speedup", "prefill_tok_s"))
+# A share of the roofline above 100% is not a fact about the engine: the probe's peaks describe torch's own
+# kernels (another engine can beat them) or were measured on a loaded machine (too low).
+ROOFLINE_MISMATCH = ("above the roofline: the probe's peaks do not describe this engine's kernels or were measured "
+                     "under load (`infersweep probe --refresh` on a quiet machine) -- not a physical share")
 @dataclass
 class Line:
     """One trial with its comparisons to the baseline of its workload."""
@@ -107,6 +118,7 @@ class Line:
     optimizations: str
     baseline: Optional[TrialRow]
     values: dict[str, Any] = field(default_factory=dict)
+    comparisons: dict[str, Optional[Ratio]] = field(default_factory=dict)  # speedup name -> interval, verdict
 
     @property
     def is_baseline(self) -> bool:
@@ -127,9 +139,15 @@ def lines(rows: list[TrialRow], ax: list[str], baselines: dict[tuple, Optional[T
                   "roofline_efficiency", "ppl", "kl_div_mean", "top1_agreement", "peak_mem_bytes", "attn_peak_bytes",
                   "weights_bytes", "decode_bw_util", "decode_compute_util", "prefill_bw_util", "prefill_compute_util"):
             v[k] = m.get(k)
-        v["speedup"] = speedup(b.get("output_tok_s"), m.get("output_tok_s"))
-        v["decode_speedup"] = speedup(b.get("decode_tok_s"), m.get("decode_tok_s"))
-        v["prefill_speedup"] = speedup(b.get("prefill_tok_s"), m.get("prefill_tok_s"))
+        for name, metric in SPEEDUPS:
+            v[name] = speedup(b.get(metric), m.get(metric))
+            cmp = compare(base, r, metric) if base is not None and not ln.is_baseline else None
+            ln.comparisons[name] = cmp
+            if cmp is not None:
+                v[f"{name}_lo"], v[f"{name}_hi"], v[f"{name}_verdict"] = cmp.lo, cmp.hi, cmp.verdict
+        v[UNSTABLE] = r.tags.get(UNSTABLE)
+        eff = m.get("roofline_efficiency")
+        v["roofline_flag"] = ROOFLINE_MISMATCH if eff is not None and eff > 1 else None
         if m.get("ppl") is not None and b.get("ppl"):
             v["ppl_delta"] = m["ppl"] - b["ppl"]
             v["ppl_delta_pct"] = 100 * (m["ppl"] / b["ppl"] - 1)
@@ -155,18 +173,47 @@ TABLE_HEADER = ["workload", "optimizations", "hash", "regime p/d", "out tok/s", 
                 "prefill tok/s", "ttft ms", "roofline tok/s", "roofline %", "ppl", "Δppl", "peak MB", "status"]
 
 
+def _speedup_cell(ln: Line, name: str) -> str:
+    """'x1.23 [1.10-1.35]' with its interval (' ~': within noise), or 'x1.23' where no interval was logged."""
+    cmp = ln.comparisons.get(name)
+    return cmp.cell() if cmp is not None else _f(ln.values[name], "x{:.2f}")
+
+
+def _roofline_cell(v: dict[str, Any]) -> str:
+    eff = v["roofline_efficiency"]
+    if eff is None:
+        return "-"
+    return f">100 (!{100 * eff:.0f})" if v.get("roofline_flag") else f"{100 * eff:.3g}"
+
+
 def table_cells(ln: Line) -> list[str]:
     v = ln.values
     mark = " (baseline)" if ln.is_baseline else ""
     dppl = "-" if v.get("ppl_delta_pct") is None else f"{v['ppl_delta']:+.3f} ({v['ppl_delta_pct']:+.1f}%)"
     return [
         ln.workload, ln.optimizations + mark, ln.row.hash[:8], _regime_cell(ln),
-        _f(v["output_tok_s"], "{:.2f}"), _f(v["speedup"], "x{:.2f}"), _f(v["decode_tok_s"], "{:.2f}"),
-        _f(v["decode_speedup"], "x{:.2f}"), _f(v["prefill_tok_s"], "{:.0f}"), _f(v["ttft_ms_p50"], "{:.1f}"),
-        _f(v["roofline_tok_s"], "{:.1f}"), _f(None if v["roofline_efficiency"] is None else 100 * v["roofline_efficiency"], "{:.3g}"),
+        _f(v["output_tok_s"], "{:.2f}"), _speedup_cell(ln, "speedup"), _f(v["decode_tok_s"], "{:.2f}"),
+        _speedup_cell(ln, "decode_speedup"), _f(v["prefill_tok_s"], "{:.0f}"), _f(v["ttft_ms_p50"], "{:.1f}"),
+        _f(v["roofline_tok_s"], "{:.1f}"), _roofline_cell(v),
         _f(v["ppl"], "{:.3f}"), dppl, _f(None if v["peak_mem_bytes"] is None else v["peak_mem_bytes"] / 1e6, "{:.0f}"),
-        ln.row.status,
+        ln.row.status + (" unstable" if v.get(UNSTABLE) else ""),
     ]
+
+
+def table_notes(ls: list[Line]) -> list[str]:
+    """What the table's marks mean, for the marks it uses: intervals and '~', unstable trials and why,
+    roofline shares above 100%."""
+    out = []
+    if any(ln.comparisons.get(n) for ln in ls for n, _ in SPEEDUPS):
+        out.append("speedups: x median ratio [95% interval from both trials' intervals]; `~` = within noise "
+                   "(the interval contains x1)")
+    for ln in ls:
+        if ln.values.get(UNSTABLE):
+            out.append(f"unstable ({ln.row.hash[:8]}, {ln.optimizations}): {ln.values[UNSTABLE]}")
+    flagged = [ln.row.hash[:8] for ln in ls if ln.values.get("roofline_flag")]
+    if flagged:
+        out.append(f"roofline % `>100 (!N)` ({', '.join(flagged)}): {ROOFLINE_MISMATCH}")
+    return out
 
 
 def markdown_table(ls: list[Line]) -> str:
@@ -182,8 +229,10 @@ def text_table(ls: list[Line]) -> str:
     return "\n".join([fmt(TABLE_HEADER), fmt(["-" * w for w in widths])] + [fmt(b) for b in body])
 
 
-CSV_FIELDS = ["run_id", "hash", "name", "status", "workload", "optimizations", "baseline_hash", "chain", "output_tok_s",
-              "speedup", "decode_tok_s", "decode_speedup", "prefill_tok_s", "prefill_speedup", "ttft_ms_p50",
+CSV_FIELDS = ["run_id", "hash", "name", "status", UNSTABLE, "workload", "optimizations", "baseline_hash", "chain",
+              "output_tok_s", "speedup", "speedup_lo", "speedup_hi", "speedup_verdict", "decode_tok_s", "decode_speedup",
+              "decode_speedup_lo", "decode_speedup_hi", "decode_speedup_verdict", "prefill_tok_s", "prefill_speedup",
+              "prefill_speedup_lo", "prefill_speedup_hi", "prefill_speedup_verdict", "roofline_flag", "ttft_ms_p50",
               "tpot_ms_p50", "roofline_tok_s", "roofline_efficiency", "ppl", "ppl_delta", "ppl_delta_pct",
               "kl_div_mean", "top1_agreement", "peak_mem_bytes", "attn_peak_bytes", "weights_bytes",
               "decode_bw_util", "decode_compute_util", "prefill_bw_util", "prefill_compute_util", "regime",
@@ -215,6 +264,57 @@ def _plt():
     return plt
 
 
+def variant_label(ln: Line, ax_keys: list[str]) -> str:
+    """What varies, as briefly as it can be said: the run name's settings (what the sweep set: a bundle such as
+    `engine_variant=llamacpp-q8_0` is one word, not the five keys it sets) without the workload axes a plot
+    already shows, or the optimization axes' settings, whichever is shorter."""
+    workload = {k for k in ax_keys if not is_opt_axis(k)}
+    words = []
+    for tok in ln.row.name.split():
+        key, eq, value = tok.partition("=")
+        if not eq or key in workload:
+            continue
+        words.append(value if key in BUNDLE_GROUPS else tok)
+    by_name = " ".join(words)
+    return by_name if by_name and len(by_name) < len(ln.optimizations) else ln.optimizations
+
+
+def _yerr(lns: list[Line], metric: str) -> Optional[list[list[float]]]:
+    """Asymmetric error bars [below, above] from each trial's logged 95% interval (0 where it has none)."""
+    lo, hi = [], []
+    for ln in lns:
+        m, v = ln.row.metrics, ln.row.num(metric) or 0.0
+        lo.append(max(0.0, v - m[f"{metric}_ci_lo"]) if f"{metric}_ci_lo" in m else 0.0)
+        hi.append(max(0.0, m[f"{metric}_ci_hi"] - v) if f"{metric}_ci_hi" in m else 0.0)
+    return [lo, hi] if any(lo) or any(hi) else None
+
+
+def plot_footer(lns: list[Line]) -> str:
+    """Machine, load and date of the trials a plot shows, for its bottom line."""
+    import time as _time
+
+    rows = [ln.row for ln in lns]
+    hw = "; ".join(dict.fromkeys(r.hardware() for r in rows)) or "?"
+    loads = [r.num("noise_load_avg") for r in rows if r.num("noise_load_avg") is not None]
+    other = [r.num("noise_other_cpu_frac") for r in rows if r.num("noise_other_cpu_frac") is not None]
+    load = (f"load {min(loads):.2f}-{max(loads):.2f}/CPU" if loads else "load not recorded")
+    if other:
+        load += f", other processes {100 * min(other):.0f}-{100 * max(other):.0f}% of the CPUs"
+    n_unstable = sum(bool(r.tags.get(UNSTABLE)) for r in rows)
+    if n_unstable:
+        load += f"; {n_unstable} unstable trial(s)"
+    starts = [r.start_ms for r in rows if r.start_ms]
+    day = _time.strftime("%Y-%m-%d %H:%M UTC", _time.gmtime(min(starts) / 1000)) if starts else "date unknown"
+    return f"{hw} | {load} | {day} | error bars: 95% interval of the median"
+
+
+def _footer(fig, lns: list[Line]) -> None:
+    import textwrap
+
+    width = int(fig.get_figwidth() * 21)  # characters of 6-pt text across the figure
+    fig.text(0.01, 0.004, textwrap.fill(plot_footer(lns), width), fontsize=6, color="#555555", ha="left", va="bottom")
+
+
 def plot_throughput_vs_context(ls: list[Line], ax_keys: list[str], path: Path) -> Optional[Path]:
     done = [ln for ln in ls if ln.row.finished and ln.row.context_len and ln.values["output_tok_s"]]
     if not done:
@@ -224,12 +324,13 @@ def plot_throughput_vs_context(ls: list[Line], ax_keys: list[str], path: Path) -
     series: dict[str, list[Line]] = {}
     for ln in done:
         extra = " ".join(f"{k.split('.')[-1]}={ln.row.params.get(k)}" for k in other)
-        series.setdefault((ln.optimizations + (" " + extra if extra else "")).strip(), []).append(ln)
-    fig, (a1, a2) = plt.subplots(1, 2, figsize=(13, 5))
+        series.setdefault((variant_label(ln, ax_keys) + (" " + extra if extra else "")).strip(), []).append(ln)
+    fig, (a1, a2) = plt.subplots(1, 2, figsize=(13, 5.4))
     for label, pts in sorted(series.items()):
         pts.sort(key=lambda ln: ln.row.context_len)
         xs = [ln.row.context_len for ln in pts]
-        a1.plot(xs, [ln.values["output_tok_s"] for ln in pts], marker="o", label=label)
+        a1.errorbar(xs, [ln.values["output_tok_s"] for ln in pts], yerr=_yerr(pts, "output_tok_s"), marker="o",
+                    capsize=3, label=label)
         eff = [100 * ln.values["roofline_efficiency"] if ln.values["roofline_efficiency"] else float("nan") for ln in pts]
         a2.plot(xs, eff, marker="o", label=label)
     for a, title, ylabel in ((a1, "throughput vs context length", "output tok/s (log)"),
@@ -241,7 +342,8 @@ def plot_throughput_vs_context(ls: list[Line], ax_keys: list[str], path: Path) -
         a.grid(True, alpha=0.3)
     a1.set_yscale("log")
     a1.legend(fontsize=7, loc="best")
-    fig.tight_layout()
+    fig.tight_layout(rect=(0, 0.05, 1, 1))
+    _footer(fig, done)
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
@@ -276,8 +378,9 @@ def _groups(ls: list[Line]) -> dict[str, list[Line]]:
     return g
 
 
-def pareto_figure(ls: list[Line]):
+def pareto_figure(ls: list[Line], ax_keys: Optional[list[str]] = None):
     """The throughput-vs-perplexity figure, one panel per workload; None without finished points."""
+    ax_keys = ax_keys or []
     groups = {k: [ln for ln in v if ln.row.finished and ln.values["ppl"] and ln.values["output_tok_s"]] for k, v in _groups(ls).items()}
     groups = {k: v for k, v in groups.items() if v}
     if not groups:
@@ -297,11 +400,14 @@ def pareto_figure(ls: list[Line]):
         front = pareto_front(xy, tol)
         fx = sorted((xy[i] for i in front), key=lambda p: p[0])
         a.plot([p[0] for p in fx], [p[1] for p in fx], "k--", lw=1, label="Pareto front", zorder=2)
+        xerr = _yerr(pts, "output_tok_s")
+        if xerr is not None:
+            a.errorbar([p[0] for p in xy], [p[1] for p in xy], xerr=xerr, fmt="none", ecolor="#777777", capsize=2, zorder=2)
         for i, ln in enumerate(pts):  # numbered points, named in the legend (long labels would overlap)
             reg = ln.values.get("regime")
             a.scatter(*xy[i], s=70 if i in front else 35, color=REGIME_COLORS.get(reg, REGIME_COLORS[None]),
                       edgecolor="black" if i in front else "none", zorder=3,
-                      label=f"{i + 1}: {ln.optimizations} ({reg or '?'}-bound)" + (" *" if i in front else ""))
+                      label=f"{i + 1}: {variant_label(ln, ax_keys)} ({reg or '?'}-bound)" + (" *" if i in front else ""))
             a.annotate(str(i + 1), xy[i], fontsize=8, xytext=(4, 4 + 8 * (i % 2)), textcoords="offset points")
         a.set_xscale("log")
         from matplotlib.ticker import NullFormatter
@@ -320,12 +426,13 @@ def pareto_figure(ls: list[Line]):
         a.set_title(f"throughput vs accuracy: {wl}", fontsize=9)
         a.grid(True, alpha=0.3)
         a.legend(fontsize=6, loc="upper center", bbox_to_anchor=(0.5, -0.15), ncol=1, frameon=False)
-    fig.tight_layout()
+    fig.tight_layout(rect=(0, 0.05, 1, 1))
+    _footer(fig, [ln for v in groups.values() for ln in v])
     return fig
 
 
-def plot_pareto(ls: list[Line], path: Path) -> Optional[Path]:
-    fig = pareto_figure(ls)
+def plot_pareto(ls: list[Line], path: Path, ax_keys: Optional[list[str]] = None) -> Optional[Path]:
+    fig = pareto_figure(ls, ax_keys)
     if fig is None:
         return None
     fig.savefig(path, dpi=110)
@@ -333,7 +440,7 @@ def plot_pareto(ls: list[Line], path: Path) -> Optional[Path]:
     return path
 
 
-def plot_regime_chain(ls: list[Line], path: Path) -> Optional[Path]:
+def plot_regime_chain(ls: list[Line], path: Path, ax_keys: Optional[list[str]] = None) -> Optional[Path]:
     groups = {k: sorted([ln for ln in v if ln.row.finished and ln.values["output_tok_s"]], key=lambda ln: adv.chain_order(ln.row))
               for k, v in _groups(ls).items()}
     groups = {k: v for k, v in groups.items() if v}
@@ -342,28 +449,35 @@ def plot_regime_chain(ls: list[Line], path: Path) -> Optional[Path]:
     plt = _plt()
     from matplotlib.patches import Patch
 
+    import textwrap
+
     n = len(groups)
-    width = max(6, max(len(v) for v in groups.values()) * 1.3)
-    fig, axs = plt.subplots(n, 1, figsize=(width, 3.6 * n), squeeze=False)
+    width = max(7, max(len(v) for v in groups.values()) * 1.6)
+    fig, axs = plt.subplots(n, 1, figsize=(width, 4.6 * n), squeeze=False)
     for a, (wl, pts) in zip(axs[:, 0], sorted(groups.items())):
         xs = range(len(pts))
         ys = [ln.values["output_tok_s"] for ln in pts]
         colors = [REGIME_COLORS.get(ln.values.get("regime"), REGIME_COLORS[None]) for ln in pts]
-        a.bar(xs, ys, color=colors)
+        a.bar(xs, ys, color=colors, yerr=_yerr(pts, "output_tok_s"), capsize=3, ecolor="#333333")
         for x, ln in zip(xs, pts):
             p = ln.values.get("regime.prefill.measured") or "?"
             d = ln.values.get("regime.decode.measured") or "?"
-            a.annotate(f"P:{p}\nD:{d}", (x, ln.values["output_tok_s"]), ha="center", va="bottom", fontsize=7)
+            a.annotate(f"P:{p[:3]}\nD:{d[:3]}", (x, ln.values["output_tok_s"]), ha="center", va="bottom", fontsize=7,
+                       xytext=(0, 6), textcoords="offset points")
         a.set_xticks(list(xs))
-        a.set_xticklabels([f"{ln.optimizations}\n{adv.chain_label(ln.row)}" for ln in pts], fontsize=6, rotation=15)
+        # wrapped to the bar's width and set at an angle: long settings used to run into each other
+        a.set_xticklabels([textwrap.fill(variant_label(ln, ax_keys or []), 22) + "\n" + textwrap.fill(adv.chain_label(ln.row), 22)
+                           for ln in pts], fontsize=6, rotation=30, ha="right", rotation_mode="anchor")
         a.set_yscale("log")
-        a.set_ylim(top=max(ys) * 2.5)  # room for the labels above the bars
+        tops = [max(y, ln.row.num("output_tok_s_ci_hi") or y) for y, ln in zip(ys, pts)]
+        a.set_ylim(top=max(tops) * 2.5)  # room for the error bars and the labels above the bars
         a.set_ylabel("output tok/s (log)")
         a.set_title(f"bottleneck along the optimization chain: {wl}", fontsize=9)
         a.grid(True, axis="y", alpha=0.3)
     axs[0, 0].legend(handles=[Patch(color=REGIME_COLORS["memory"], label="memory-bound"),
                               Patch(color=REGIME_COLORS["compute"], label="compute-bound")], fontsize=7)
-    fig.tight_layout()
+    fig.tight_layout(rect=(0, 0.05, 1, 1))
+    _footer(fig, [ln for v in groups.values() for ln in v])
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
@@ -405,6 +519,8 @@ def render_markdown(rep: Report, ax_keys: list[str], plots: list[Path], baseline
         "## Trials",
         "",
         markdown_table(rep.lines),
+        "",
+        *[f"- {n}" for n in table_notes(rep.lines)],
         "",
         "## Next optimization",
         "",
@@ -474,8 +590,8 @@ def build(
     out.mkdir(parents=True, exist_ok=True)
     plots = [p for p in (
         plot_throughput_vs_context(ls, ax_keys, out / "throughput_vs_context.png"),
-        plot_pareto(ls, out / "pareto.png"),
-        plot_regime_chain(ls, out / "regime_chain.png"),
+        plot_pareto(ls, out / "pareto.png", ax_keys),
+        plot_regime_chain(ls, out / "regime_chain.png", ax_keys),
         sv.plot(sv.points(ls), out / "serving_pareto.png"),
     ) if p is not None]
     done("plots")

@@ -13,10 +13,15 @@ from pathlib import Path
 from typing import Any, Callable, Iterable, Optional
 
 from engine import axes as axis_registry
+from engine.measure.noise import UNSTABLE
+from engine.measure.spread import LOWER_IS_BETTER
+from engine.measure.spread import Ratio, paired_ratio, ratio, spread_of
 
 from ..tracking.store import PARENT_TAG
 
 CONTEXT = "workload.context_len"
+INTERLEAVE_TAG = "env.interleave_group"  # trials measured round-robin on one worker (cluster.interleave)
+PAIRED_METRICS = ("output_tok_s", "decode_tok_s", "prefill_tok_s")  # the speedups' timings, read by round
 # Params that differ between trials without being a measured axis.
 IGNORED_PARAMS = ("sweep_name",)
 
@@ -30,6 +35,7 @@ class TrialRow:
     metrics: dict[str, float]
     tags: dict[str, str]
     start_ms: int = 0
+    repeats: dict[str, list[float]] = field(default_factory=dict)  # interleaved trials: metric -> value by round
 
     @property
     def hash(self) -> str:
@@ -145,6 +151,20 @@ def _planned_hashes(client, parent_run_id: str) -> Optional[set[str]]:
 
 
 def load(client, ref: str, all_trials: bool = False) -> Selection:
+    """`_load`, plus the per-round values of the trials measured round-robin (their comparisons pair rounds)."""
+    from ..tracking.store import REPEAT_PREFIX
+
+    sel = _load(client, ref, all_trials)
+    for r in sel.rows:
+        if r.finished and r.tags.get(INTERLEAVE_TAG):
+            for m in PAIRED_METRICS:
+                hist = sorted(client.get_metric_history(r.run_id, REPEAT_PREFIX + m), key=lambda x: x.step)
+                if hist:
+                    r.repeats[m] = [float(x.value) for x in hist]
+    return sel
+
+
+def _load(client, ref: str, all_trials: bool = False) -> Selection:
     """Resolve `ref` (experiment name, sweep id or its prefix, parent run id) into its trial rows.
 
     For an experiment name: the trials the latest sweep planned, newest FINISHED run per hash (a resumed
@@ -220,6 +240,29 @@ def is_opt_axis(key: str) -> bool:
 def speedup(base: Optional[float], new: Optional[float]) -> Optional[float]:
     """new / base: how many times faster `new` is (None when either is missing or base is 0)."""
     return new / base if base and new is not None else None
+
+
+def compare(base: Optional[TrialRow], new: Optional[TrialRow], metric: str) -> Optional[Ratio]:
+    """How many times better `new` is than `base` on timing `metric` (a rate: new/base; a time: base/new),
+    with the 95% interval from both trials' logged intervals and the verdict faster / slower / within noise
+    (engine/measure/spread.py). None where either trial has no interval for it."""
+    if base is None or new is None:
+        return None
+    group = base.tags.get(INTERLEAVE_TAG)
+    if group and group == new.tags.get(INTERLEAVE_TAG):  # measured round-robin: pair the rounds
+        a_rounds, b_rounds = base.repeats.get(metric), new.repeats.get(metric)
+        if a_rounds and b_rounds and len(a_rounds) == len(b_rounds):
+            return paired_ratio(a_rounds, b_rounds, higher_is_better=metric not in LOWER_IS_BETTER)
+    a, b = spread_of(base.metrics, metric), spread_of(new.metrics, metric)
+    if a is None or b is None:
+        return None
+    return ratio(a, b, higher_is_better=metric not in LOWER_IS_BETTER)
+
+
+def unstable_note(rows: Iterable[TrialRow]) -> str:
+    """'' or ' (judged from unstable trials: HASH, ...)' for the rows labelled unstable."""
+    bad = [r.hash[:8] for r in rows if r.tags.get(UNSTABLE)]
+    return f" (judged from unstable trials: {', '.join(bad)})" if bad else ""
 
 
 def workload_key(row: TrialRow, ax: list[str]) -> tuple[tuple[str, str], ...]:

@@ -3,6 +3,8 @@ from __future__ import annotations
 
 from typing import Any, Sequence
 
+from engine.measure.noise import UNSTABLE
+
 KEY_METRICS = (
     ("output_tok_s", "out tok/s", "{:.1f}"),
     ("ttft_ms_p50", "ttft ms", "{:.1f}"),
@@ -59,8 +61,8 @@ def notes(rows: Sequence[dict[str, Any]]) -> list[str]:
         note = outcome.info.get("dtype_note")
         if note:
             by_note.setdefault(note, []).append(r["hash"])
-        if outcome.labels.get("unstable"):
-            unstable.append(f"unstable ({r['hash']}): {outcome.labels['unstable']}")
+        if outcome.labels.get(UNSTABLE):
+            unstable.append(f"unstable ({r['hash']}): {outcome.labels[UNSTABLE]}")
     return [f"note ({', '.join(h)}): {n}" for n, h in by_note.items()] + unstable
 
 

@@ -1,7 +1,7 @@
 """Config hash: sha256 of the canonical JSON of what changes a measurement.
 
 Everything in the resolved trial config counts except the keys in EXCLUDED_TOP (where results go, how
-trials are placed), so a new optimization group is part of the hash by default.
+trials are placed, how precisely timings are measured), so a new optimization group is part of the hash by default.
 
 Hashes stay stable when the schema grows: a key added after hash_version 1 is declared with
 `engine.config.added(value)`, the value every earlier config implicitly had, and a config holding exactly
@@ -19,7 +19,8 @@ from typing import Any
 
 HASH_VERSION = 1
 # top-level keys that never change what is measured
-EXCLUDED_TOP = ("cluster", "tracking", "sweep_name", "hydra")
+# (timing: how many repeats a timing gets, i.e. its precision, not what it measures)
+EXCLUDED_TOP = ("cluster", "tracking", "sweep_name", "hydra", "timing")
 SHORT = 12
 
 

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import yaml
 
@@ -30,6 +30,8 @@ class Comparison:
     tokens_match: bool
     rows: list[tuple[str, str, str, str]]  # (metric, original, reproduced, verdict)
     why_original: str = ""  # which of several runs with this hash is the original, and why
+    # --against-all: (which run, tokens verdict, ["metric xRATIO verdict", ...]) for every other run of the hash
+    others: list = field(default_factory=list)
 
     @property
     def deterministic_match(self) -> bool:
@@ -46,7 +48,7 @@ def find_original(tracker: Tracker, prefix: str):
         raise ReproduceError([f"prefix {prefix!r} is ambiguous: {len(hashes)} hashes match ({shown}); give more characters"])
     originals = [r for r in runs if "reproduces" not in r.data.tags] or runs
     originals.sort(key=lambda r: r.info.start_time or 0)
-    return originals[0], why_original(originals, len(runs))
+    return originals[0], why_original(originals, len(runs)), [r for r in runs if r is not originals[0]]
 
 
 def why_original(originals, total: int) -> str:
@@ -59,9 +61,11 @@ def why_original(originals, total: int) -> str:
             f"{originals[0].info.experiment_id}" + (f" (the other originals: {others})" if others else ""))
 
 
-def reproduce(prefix: str, tracking: dict) -> Comparison:
+def reproduce(prefix: str, tracking: dict, against_all: bool = False) -> Comparison:
+    """Re-run the original run of `prefix` and compare; `against_all`: also judge the new run against every
+    other FINISHED run with the hash (other experiments, earlier sweeps, earlier reproductions)."""
     tracker = Tracker(tracking)
-    orig, why = find_original(tracker, prefix)
+    orig, why, others = find_original(tracker, prefix)
     config = yaml.safe_load(tracker.load_text(orig.info.run_id, CONFIG_ARTIFACT))
     config["tracking"] = tracking  # record where this invocation tracks, not where the original did
     try:
@@ -91,7 +95,19 @@ def reproduce(prefix: str, tracking: dict) -> Comparison:
     for k in TIMING:
         if k in om and k in outcome.metrics and om[k]:
             rows.append((k, _num(om[k]), _num(outcome.metrics[k]), timing_verdict(k, om, outcome.metrics)))
-    return Comparison(orig.info.run_id, new_id, stored, tokens_match, rows, why)
+    cmp = Comparison(orig.info.run_id, new_id, stored, tokens_match, rows, why)
+    for other in (others if against_all else []):
+        try:
+            same = json.loads(tracker.load_text(other.info.run_id, TOKENS_ARTIFACT)) == outcome.token_ids
+        except Exception:  # noqa: BLE001 -- a run whose artifacts are gone is still judged on its timings
+            same = None
+        om = other.data.metrics
+        judged = [f"{k} {timing_verdict(k, om, outcome.metrics)}" for k in TIMING
+                  if k in om and k in outcome.metrics and om[k]]
+        tag = " (a reproduction)" if "reproduces" in other.data.tags else ""
+        cmp.others.append((f"run {other.info.run_id[:8]}{tag}, experiment id {other.info.experiment_id}",
+                           {True: "tokens MATCH", False: "tokens DIFFER", None: "tokens not recorded"}[same], judged))
+    return cmp
 
 
 CONSISTENT, DIFFERS_BEYOND_NOISE, NO_INTERVAL = "consistent", "differs beyond noise", "no interval recorded"
@@ -132,4 +148,8 @@ def format_comparison(c: Comparison) -> str:
     judged = {w: sum(t.endswith(w) for t in timings) for w in (CONSISTENT, DIFFERS_BEYOND_NOISE, NO_INTERVAL)}
     lines.append("timings (reproduced/original, judged by both runs' 95% intervals): "
                  + ", ".join(f"{n} {w}" for w, n in judged.items() if n))
+    if c.others:
+        lines.append(f"against the {len(c.others)} other run(s) with this hash:")
+        for who, tokens, judged_timings in c.others:
+            lines.append(f"  {who}: {tokens}; " + ("; ".join(judged_timings) or "no timings"))
     return "\n".join(lines)

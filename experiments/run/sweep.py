@@ -136,6 +136,9 @@ def _dispatch(todo: list[TrialSpec], cluster, in_process: bool, recorder: SweepR
     else:
         ensure_ray(cluster)
         run = run_on_ray
+    if cluster.interleave:
+        _dispatch_interleaved(run, todo, cluster, recorder, desc, on_start)
+        return
     run(
         execute_trial,
         todo,
@@ -146,6 +149,44 @@ def _dispatch(todo: list[TrialSpec], cluster, in_process: bool, recorder: SweepR
         placement_timeout_s=float(cluster.placement_timeout_s),
         on_start=on_start,
         worker_state=WarmModels,  # each worker keeps its own last model
+    )
+
+
+def interleave_groups(specs: list[TrialSpec]) -> list[tuple[TrialSpec, ...]]:
+    """The variants to measure round-robin: specs equal on everything but the optimization axes (the
+    workload, model, seed, ...), in sweep order."""
+    from engine.axes import is_optimization_key
+
+    from ..tracking.store import flatten
+
+    groups: dict[str, list[TrialSpec]] = {}
+    for s in specs:
+        flat = flatten({k: v for k, v in s.config.items() if k not in ("cluster", "tracking", "sweep_name")})
+        key = "|".join(f"{k}={v}" for k, v in sorted(flat.items()) if not is_optimization_key(k))
+        groups.setdefault(key, []).append(s)
+    return [tuple(g) for g in groups.values()]
+
+
+def _dispatch_interleaved(run, todo: list[TrialSpec], cluster, recorder: SweepRecorder, desc: str, on_start) -> None:
+    """`cluster.interleave`: each group of variants is one task on one worker, measured round-robin; its
+    outcomes are recorded one per trial, as any other trial's."""
+    from cluster import ClusterConfig, TaskFailure
+
+    from .trial import execute_interleaved
+
+    def record_group(group, result, meta) -> bool:
+        outcomes = result if not isinstance(result, TaskFailure) else [result] * len(group)
+        return all([recorder.record(s, o, meta) for s, o in zip(group, outcomes)])
+
+    run(
+        execute_interleaved,
+        interleave_groups(todo),
+        placement_for=lambda g: ClusterConfig.from_dict(g[0].config["cluster"]).placement(),
+        on_result=record_group,
+        desc=f"{desc} (interleaved groups)",
+        placement_timeout_s=float(cluster.placement_timeout_s),
+        on_start=(lambda g, meta: [on_start(s, meta) for s in g]) if on_start else None,
+        worker_state=WarmModels,
     )
 
 

@@ -37,6 +37,7 @@ class TrialOutcome:
     end_ms: int = 0
     attempts: int = 1  # set by the driver: 1 + retries after worker/node crashes
     attempt_errors: list[str] = field(default_factory=list)  # why earlier attempts died
+    samples: dict[str, list[float]] = field(default_factory=dict)  # each timed repeat's whole-run timings
 
 
 def _quiet_libraries() -> None:
@@ -141,6 +142,10 @@ def execute_trial(spec: TrialSpec, warm: Optional[WarmModels] = None) -> TrialOu
     if reused:  # the engine reported the warm model's original load time
         metrics["model_load_s"] = 0.0
     info = dict(result.info, **proc, model_cache="hit" if reused else ("miss" if key else "off"))
+    return _finished(base, result, metrics, info)
+
+
+def _finished(base: dict[str, Any], result, metrics: dict[str, float], info: dict[str, str]) -> TrialOutcome:
     return TrialOutcome(
         status=FINISHED,
         metrics=metrics,
@@ -150,5 +155,36 @@ def execute_trial(spec: TrialSpec, warm: Optional[WarmModels] = None) -> TrialOu
         labels=dict(result.labels),
         series={k: list(v) for k, v in result.series.items()},
         end_ms=int(time.time() * 1000),
+        samples=dict(result.samples),
         **base,
     )
+
+
+def interleave_group_id(specs: list[TrialSpec]) -> str:
+    import hashlib
+
+    return hashlib.sha256("|".join(s.config_hash for s in specs).encode()).hexdigest()[:12]
+
+
+def execute_interleaved(specs: list[TrialSpec], warm: Optional[WarmModels] = None) -> list[TrialOutcome]:
+    """Run a group of trials round-robin on this worker (`cluster.interleave` rounds, engine.run_interleaved):
+    one outcome per spec, in order. A failure fails the whole group (its variants share their rounds)."""
+    from engine import run_interleaved
+
+    _quiet_libraries()
+    if warm is not None:
+        warm.release()  # every variant loads its own model for the group's lifetime
+    start = int(time.time() * 1000)
+    proc = {"host": socket.gethostname(), "pid": str(os.getpid())}
+    rounds = int(ClusterConfig.from_dict(specs[0].config["cluster"]).interleave)
+    group = {"interleave_group": interleave_group_id(specs), "interleave_rounds": str(rounds),
+             "interleave_size": str(len(specs))}
+    bases = [dict(config_hash=s.config_hash, index=s.index, start_ms=start) for s in specs]
+    try:
+        results = run_interleaved([s.trial for s in specs], rounds)
+    except Exception as e:
+        err = f"{type(e).__name__}: {e} (in an interleaved group of {len(specs)})\n\n{traceback.format_exc()}"
+        return [TrialOutcome(status=FAILED, error=err, end_ms=int(time.time() * 1000), info=dict(proc, **group), **b)
+                for b in bases]
+    return [_finished(b, r, dict(r.metrics), dict(r.info, **proc, **group, model_cache="off"))
+            for b, r in zip(bases, results)]

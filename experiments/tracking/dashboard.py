@@ -17,6 +17,8 @@ import time
 from typing import Any, Optional
 from urllib.parse import urlencode
 
+from engine.measure.noise import UNSTABLE
+
 KIND_TAG = "mlflow.experimentKind"
 KIND = "custom_model_development"
 VIEW_TAG_PREFIX = "mlflow.sharedViewState."
@@ -31,9 +33,18 @@ def column_id(metric: str) -> str:
     return f"metrics.`{metric}`"
 
 
+# tag columns after them: why a trial's timings cannot be trusted (engine/measure/metrics.py UNSTABLE; the
+# UI shows the column once any run has the tag)
+TAG_COLUMNS = (UNSTABLE,)
+
+
+def tag_column_id(tag: str) -> str:
+    return f"tags.`{tag}`"
+
+
 def view_state() -> dict[str, Any]:
     """The runs table as it opens: trial runs only (a sweep's parent run has no metrics), fastest first."""
-    cols = [column_id(m) for m in METRIC_COLUMNS]
+    cols = [column_id(m) for m in METRIC_COLUMNS] + [tag_column_id(t) for t in TAG_COLUMNS]
     return {
         "searchFilter": "tags.kind = 'trial'",
         "orderByKey": column_id("output_tok_s"),

@@ -33,6 +33,7 @@ from ..run.trial import TrialOutcome
 PARENT_TAG = "mlflow.parentRunId"
 CONFIG_ARTIFACT = "config.yaml"
 TOKENS_ARTIFACT = "token_ids.json"
+REPEAT_PREFIX = "repeat."  # metric history of each timed repeat's value: repeat.output_tok_s at steps 0..n-1
 PACKAGES = ("torch", "transformers", "ray", "mlflow", "hydra-core", "bitsandbytes", "infersweep")
 
 
@@ -298,6 +299,9 @@ class Tracker:
         try:
             params = flatten({k: v for k, v in spec.config.items() if k != "tracking"})
             metrics = [Metric(k, float(v), outcome.end_ms, 0) for k, v in sorted(outcome.metrics.items())]
+            # each timed repeat's value as a metric history (step = repeat, or round when interleaved)
+            metrics += [Metric(REPEAT_PREFIX + k, float(v), outcome.end_ms, i)
+                        for k, vs in sorted(getattr(outcome, "samples", {}).items()) for i, v in enumerate(vs)]
             metrics += [Metric(k, float(v), outcome.end_ms, step) for k, vs in sorted(outcome.series.items())
                         for step, v in enumerate(vs)]
             self.client.log_batch(rid, metrics=metrics, params=_params(params))

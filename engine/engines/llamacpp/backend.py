@@ -82,11 +82,24 @@ def load_gguf_model(spec: ModelConfig, quant: QuantConfig, threads: int = 0,
         tokenizer = HFTokenizer(AutoTokenizer.from_pretrained(str(src.path)))
     params = cpp.llama_model_default_params()
     params.n_gpu_layers = 0  # the wheel built here is CPU-only
+    if amx_cpu():
+        # llama.cpp's AMX weight buffers crash in ggml_backend_amx_mul_mat (segfault on a Sapphire Rapids here,
+        # in Q8_0/Q4_0 scoring; upstream ggml-org/llama.cpp#20824, open): on a CPU with AMX the weights stay
+        # in plain CPU buffers (no extra buffer types: no AMX and no repacked layouts)
+        params.use_extra_bufts = False
     handle = cpp.llama_model_load_from_file(str(path).encode(), params)
     if not handle:
         raise EngineError(f"llama.cpp could not load {path}")
     return GGUFModel(handle=handle, path=path, tokenizer=tokenizer, spec=spec,
                      load_s=time.perf_counter() - t0, quant=quant)
+
+
+def amx_cpu() -> bool:
+    """Whether this CPU has AMX int8 tiles (llama.cpp's native build then places quantized weights in AMX
+    buffers)."""
+    from ...measure.hardware import cpu_flags, cpuinfo_text
+
+    return "amx_int8" in cpu_flags(cpuinfo_text())
 
 
 # --- sessions ------------------------------------------------------------------------------------------
