@@ -52,6 +52,7 @@ from engine.config import (  # noqa: E402
     QuantConfig,
     SamplingConfig,
     TextConfig,
+    TimingConfig,
     TrialConfig,
     WorkloadConfig,
 )
@@ -147,6 +148,7 @@ def engine_config(dtype: str, *, attention: str = "sdpa", kv_cache: str = "conti
         quant=QuantConfig(level=quant, compute_dtype=dtype),
         workload=workload,
         batching=BatchingConfig(mode=batching, max_batch_size=sizes.serve_batch, max_batch_tokens=sizes.serve_batch_tokens),
+        timing=TimingConfig(max_repeats=0),  # one timed run per variant: each section repeats what it compares
     )
 
 

@@ -140,8 +140,13 @@ def test_gpu_table_matches_specific_names_first():
 
 
 def test_cpu_peaks_are_probed_once_then_cached(tmp_path, monkeypatch):
+    from engine.measure.hardware import PROBE_LOADED
+
     monkeypatch.setenv("INFERSWEEP_CACHE", str(tmp_path))
     first = node_peaks(torch.device("cpu"), "float32", threads=1)
+    if first.source == PROBE_LOADED:  # other work kept the CPUs busy: such a probe is never cached (test_hardware)
+        assert not cache_path().exists()
+        pytest.skip("the machine was loaded during the probe: nothing to read back from the cache")
     assert first.source == "probe" and first.mem_bw > 1e8 and first.flops > 1e8 and first.gemv_bw > 1e8
     again = node_peaks(torch.device("cpu"), "float32", threads=1)
     assert again.source == "cache" and (again.mem_bw, again.flops) == (first.mem_bw, first.flops)
@@ -157,8 +162,12 @@ def test_cpu_peaks_are_probed_once_then_cached(tmp_path, monkeypatch):
 
 @pytest.mark.slow  # a real multi-process cluster/server or a full re-probe: the slow tier (CI runs it)
 def test_refresh_reprobes_and_keeps_the_higher_peaks(tmp_path, monkeypatch):
+    from engine.measure.hardware import PROBE_LOADED
+
     monkeypatch.setenv("INFERSWEEP_CACHE", str(tmp_path))
     first = node_peaks(torch.device("cpu"), "float32", threads=1)
+    if first.source == PROBE_LOADED:
+        pytest.skip("the machine was loaded during the probe: it was not cached, so there is nothing to refresh")
     path = cache_path()
     entries = json.loads(path.read_text())
     (key,) = entries

@@ -9,6 +9,7 @@ import torch
 from support import make_trial
 from engine import EngineError, TrialConfig, ModelConfig, SamplingConfig, WorkloadConfig, load_model, run_engine_trial
 from engine.engines import make_backend
+from engine.config import TimingConfig
 from engine.measure.fidelity import perplexity
 
 TINY = ModelConfig(name="tiny", path="tiny://llama")
@@ -17,7 +18,9 @@ TINY = ModelConfig(name="tiny", path="tiny://llama")
 def _trial(kv="contiguous", attn="sdpa", **wl):
     w = dict(context_len=40, max_new_tokens=12, batch_size=2, warmup=0, repeats=1)
     w.update(wl)
-    return make_trial(TINY, kv_cache=kv, attention=attn, workload=WorkloadConfig(**w))
+    # one timed repeat, pinned (timing.max_repeats=0): the definitions below hold within a repeat, and medians
+    # of several repeats may come from different ones
+    return make_trial(TINY, kv_cache=kv, attention=attn, workload=WorkloadConfig(**w), timing=TimingConfig(max_repeats=0))
 
 
 @pytest.fixture(scope="module")
