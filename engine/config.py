@@ -28,7 +28,7 @@ KV_CACHE_DTYPES = ("auto", "f32", "f16", "q8_0", "q4_0", "fp8")  # fp8 (e4m3): v
 # int8-weight matmul: dequant = cast the int8 weight to the activation dtype per call, then a float GEMM;
 # int8pack = torch._weight_int8pack_mm (gpt-fast's op; CPU/MPS only; unvectorized in some CPU builds)
 INT8_KERNELS = ("dequant", "int8pack")
-WORKLOAD_KINDS = ("static", "serving")
+WORKLOAD_KINDS = ("static", "serving", "multi-turn")
 BATCHING_MODES = ("static", "continuous")
 ARRIVALS = ("all-at-once", "fixed-rate", "poisson")
 LENGTH_DISTS = ("fixed", "uniform")
@@ -195,10 +195,22 @@ class WorkloadConfig:
     burstiness: float = 1.0
     prefix_len: int = 0
     max_concurrency: int = 0
+    # kind=multi-turn (engine/serving/conversations.py): `conversations` conversations arriving like requests
+    # (`arrival`, `rate`), each `turns` turns; a turn's prompt is the conversation so far + `input_len` new
+    # tokens, its answer `output_len` tokens, the next turn is sent `think_time_s` after the answer.
+    # `num_requests` is not used (conversations x turns requests). Added after the first schema.
+    conversations: int = field(default=8, metadata=added(8))
+    turns: int = field(default=4, metadata=added(4))
+    think_time_s: float = field(default=1.0, metadata=added(1.0))
 
     @property
     def serving(self) -> bool:
-        return self.kind == "serving"
+        """Requests arriving over time (kind=serving, or the turns of kind=multi-turn)."""
+        return self.kind in ("serving", "multi-turn")
+
+    @property
+    def multi_turn(self) -> bool:
+        return self.kind == "multi-turn"
 
 
 @dataclass
@@ -224,6 +236,21 @@ class SLOConfig:
 
     ttft_ms: float = 2000.0
     tpot_ms: float = 200.0
+
+
+@dataclass
+class CapacityConfig:
+    """Capacity search (engine/serving/capacity.py): with `search`, a serving trial ignores `workload.rate`
+    and finds the highest Poisson rate at which the `percentile`-th percentile of TTFT and of TPOT meet
+    `slo.ttft_ms` and `slo.tpot_ms`: a synchronous probe, a saturating probe, then bisection until the
+    bracket is within `tolerance` of its top, or `max_probes` probes or `max_s` seconds are spent.
+    Every key was added after the first schema (neutral values keep earlier hashes)."""
+
+    search: bool = field(default=False, metadata=added(False))
+    percentile: float = field(default=99.0, metadata=added(99.0))  # the share of requests the SLO holds for
+    max_probes: int = field(default=8, metadata=added(8))
+    tolerance: float = field(default=0.1, metadata=added(0.1))
+    max_s: float = field(default=1800.0, metadata=added(1800.0))
 
 
 @dataclass
@@ -310,6 +337,7 @@ class TrialConfig:
     speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
     batching: BatchingConfig = field(default_factory=BatchingConfig)
     slo: SLOConfig = field(default_factory=SLOConfig)
+    capacity: CapacityConfig = field(default_factory=CapacityConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     seed: int = 0
     timing: TimingConfig = field(default_factory=TimingConfig)  # precision of the timings (not hashed)

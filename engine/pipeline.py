@@ -33,6 +33,8 @@ class EngineResult:
     info: dict[str, str] = field(default_factory=dict)
     labels: dict[str, str] = field(default_factory=dict)  # what the trial *is* (regime.*), not where it ran
     samples: dict[str, list[float]] = field(default_factory=dict)  # each timed repeat's whole-run timings, in order
+    # metric -> values by step (a capacity search's probe curve, in rate order), logged with steps
+    series: dict[str, list[float]] = field(default_factory=dict)
 
 
 def seed_everything(seed: int) -> None:
@@ -150,17 +152,84 @@ def _static(trial: TrialConfig, session: TrialSession, say) -> Workload:
                     lambda t, x: dict(static_batch_metrics(t), **x), lambda t: t.tokens.tolist())
 
 
+def serving_plan(wl, corpus: torch.Tensor, seed: int, warmup: int, repeats: int) -> ServingPlan:
+    """The plan of a serving workload: its requests (multi-turn: the first turns, and the follow-up that
+    builds each next turn from the answer before it)."""
+    from .serving.requests import make_requests, warmup_requests
+
+    follow_up = None
+    if wl.multi_turn:
+        from .serving.conversations import make_conversations
+
+        convs = make_conversations(wl, corpus, seed)
+        requests, follow_up = convs.first_turns(), convs.next_turn
+    else:
+        requests = make_requests(wl, corpus, seed)
+    return ServingPlan(requests, warmup_requests(requests), warmup, repeats, follow_up, wl.max_concurrency)
+
+
+def _serving_workload(trial: TrialConfig, session: TrialSession, wl, corpus: torch.Tensor, say) -> Workload:
+    """The serving workload `wl` (the trial's, or a capacity probe's arrivals of it) on `session`."""
+    def metrics_of(t, x):
+        m = dict(request_metrics(t.requests, t.duration_s, trial.slo), **x)
+        if wl.multi_turn:
+            from .measure.metrics import turn_metrics
+
+            m.update(turn_metrics([t.requests], wl.turns)[0])
+        return m
+
+    return Workload(lambda warmup, repeats: session.run_serving(serving_plan(wl, corpus, trial.seed, warmup, repeats), say),
+                    metrics_of, lambda t: [list(r.output) for r in t.requests])
+
+
 def _serving(trial: TrialConfig, session: TrialSession, say) -> Workload:
     from .prompts import corpus_ids
-    from .serving.requests import make_requests, max_request_tokens, warmup_requests
+    from .serving.requests import max_request_tokens
 
     wl = trial.workload
     _check_context(trial, max_request_tokens(wl), "the longest request")
-    requests = make_requests(wl, corpus_ids(session.tokenizer, wl.text), trial.seed)
-    warm = warmup_requests(requests)
-    return Workload(lambda warmup, repeats: session.run_serving(ServingPlan(requests, warm, warmup, repeats), say),
-                    lambda t, x: dict(request_metrics(t.requests, t.duration_s, trial.slo), **x),
-                    lambda t: [list(r.output) for r in t.requests])
+    return _serving_workload(trial, session, wl, corpus_ids(session.tokenizer, wl.text), say)
+
+
+def _capacity(m: "Measurement"):
+    """A capacity search (engine/serving/capacity.py): the same requests probed at several arrival rates,
+    each probe the workload's warm-up (first probe only) and repeats. Returns the runs of the probe at the
+    found rate (the trial's metrics), the scalars and curve of the search, its verdict, and the synchronous
+    probe's outputs (one request at a time: the reference tokens)."""
+    import dataclasses
+
+    from .measure.metrics import capacity_metrics, percentile
+    from .prompts import corpus_ids
+    from .serving.capacity import RATE, SATURATE, SYNC, ProbeStats, SearchBudget, meets, search_capacity
+
+    trial, session, say = m.trial, m.session, m.say
+    wl, cap = trial.workload, trial.capacity
+    corpus = corpus_ids(session.tokenizer, wl.text)
+    done: list[tuple[Runs, list[list[int]]]] = []  # per probe: its runs, its outputs
+
+    def probe(kind: str, rate: float) -> ProbeStats:
+        spec = {SYNC: dataclasses.replace(wl, arrival="all-at-once", max_concurrency=1),
+                SATURATE: dataclasses.replace(wl, arrival="all-at-once"),
+                RATE: dataclasses.replace(wl, arrival="poisson", rate=rate)}[kind]
+        w = _serving_workload(trial, session, spec, corpus, say)
+        runs = w.run(wl.warmup if not done else 0, max(1, wl.repeats))
+        per_run, outputs = w.outcome(runs)
+        done.append((runs, outputs))
+        reqs = [r for t in runs.traces for r in t.requests]
+        tpot = [(r.e2e_s - r.ttft_s) / (len(r.output) - 1) * 1e3 for r in reqs if len(r.output) > 1] or [0.0]
+        med = median_metrics(per_run)
+        return ProbeStats(ttft_ms=percentile([r.ttft_s * 1e3 for r in reqs], cap.percentile),
+                          tpot_ms=percentile(tpot, cap.percentile), request_s=med["request_s"], metrics=med)
+
+    budget = SearchBudget(cap.max_probes, cap.tolerance, cap.max_s)
+    result = search_capacity(probe, lambda s: meets(s, trial.slo.ttft_ms, trial.slo.tpot_ms), budget, say=say)
+    say(f"capacity: {result.verdict}")
+    runs = done[result.probes.index(result.best)][0]
+    reference = done[0][1]
+    mismatched = {i for _, out in done for i, (a, b) in enumerate(zip(out, reference)) if a != b}
+    scalars, series = capacity_metrics(result)
+    scalars["capacity_token_mismatches"] = float(len(mismatched))
+    return runs, scalars, series, result.verdict, reference
 
 
 def roofline(trial: TrialConfig, engine: Engine, device: torch.device, metrics: dict[str, float]) -> dict[str, str]:
@@ -271,6 +340,10 @@ def open_trial(trial: TrialConfig, loaded: Optional[Any] = None,
     if loaded is None:
         say(f"loading {trial.model.name}")
         loaded = engine.load(trial, say)
+    if trial.workload.serving and trial.capacity.search and not engine.searches_capacity:
+        raise EngineError(f"engine {engine.name} cannot run a capacity search: {engine.searches_capacity_why}")
+    if trial.workload.multi_turn and not engine.serves_conversations:
+        raise EngineError(f"engine {engine.name} cannot serve multi-turn conversations: {engine.serves_conversations_why}")
     session = engine.open(trial, loaded, say)
     workload = (_serving if trial.workload.serving else _static)(trial, session, say)
     return Measurement(trial, engine, loaded, session, workload, say)
@@ -283,9 +356,24 @@ def run_engine_trial(
 ) -> EngineResult:
     """Measure one configuration. `loaded` lets a warm worker reuse a model (from `load_trial_model`)."""
     m = open_trial(trial, loaded, progress)
+    searched = trial.workload.serving and trial.capacity.search
     with NoiseMonitor(m.gpu) as noise:
-        runs, stop = _repeat_until_precise(trial, m.workload.run, m.workload.metrics_of, m.engine.in_process, m.say)
-    return m.finish(runs, stop, noise.result)
+        if searched:  # each probe runs the workload's fixed warm-up and repeats
+            runs, found, series, verdict, reference = _capacity(m)
+            stop = "capacity search"
+        else:
+            runs, stop = _repeat_until_precise(trial, m.workload.run, m.workload.metrics_of, m.engine.in_process, m.say)
+    result = m.finish(runs, stop, noise.result)
+    if searched:
+        result.metrics.update(found)
+        result.series.update(series)
+        result.labels["capacity"] = verdict
+        result.token_ids, result.sample_text = reference, m.session.tokenizer.decode(reference[0])
+    if trial.workload.multi_turn:
+        from .measure.metrics import turn_metrics
+
+        result.series.update(turn_metrics([t.requests for t in runs.traces], trial.workload.turns)[1])
+    return result
 
 
 def run_interleaved(trials: list[TrialConfig], rounds: int,
@@ -297,6 +385,8 @@ def run_interleaved(trials: list[TrialConfig], rounds: int,
     configuration keeps its own model in memory for the whole run."""
     if rounds < 1:
         raise EngineError(f"rounds must be >= 1, got {rounds}")
+    if any(t.workload.serving and t.capacity.search for t in trials):
+        raise EngineError("a capacity search runs its own probes; it cannot be interleaved with other trials")
     apart = sorted({t.engine.backend for t in trials if not engines.get(t.engine.backend).in_process})
     if apart:  # each call would start the engine's process again: one repeat per call measures the start-up
         raise EngineError(f"interleaving needs engines that run in this process; {', '.join(apart)} runs in its own")

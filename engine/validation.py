@@ -24,6 +24,7 @@ from .config import (
     EngineError,
     TrialConfig,
     TEXT_KINDS,
+    WORKLOAD_KINDS,
     LengthConfig,
     TextConfig,
 )
@@ -105,6 +106,7 @@ def check_trial(trial: TrialConfig, gpu_available: bool) -> list[tuple[str, str]
     p += _choice("attention.impl", trial.attention.impl, ATTENTION_IMPLS)
     p += _choice("kv_cache.mode", trial.kv_cache.mode, KV_CACHE_MODES)
     p += _choice("kv_cache.dtype", trial.kv_cache.dtype, KV_CACHE_DTYPES)
+    p += _choice("workload.kind", w.kind, WORKLOAD_KINDS)
     facts, why = _facts(m)
     if why:
         p.append(("model.path", why))
@@ -161,6 +163,7 @@ def check_trial(trial: TrialConfig, gpu_available: bool) -> list[tuple[str, str]
         p.append(("workload.context_len", f"context_len + max_new_tokens = {need} exceeds the model's maximum of {limit} positions"))
     p += _speculative(trial)
     p += _batching(trial, limit)
+    p += _capacity(trial)
     if why is None:
         p += _repeat_prompt(trial) + _quant_layers(trial) + _self_draft_support(trial, facts)
     if trial.engine.backend in engines.NAMES:
@@ -224,6 +227,53 @@ def _quant_layers(trial: TrialConfig) -> list[tuple[str, str]]:
                                        f"to quantize; use quant=none for an unquantized run), got {q.keep_last_layers}")]
 
 
+def _multi_turn(trial: TrialConfig) -> list[tuple[str, str]]:
+    s = trial.workload
+    p = [(f"workload.{k}", f"must be >= {lo} for workload.kind=multi-turn, got {v}")
+         for k, v, lo in (("conversations", s.conversations, 1), ("turns", s.turns, 1)) if v < lo]
+    if not s.think_time_s >= 0:
+        p.append(("workload.think_time_s", f"must be >= 0 seconds, got {s.think_time_s}"))
+    if s.length_trace:
+        p.append(("workload.length_trace", "a multi-turn workload draws its message and answer lengths from "
+                                           "input_len and output_len; a length trace is not supported"))
+    if trial.engine.backend in engines.NAMES:
+        e = engines.get(trial.engine.backend)
+        if e.serves and not e.serves_conversations:
+            ok = [x.serving_usage or f"engine={x.name}" for x in engines.all_engines() if x.serves_conversations]
+            p.append(("workload.kind", f"engine {e.name} cannot serve multi-turn conversations: "
+                                       f"{e.serves_conversations_why}; use {' or '.join(ok)}"))
+    return p
+
+
+def _capacity(trial: TrialConfig) -> list[tuple[str, str]]:
+    """capacity.* ranges, and a capacity search only where a serving workload runs on an engine that searches."""
+    c = trial.capacity
+    p: list[tuple[str, str]] = []
+    if not 0 < c.percentile <= 100:
+        p.append(("capacity.percentile", f"must be in (0, 100] (the share of requests the SLO holds for), got {c.percentile}"))
+    if c.max_probes < 3:
+        p.append(("capacity.max_probes", f"must be >= 3 (a synchronous, a saturating and one Poisson probe), got {c.max_probes}"))
+    if not 0 < c.tolerance < 1:
+        p.append(("capacity.tolerance", f"must be in (0, 1) (the bracket's width relative to its top), got {c.tolerance}"))
+    if not c.max_s > 0:
+        p.append(("capacity.max_s", f"must be > 0 seconds, got {c.max_s}"))
+    if not c.search:
+        return p
+    searchers = [e.serving_usage or f"engine={e.name}" for e in engines.all_engines() if e.serves and e.searches_capacity]
+    if not trial.workload.serving:
+        p.append(("capacity.search", "a capacity search probes requests arriving over time: use a serving workload "
+                                     "(workload=serving-mixed, or workload.kind=serving)"))
+    if trial.engine.backend in engines.NAMES:
+        e = engines.get(trial.engine.backend)
+        if not e.serves:
+            p.append(("capacity.search", f"engine {e.name} cannot serve (it runs one static batch only); a capacity "
+                                         f"search runs on {' or '.join(searchers)}"))
+        elif not e.searches_capacity:
+            p.append(("capacity.search", f"engine {e.name} serves, but cannot run a capacity search: "
+                                         f"{e.searches_capacity_why}; use {' or '.join(searchers)}"))
+    return p
+
+
 def _length(field: str, s: LengthConfig) -> list[tuple[str, str]]:
     out = _choice(f"{field}.dist", s.dist, LENGTH_DISTS)
     if s.dist == "fixed" and s.value < 1:
@@ -272,6 +322,8 @@ def _batching(trial: TrialConfig, limit: int | None) -> list[tuple[str, str]]:
                              ("workload.max_concurrency", s.max_concurrency, 0)):
         if value < lo:
             p.append((field, f"must be >= {lo}, got {value}"))
+    if s.multi_turn:
+        p += _multi_turn(trial)
     p += _choice("workload.arrival", s.arrival, ARRIVALS)
     if s.arrival != "all-at-once" and not s.rate > 0:
         p.append(("workload.rate", f"must be > 0 requests/s for arrival={s.arrival}, got {s.rate}"))

@@ -58,6 +58,10 @@ class ServingPlan:
     warmup_requests: list
     warmup: int
     repeats: int
+    # multi-turn: (finished request, its output, finish time s) -> the request it leads to, or None
+    follow_up: Optional[Callable[[Any, list, float], Any]] = None
+    max_concurrency: int = 0  # client-side cap on requests in flight (0 = none; a capacity search's
+    # synchronous probe sends one at a time)
 
 
 @dataclass
@@ -104,6 +108,13 @@ class Engine:
     support: Mapping[str, Support] = {}  # config key -> what it honours; a key not listed: every value
     serves: bool = False  # runs serving workloads (requests arriving over time)
     serving_usage: str = ""  # the overrides that make a serving trial run on it, for error messages
+    # runs a capacity search (capacity.search: the pipeline probes the same requests at several rates);
+    # searches_capacity_why: why not, for an engine that serves but cannot
+    searches_capacity: bool = False
+    searches_capacity_why: str = ""
+    # serves workload.kind=multi-turn: requests that follow finished ones (ServingPlan.follow_up)
+    serves_conversations: bool = False
+    serves_conversations_why: str = ""
     # its timed work runs in this process (and threads), so /proc can tell other processes' CPU time from its
     # own (engine/measure/noise.py); an engine that runs in other processes cannot be told apart that way
     in_process: bool = True

@@ -68,6 +68,37 @@ METRICS: dict[str, str] = {
     "mean_batch_size": "serving: sequences per forward step, averaged over steps",
     "duration_s": "serving: start of the run -> last token of the last request (s)",
     "kv_peak_bytes": "serving: most KV pool bytes held by sequences at once (blocks x block bytes)",
+    # capacity search (engine/serving/capacity.py; capacity.search=true): probes of the same requests at several rates
+    "max_rate_at_slo": "capacity search: the highest Poisson rate (req/s) whose probe met the SLO at capacity.percentile "
+                       "(0 when none did); _ci_lo/_ci_hi: the search's bracket (highest passing, lowest failing rate)",
+    "goodput_at_slo": "capacity search: goodput (req/s meeting both SLOs) of the probe at max_rate_at_slo",
+    "output_tok_s_at_slo": "capacity search: output tokens/s of the probe at max_rate_at_slo",
+    "capacity_meets_slo": "capacity search: 1 when some load meets the SLO (the synchronous probe did), 0: no rate meets it",
+    "capacity_probes": "capacity search: probes run (synchronous + saturating + Poisson rates)",
+    "capacity_sync_request_s": "capacity search: requests/s served one at a time (the synchronous probe)",
+    "capacity_saturation_request_s": "capacity search: requests/s served with every request at once (the saturating probe)",
+    "capacity_search_s": "capacity search: wall seconds of all probes",
+    "capacity_token_mismatches": "capacity search: requests whose tokens in some probe differ from the synchronous probe's",
+    "probe_rate": "capacity curve (one step per probe, in rate order): offered rate, req/s (synchronous and saturating: achieved)",
+    "probe_ttft_ms_p50": "capacity curve: median TTFT of the probe (ms)",
+    "probe_ttft_ms_p99": "capacity curve: p99 TTFT of the probe (ms)",
+    "probe_tpot_ms_p50": "capacity curve: median TPOT of the probe (ms)",
+    "probe_tpot_ms_p99": "capacity curve: p99 TPOT of the probe (ms)",
+    "probe_output_tok_s": "capacity curve: output tokens/s of the probe",
+    "probe_request_s": "capacity curve: completed requests/s of the probe",
+    "probe_goodput": "capacity curve: goodput of the probe (req/s meeting both SLOs)",
+    "probe_meets_slo": "capacity curve: 1 when the probe met the SLO at capacity.percentile",
+    "probe_kind": "capacity curve: 0 synchronous (one request at a time), 1 Poisson at probe_rate, 2 saturating (all at once)",
+    # prefill work and multi-turn conversations (workload.kind=multi-turn; engine/serving/conversations.py)
+    "prompt_tokens": "serving: prompt tokens of all requests of the run (what re-prompting from scratch computes)",
+    "prefill_tokens": "serving: prompt tokens actually computed (prompt minus what the prefix cache held at admission)",
+    "ttft_ms_first_turn": "multi-turn: mean TTFT of the conversations' first turns (ms)",
+    "ttft_ms_last_turn": "multi-turn: mean TTFT of the conversations' last turns (ms; the longest history)",
+    "prefill_tokens_last_turn": "multi-turn: mean prompt tokens computed for a conversation's last turn",
+    "prompt_tokens_last_turn": "multi-turn: mean prompt length of a conversation's last turn",
+    "turn_ttft_ms": "multi-turn curve (one step per turn): mean TTFT of that turn over conversations and repeats (ms)",
+    "turn_prefill_tokens": "multi-turn curve: mean prompt tokens computed for that turn",
+    "turn_prompt_tokens": "multi-turn curve: mean prompt length of that turn",
     # roofline cost model (engine/costmodel.py): predicted work, hardware peaks, bounds, and how near them a run got
     "roofline_tok_s": "upper bound on output_tok_s: B*N / (prefill bound + decode bound), bound = max(FLOPs/peak, bytes/bandwidth)",
     "roofline_prefill_tok_s": "upper bound on prefill_tok_s from the cost model",
@@ -124,6 +155,7 @@ LABELS: dict[str, str] = {
     "regime": "measured regime of that phase: what the next optimization should attack",
     "hw.source": "where the hardware peaks came from: table (known GPU), probe (measured now), cache, or "
                  "probe-loaded (measured now under load: not cached, the roofline shares read high)",
+    "capacity": "capacity search: why it stopped (bracket within tolerance, budget spent, or no rate meets the SLO)",
     UNSTABLE: "why the trial's timings cannot be trusted (a timing's CV above 10%, or other processes busy); "
                 "absent on a stable trial",
 }
@@ -194,7 +226,40 @@ def request_metrics(reqs, duration_s: float, slo: SLOConfig) -> dict[str, float]
     m["goodput"] = met / duration_s
     m["slo_attainment"] = met / len(reqs)
     m["duration_s"] = duration_s
+    m.update(prefill_metrics(reqs))
     return m
+
+
+def prefill_metrics(reqs) -> dict[str, float]:
+    """Prompt tokens and those computed (the rest came from the prefix cache); {} where the engine does
+    not say what its cache held (`cached_tokens` None)."""
+    if not reqs or any(r.cached_tokens is None for r in reqs):
+        return {}
+    return {"prompt_tokens": float(sum(r.prompt_len for r in reqs)),
+            "prefill_tokens": float(sum(r.prompt_len - r.cached_tokens for r in reqs))}
+
+
+def turn_metrics(runs: list, turns: int) -> tuple[dict[str, float], dict[str, list[float]]]:
+    """(scalars, per-turn curve) of a multi-turn workload over every run's records (request id =
+    conversation x turns + turn); means over conversations and runs."""
+    by_turn: list[list] = [[] for _ in range(turns)]
+    for reqs in runs:
+        for r in reqs:
+            by_turn[r.id % turns].append(r)
+
+    def mean(xs):
+        return statistics.fmean(xs) if xs else float("nan")
+
+    known = all(r.cached_tokens is not None for rs in by_turn for r in rs)
+    curve = {"turn_ttft_ms": [mean([r.ttft_s * 1e3 for r in rs]) for rs in by_turn],
+             "turn_prompt_tokens": [mean([r.prompt_len for r in rs]) for rs in by_turn]}
+    if known:
+        curve["turn_prefill_tokens"] = [mean([r.prompt_len - r.cached_tokens for r in rs]) for rs in by_turn]
+    m = {"ttft_ms_first_turn": curve["turn_ttft_ms"][0], "ttft_ms_last_turn": curve["turn_ttft_ms"][-1],
+         "prompt_tokens_last_turn": curve["turn_prompt_tokens"][-1]}
+    if known:
+        m["prefill_tokens_last_turn"] = curve["turn_prefill_tokens"][-1]
+    return m, curve
 
 
 def scheduler_metrics(trace: "ServingTrace") -> dict[str, float]:
@@ -211,6 +276,40 @@ def scheduler_metrics(trace: "ServingTrace") -> dict[str, float]:
 def serving_metrics(trace: "ServingTrace", slo: SLOConfig) -> dict[str, float]:
     """Metrics of one native serving run: `request_metrics` plus what the scheduler and KV pool did."""
     return dict(request_metrics(trace.requests, trace.duration_s, slo), **scheduler_metrics(trace))
+
+
+CURVE = ("probe_rate", "probe_ttft_ms_p50", "probe_ttft_ms_p99", "probe_tpot_ms_p50", "probe_tpot_ms_p99",
+         "probe_output_tok_s", "probe_request_s", "probe_goodput", "probe_meets_slo", "probe_kind")
+
+
+def capacity_metrics(result) -> tuple[dict[str, float], dict[str, list[float]]]:
+    """(scalars, curve) of a capacity search (`engine.serving.capacity.SearchResult`); the curve's steps
+    are the probes in rate order."""
+    from ..serving.capacity import RATE, SATURATE, SYNC
+
+    best = result.best.stats.metrics if result.best is not None else {}
+    kinds = {SYNC: 0, SATURATE: 2, RATE: 1}
+    hi = result.hi if result.hi is not None else result.max_rate
+    m = {"max_rate_at_slo": result.max_rate, "max_rate_at_slo_ci_lo": result.lo, "max_rate_at_slo_ci_hi": hi,
+         "goodput_at_slo": best.get("goodput", 0.0) if result.max_rate > 0 else 0.0,
+         "output_tok_s_at_slo": best.get("output_tok_s", 0.0) if result.max_rate > 0 else 0.0,
+         "capacity_meets_slo": float(result.meets_slo), "capacity_probes": float(len(result.probes)),
+         "capacity_search_s": sum(p.elapsed_s for p in result.probes)}
+    for p in result.probes:
+        if p.kind == SYNC:
+            m["capacity_sync_request_s"] = p.stats.request_s
+        if p.kind == SATURATE:
+            m["capacity_saturation_request_s"] = p.stats.request_s
+    curve: dict[str, list[float]] = {k: [] for k in CURVE}
+    for p in sorted(result.probes, key=lambda p: (p.rate, kinds[p.kind])):
+        s = p.stats.metrics
+        for k, v in (("probe_rate", p.rate), ("probe_ttft_ms_p50", s.get("ttft_ms_p50")),
+                     ("probe_ttft_ms_p99", s.get("ttft_ms_p99")), ("probe_tpot_ms_p50", s.get("tpot_ms_p50")),
+                     ("probe_tpot_ms_p99", s.get("tpot_ms_p99")), ("probe_output_tok_s", s.get("output_tok_s")),
+                     ("probe_request_s", s.get("request_s")), ("probe_goodput", s.get("goodput")),
+                     ("probe_meets_slo", float(p.passed)), ("probe_kind", float(kinds[p.kind]))):
+            curve[k].append(float(v) if v is not None else float("nan"))
+    return m, curve
 
 
 def expected_tokens_per_step(alpha: float, k: int) -> float:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import random
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
 
@@ -107,7 +108,10 @@ def make_requests(spec: WorkloadConfig, corpus: torch.Tensor, seed: int) -> list
 
 
 def max_request_tokens(spec: WorkloadConfig) -> int:
-    """The longest prompt + output any request of this spec can have (for pool sizing and validation)."""
+    """The longest prompt + output any request of this spec can have (for pool sizing and validation);
+    multi-turn: the last turn of the longest conversation."""
+    if spec.multi_turn:
+        return spec.prefix_len + spec.turns * (_hi(spec.input_len) + _hi(spec.output_len))
     if spec.length_trace:
         rows = read_length_trace(spec.length_trace)
         return spec.prefix_len + max(i + o for i, o in rows)
@@ -118,7 +122,13 @@ def max_request_tokens(spec: WorkloadConfig) -> int:
     return spec.prefix_len + hi(spec.input_len) + hi(spec.output_len)
 
 
+def _hi(s: LengthConfig) -> int:
+    return s.value if s.dist == "fixed" else s.max
+
+
 def max_prompt_tokens(spec: WorkloadConfig) -> int:
+    if spec.multi_turn:
+        return max_request_tokens(spec) - _hi(spec.output_len)
     if spec.length_trace:
         return spec.prefix_len + max(i for i, _ in read_length_trace(spec.length_trace))
     s = spec.input_len
@@ -135,6 +145,7 @@ class RequestRecord:
     sent_s: float
     token_times_s: tuple[float, ...]
     preemptions: int
+    cached_tokens: Optional[int] = None  # prompt tokens found in the prefix cache at admission (None: not known)
 
     @property
     def ttft_s(self) -> float:

@@ -324,6 +324,42 @@ def continuous_batching(t: Trials) -> Optional[Finding]:
     return None
 
 
+MULTI_TURN, PREFIX_CACHING = "workload.kind", "kv_cache.prefix_caching"
+
+
+def _on(v: Optional[str]) -> bool:
+    return str(v).lower() == "true"
+
+
+def reprompting(t: Trials) -> Optional[Finding]:
+    """Multi-turn conversations with the cached state (prefix caching) vs re-prompting from scratch, all
+    else equal (continuous batching preferred): prompt tokens computed and TTFT of the last turn (the
+    longest history); a capacity search's trials also compare their max rate at the SLO."""
+    scratch = [r for r in t.find(**{MULTI_TURN: "multi-turn"}) if not _on(r.params.get(PREFIX_CACHING))]
+    scratch.sort(key=lambda r: r.params.get(BATCHING.key) != "continuous")
+    for off in scratch:
+        on = counterpart(t.rows, off, {PREFIX_CACHING: _on}, t.ax)
+        if on is None or None in (off.num("prefill_tokens_last_turn"), on.num("prefill_tokens_last_turn"),
+                                  off.num("ttft_ms_last_turn"), on.num("ttft_ms_last_turn")):
+            continue
+        p_off, p_on = off.num("prefill_tokens_last_turn"), on.num("prefill_tokens_last_turn")
+        t_off, t_on = off.num("ttft_ms_last_turn"), on.num("ttft_ms_last_turn")
+        tokens = p_off / p_on if p_on else float("inf")
+        ttft = t_off / t_on if t_on else float("inf")
+        turns = off.params.get("workload.turns", "?")
+        measured = (f"last of {turns} turns ({off.params.get(BATCHING.key)} batching): re-prompting computes "
+                    f"{p_off:.0f} prompt tokens vs {p_on:.0f} with cached state (x{tokens:.1f}); TTFT {t_off:.0f} vs "
+                    f"{t_on:.0f} ms (x{ttft:.2f})")
+        gains = [ttft]
+        r_off, r_on = off.num("max_rate_at_slo"), on.num("max_rate_at_slo")
+        if r_off is not None and r_on is not None:  # capacity search: the metrics are at each one's found rate
+            measured += f"; max rate at SLO {r_off:.3g} vs {r_on:.3g} conversations/s (metrics at each found rate)"
+            gains.append(r_on / r_off if r_off else (float("inf") if r_on else 1.0))
+        holds = YES if tokens > 1.1 and max(gains) > 1.1 else PARTLY if tokens > 1.1 or max(gains) > 1.1 else NO
+        return Finding(measured, holds, [off, on])
+    return None
+
+
 # --- arithmetic claims (the cost model's formulas) ------------------------------------------------------
 def arith_attention_ops(_: Trials) -> Finding:
     total = sum(n * n for n in range(1, 1001))
@@ -383,6 +419,8 @@ CLAIMS: tuple[Claim, ...] = (
     Claim("spec-speedup", "Speculative decoding: 2-3x net speedup", speculative_speedup, ("speculative",)),
     Claim("continuous-batching", "Static batching leaves 30-60% of throughput on the floor (continuous: x1.4-2.5)",
           continuous_batching, ("batching",)),
+    Claim("reprompting", "Re-running the full prompt every turn when a cached conversation state would do is doing the "
+          "same work twice (re-prompting costs prefill tokens and TTFT every turn)", reprompting, ("batching",)),
     Claim("arith-attention-ops", "No cache, 1000 tokens: ~333M attention operations in all", arith_attention_ops),
     Claim("arith-kv-size", "KV cache at 32k context, 32 layers x 32 heads x 128 dims: ~500 MB per sample", arith_kv_size),
     Claim("arith-attention-matrix", "4096^2 attention matrix: 64 MB fp16 per head per layer, 2 GB for 32 heads", arith_attention_matrix),

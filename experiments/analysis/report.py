@@ -26,6 +26,7 @@ from ..config.compose import BUNDLE_GROUPS
 
 from . import advice as adv
 from . import claims as cl
+from . import serving as sv
 from ..errors import UserError
 from .results import (
     CONTEXT,
@@ -44,6 +45,7 @@ from .results import (
 REPORTS_DIR = "reports"
 ARTIFACT_DIR = "report"
 SEED_CLAIMS = "seed-claims"
+SERVING_CAPACITY = "serving-capacity"  # its report carries the re-prompting claim
 
 
 class ReportError(UserError):
@@ -524,6 +526,12 @@ def render_markdown(rep: Report, ax_keys: list[str], plots: list[Path], baseline
         "",
         adv.to_markdown(rep.advice, ax_keys) if rep.advice else "no finished trials",
     ]
+    serving_pts = sv.points(rep.lines)
+    if serving_pts:
+        out += ["## Serving: throughput vs interactivity", "",
+                "tok/s per user = 1000 / TPOT p50; * = on the Pareto frontier of its workload (no configuration has "
+                "both more total tok/s and more tok/s per user); a capacity search's numbers are at its found rate.",
+                "", sv.to_markdown(serving_pts), ""]
     if rep.claims is not None:
         out += ["## Seed claims", "", cl.to_markdown(rep.claims), ""]
     if plots:
@@ -575,7 +583,7 @@ def build(
     done("table")
     advices = [a for k, rows in sorted(groups.items()) if (a := adv.advise(rows, ax_keys, label(k)))]
     done("advice")
-    want_claims = claims if claims is not None else sel.experiment == SEED_CLAIMS
+    want_claims = claims if claims is not None else sel.experiment in (SEED_CLAIMS, SERVING_CAPACITY)
     claim_rows = cl.evaluate(sel.rows) if want_claims else None
     done("claims")
     out = Path(out_dir) if out_dir else PROJECT_ROOT / REPORTS_DIR / safe_name(ref)
@@ -584,6 +592,7 @@ def build(
         plot_throughput_vs_context(ls, ax_keys, out / "throughput_vs_context.png"),
         plot_pareto(ls, out / "pareto.png", ax_keys),
         plot_regime_chain(ls, out / "regime_chain.png", ax_keys),
+        sv.plot(sv.points(ls), out / "serving_pareto.png"),
     ) if p is not None]
     done("plots")
     rep = Report(sel, ls, advices, claim_rows, out)

@@ -31,6 +31,7 @@ class TrialOutcome:
     sample_text: str = ""
     info: dict[str, str] = field(default_factory=dict)
     labels: dict[str, str] = field(default_factory=dict)  # the engine's labels of the trial (regime.*)
+    series: dict[str, list[float]] = field(default_factory=dict)  # metric -> values by step (capacity curve)
     error: Optional[str] = None
     start_ms: int = 0
     end_ms: int = 0
@@ -152,6 +153,7 @@ def _finished(base: dict[str, Any], result, metrics: dict[str, float], info: dic
         sample_text=result.sample_text,
         info=info,
         labels=dict(result.labels),
+        series={k: list(v) for k, v in result.series.items()},
         end_ms=int(time.time() * 1000),
         samples=dict(result.samples),
         **base,

@@ -15,6 +15,7 @@ import platform
 import re
 import socket
 import subprocess
+import tempfile
 import threading
 import time
 from importlib import metadata
@@ -301,11 +302,15 @@ class Tracker:
             # each timed repeat's value as a metric history (step = repeat, or round when interleaved)
             metrics += [Metric(REPEAT_PREFIX + k, float(v), outcome.end_ms, i)
                         for k, vs in sorted(getattr(outcome, "samples", {}).items()) for i, v in enumerate(vs)]
+            metrics += [Metric(k, float(v), outcome.end_ms, step) for k, vs in sorted(outcome.series.items())
+                        for step, v in enumerate(vs)]
             self.client.log_batch(rid, metrics=metrics, params=_params(params))
             self.client.log_text(rid, yaml.safe_dump(_stored_config(spec.config), sort_keys=True), CONFIG_ARTIFACT)
             if outcome.token_ids:
                 self.client.log_text(rid, json.dumps(outcome.token_ids), TOKENS_ARTIFACT)
                 self.client.log_text(rid, outcome.sample_text, "sample.txt")
+            if outcome.series:
+                _log_curve(self.client, rid, outcome.series)
             if outcome.error:
                 self.client.log_text(rid, outcome.error, "error.txt")
             if outcome.attempt_errors:
@@ -398,6 +403,19 @@ class _ScopedClient:
 def redact(text: str) -> str:
     """No password of a database URI in what is logged or printed."""
     return re.sub(r"//([^:/@\s]+):[^@/\s]*@", r"//\1:***@", text)
+
+
+CURVE_ARTIFACT = "capacity_curve.png"
+
+
+def _log_curve(client, rid: str, series: dict[str, list[float]]) -> None:
+    """A capacity search's probe curve as a plot artifact."""
+    from .curves import plot_capacity_curve
+
+    with tempfile.TemporaryDirectory() as d:
+        path = plot_capacity_curve(series, Path(d) / CURVE_ARTIFACT)
+        if path is not None:
+            client.log_artifact(rid, str(path))
 
 
 def _stored_config(config: dict[str, Any]) -> dict[str, Any]:

@@ -28,6 +28,8 @@ class NativeEngine(LogitsEngine):
     support = dict(TORCH_SUPPORT)
     serves = True
     serving_usage = "engine=native kv_cache=paged"
+    searches_capacity = True
+    serves_conversations = True
 
     def check(self, trial: TrialConfig, facts, gpu_available: bool):
         p = torch_checks(trial, gpu_available)
@@ -118,7 +120,7 @@ class NativeTrialSession(LogitsSession):
             for i in range(plan.repeats):
                 say(f"serving run {i + 1}/{plan.repeats}: {len(plan.requests)} requests, "
                     f"{self.trial.batching.mode} batching")
-                traces.append(setup.run(plan.requests))
+                traces.append(setup.run(plan.requests, plan.follow_up, plan.max_concurrency))
         return Runs(traces, [scheduler_metrics(t) for t in traces], mem.peak_bytes)
 
     def reset_peaks(self) -> None:

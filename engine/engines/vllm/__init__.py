@@ -32,6 +32,10 @@ class VLLMEngine(Engine):
     serves = True
     in_process = False  # vLLM's engine-core processes: their CPU time cannot be told from other processes'
     serving_usage = "engine=vllm batching=continuous"
+    serves_conversations_why = ("its worker runs a fixed list of requests; turns that wait for the previous "
+                                "answer are not implemented on vLLM yet")
+    searches_capacity_why = ("its worker runs one job whose arrivals it builds from workload.rate (a new vLLM start per "
+                             "probe); a capacity search on vLLM is not implemented yet")
     support = {
         # vLLM always runs its paged cache: asking for contiguous runs the same thing (one config hash)
         "kv_cache.mode": Support(("paged",), "vLLM always keeps its paged KV cache", aliases={"contiguous": "paged"}),

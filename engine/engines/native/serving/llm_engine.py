@@ -9,10 +9,11 @@ that produced it (after the device synchronized).
 """
 from __future__ import annotations
 
+import bisect
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, Optional
 
 from .model_runner import ModelRunner
 from .sampler import Sampler
@@ -48,7 +49,10 @@ class ServingEngine:
         self.runner, self.scheduler, self.sampler, self.sync = runner, scheduler, sampler, sync
         self.clock, self.sleep, self.check_invariants = clock, sleep, check_invariants
 
-    def run(self, requests: list[Request], max_concurrency: int = 0) -> ServingTrace:
+    def run(self, requests: list[Request], max_concurrency: int = 0,
+            follow_up: Optional[Callable[[Request, list[int], float], Optional[Request]]] = None) -> ServingTrace:
+        """Serve `requests`; `follow_up(request, output, finished_s)` may return a request that a finished
+        one leads to (a conversation's next turn), which then arrives at its own `arrival_s`."""
         sched = self.scheduler
         pending = deque(sorted(requests, key=lambda r: (r.arrival_s, r.id)))
         timelines: dict[int, RequestTimeline] = {}
@@ -79,7 +83,11 @@ class ServingEngine:
             for seq in sched.postprocess(batch, tokens):
                 tl = timelines.pop(seq.id)
                 records[seq.id] = RequestRecord(seq.id, seq.prompt_len, tuple(seq.output), tl.sent_s,
-                                                tuple(tl.token_times_s), seq.num_preemptions)
+                                                tuple(tl.token_times_s), seq.num_preemptions,
+                                                seq.cached_at_admission)
+                nxt = follow_up(seq.request, seq.output, t) if follow_up else None
+                if nxt is not None:
+                    bisect.insort(pending, nxt, key=lambda r: (r.arrival_s, r.id))
                 self.sampler.forget(seq.id)
                 in_flight -= 1
             if was_full and in_flight < max_concurrency:
@@ -89,7 +97,7 @@ class ServingEngine:
             step_tokens += batch.num_tokens
             if self.check_invariants:
                 sched.check_invariants()
-        assert not timelines and len(records) == len(requests)
+        assert not timelines and len(records) >= len(requests)
         space = sched.space
         return ServingTrace(
             requests=tuple(records[i] for i in sorted(records)),

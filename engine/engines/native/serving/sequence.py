@@ -9,6 +9,7 @@ Block tables live in `BlockSpace`, timings in the engine loop's `RequestTimeline
 from __future__ import annotations
 
 import enum
+from typing import Optional
 
 from ....serving.requests import Request
 
@@ -29,6 +30,7 @@ class Sequence:
         self.num_computed = 0  # leading tokens whose K/V is in the cache
         self.status = Status.WAITING
         self.num_preemptions = 0
+        self.cached_at_admission: Optional[int] = None  # prompt tokens the prefix cache held at first admission
 
     # ---------------------------------------------------------------- reads
 
@@ -57,6 +59,8 @@ class Sequence:
         assert 0 <= num_cached < self.num_tokens, (num_cached, self.num_tokens)
         self.status = Status.RUNNING
         self.num_computed = num_cached
+        if self.cached_at_admission is None:
+            self.cached_at_admission = num_cached
 
     def computed(self, n: int) -> None:
         """`n` more tokens now have K/V in the cache (a forward pass ran over them)."""

@@ -3,6 +3,8 @@ gets a fresh block manager, scheduler and sampler. Warm-up and repeats are the t
 (engine/pipeline.py through engine/engines/native/__init__.py)."""
 from __future__ import annotations
 
+from typing import Optional
+
 from ....config import BatchingConfig, EngineError, TrialConfig, WorkloadConfig
 from ....generate import device_synchronizer
 from ..backend import NativeBackend
@@ -46,10 +48,12 @@ class ServingSetup:
         self.sync = device_synchronizer(backend.device)
         self.check_invariants = check_invariants
 
-    def run(self, requests: list[Request]) -> ServingTrace:
+    def run(self, requests: list[Request], follow_up=None, max_concurrency: Optional[int] = None) -> ServingTrace:
+        """One run; `max_concurrency` None: the trial's workload.max_concurrency."""
         t = self.trial
         space = BlockSpace(BlockManager(self.num_blocks, t.kv_cache.block_size), t.kv_cache.prefix_caching)
         engine = ServingEngine(self.runner, make_scheduler(t.batching, space),
                                Sampler(t.workload.sampling, t.seed, self.runner.backend.device), self.sync,
                                check_invariants=self.check_invariants)
-        return engine.run(requests, t.workload.max_concurrency)
+        cap = t.workload.max_concurrency if max_concurrency is None else max_concurrency
+        return engine.run(requests, cap, follow_up)
