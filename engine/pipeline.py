@@ -32,6 +32,7 @@ class EngineResult:
     sample_text: str  # decoded first sequence, for humans
     info: dict[str, str] = field(default_factory=dict)
     labels: dict[str, str] = field(default_factory=dict)  # what the trial *is* (regime.*), not where it ran
+    answers: dict[str, list] = field(default_factory=dict)  # eval.tasks: task -> per-example answers
 
 
 def seed_everything(seed: int) -> None:
@@ -136,6 +137,19 @@ def _reference(trial: TrialConfig, loaded: Any, windows: torch.Tensor):
         key, lambda: compute_reference(engines.get(engines.REFERENCE).reference(trial, loaded), windows, trial.eval.topk))
 
 
+def evaluate_tasks(trial: TrialConfig, session: TrialSession, loaded: Any, metrics: dict[str, float], say) -> dict:
+    """Task accuracy through lm-evaluation-harness (engine/tasks) into `metrics`; the per-example answers."""
+    if not (trial.eval.enabled and trial.eval.tasks):
+        return {}
+    from .tasks.run import evaluate_tasks as run_tasks
+
+    facts = facts_or_none(trial.model)
+    max_length = (facts.max_positions if facts and facts.max_positions else None) or 2048
+    res = run_tasks(trial, session, loaded, max_length, say)
+    metrics.update(res.metrics)
+    return res.answers
+
+
 def evaluate(trial: TrialConfig, session: TrialSession, loaded: Any, metrics: dict[str, float], say) -> None:
     """Accuracy at `workload.context_len` (perplexity, or fidelity against the reference) into `metrics`."""
     from .measure.fidelity import fidelity_of, perplexity_of
@@ -186,6 +200,7 @@ def run_engine_trial(
     if why:
         labels["unstable"] = why
     evaluate(trial, session, loaded, metrics, say)
+    answers = evaluate_tasks(trial, session, loaded, metrics, say)
     info = dict(device_info(session.device), **session.info())
     from .measure.hardware import slow_dtype_note
 
@@ -193,4 +208,4 @@ def run_engine_trial(
     if note:  # not an error: the user may want to see it, but should know why the numbers look so
         info["dtype_note"] = note
     return EngineResult(metrics=metrics, token_ids=token_ids, sample_text=session.tokenizer.decode(token_ids[0]),
-                        info=info, labels=labels)
+                        info=info, labels=labels, answers=answers)

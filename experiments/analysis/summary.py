@@ -20,16 +20,46 @@ def _fmt(key: str, fmt: str, metrics: dict[str, float]) -> str:
     return fmt.format(v)
 
 
+def task_names(rows: Sequence[dict[str, Any]]) -> list[str]:
+    """The eval.tasks any row measured (metric keys `acc.<task>`; needle depths `acc.<task>.d<pct>` excluded)."""
+    names: list[str] = []
+    for r in rows:
+        names += [k[4:] for k in r["metrics"] if k.startswith("acc.") and "." not in k[4:] and k[4:] not in names]
+    return names
+
+
+def _task_cell(task: str, m: dict[str, float]) -> str:
+    """`acc±stderr Δdelta` of one task (Δ against the fp32 reference), "-" where not measured."""
+    if f"acc.{task}" not in m:
+        return "-"
+    cell = f"{m[f'acc.{task}']:.3f}±{m.get(f'acc_stderr.{task}', float('nan')):.3f}"
+    if f"acc_delta.{task}" in m:
+        cell += f" Δ{m[f'acc_delta.{task}']:+.3f}"
+    return cell
+
+
+def _gate_cell(m: dict[str, float]) -> str:
+    if "acc_gate" not in m:
+        return "-"
+    worst = min((v for k, v in m.items() if k.startswith("acc_recovery.")), default=float("nan"))
+    return ("pass" if m["acc_gate"] == 1.0 else "FAIL") + f" ({worst:.1%})"
+
+
 def _grid(rows: Sequence[dict[str, Any]]) -> tuple[list[str], list[list[str]]]:
-    """rows: {'hash', 'swept': {k: v}, 'metrics': {...}, 'status'} -> (header, body)."""
+    """rows: {'hash', 'swept': {k: v}, 'metrics': {...}, 'status'} -> (header, body). Task accuracy columns
+    (one per task, and the accuracy gate with the worst recovery) appear when a row measured tasks."""
     axes: list[str] = []
     for r in rows:
         axes += [k for k in r["swept"] if k not in axes]
-    header = ["hash"] + axes + [label for _, label, _ in KEY_METRICS] + ["status"]
+    tasks = task_names(rows)
+    header = (["hash"] + axes + [label for _, label, _ in KEY_METRICS] + [f"acc {t}" for t in tasks]
+              + (["acc gate"] if tasks else []) + ["status"])
     body = [
         [r["hash"]]
         + [str(r["swept"].get(a, "")) for a in axes]
         + [_fmt(k, f, r["metrics"]) for k, _, f in KEY_METRICS]
+        + [_task_cell(t, r["metrics"]) for t in tasks]
+        + ([_gate_cell(r["metrics"])] if tasks else [])
         + [r["status"]]
         for r in rows
     ]

@@ -31,6 +31,7 @@ class TrialOutcome:
     sample_text: str = ""
     info: dict[str, str] = field(default_factory=dict)
     labels: dict[str, str] = field(default_factory=dict)  # the engine's labels of the trial (regime.*)
+    answers: dict[str, list] = field(default_factory=dict)  # eval.tasks: task -> per-example answers
     error: Optional[str] = None
     start_ms: int = 0
     end_ms: int = 0
@@ -147,6 +148,7 @@ def execute_trial(spec: TrialSpec, warm: Optional[WarmModels] = None) -> TrialOu
         sample_text=result.sample_text,
         info=info,
         labels=dict(result.labels),
+        answers=dict(result.answers),
         end_ms=int(time.time() * 1000),
         **base,
     )

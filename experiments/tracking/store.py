@@ -32,6 +32,7 @@ from ..run.trial import TrialOutcome
 PARENT_TAG = "mlflow.parentRunId"
 CONFIG_ARTIFACT = "config.yaml"
 TOKENS_ARTIFACT = "token_ids.json"
+ANSWERS_ARTIFACT = "task_answers.json"  # eval.tasks: task -> per-example answers (reproduce compares them)
 PACKAGES = ("torch", "transformers", "ray", "mlflow", "hydra-core", "bitsandbytes", "infersweep")
 
 
@@ -302,6 +303,8 @@ class Tracker:
             if outcome.token_ids:
                 self.client.log_text(rid, json.dumps(outcome.token_ids), TOKENS_ARTIFACT)
                 self.client.log_text(rid, outcome.sample_text, "sample.txt")
+            if getattr(outcome, "answers", None):
+                self.client.log_text(rid, json.dumps(outcome.answers), ANSWERS_ARTIFACT)
             if outcome.error:
                 self.client.log_text(rid, outcome.error, "error.txt")
             if outcome.attempt_errors:

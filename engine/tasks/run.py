@@ -1,0 +1,228 @@
+"""Task accuracy of one trial: lm-evaluation-harness (`simple_evaluate`) on the trial's session through
+`SessionLM`, the same tasks on the fp32 reference of the model (cached on disk like the fidelity reference),
+and per task: accuracy (+ acc_norm) with lm-eval's stderr, n, the delta against the reference with its paired
+stderr, the recovery (acc / reference acc) and the gate (recovery >= eval.gate).
+
+Metric keys are `<metric>.<task>` (engine/measure/metrics.py defines each <metric>); per needle depth
+`<metric>.<task>.d<percent>`. The per-example answers (chosen choice index, or the generated text) come back
+for reproduce.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import math
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+from ..config import EngineError, TrialConfig
+
+log = logging.getLogger(__name__)
+Say = Callable[[str], None]
+TASKS_VERSION = 1
+
+
+def available_tasks() -> list[str]:
+    """The tasks `eval.tasks` accepts: the shipped YAMLs (engine/tasks/yaml) and the needle tasks."""
+    from .data import YAML_DIR
+    from .needle import NEEDLE_TASKS
+
+    return sorted(p.stem for p in YAML_DIR.glob("*.yaml")) + list(NEEDLE_TASKS)
+
+
+def needs_generation(task: str) -> bool:
+    from .needle import NEEDLE_TASKS
+
+    return task in NEEDLE_TASKS
+
+
+@dataclass
+class TaskResult:
+    metrics: dict[str, float] = field(default_factory=dict)
+    answers: dict[str, list] = field(default_factory=dict)  # task -> per-example answers, in document order
+    correct: dict[str, list] = field(default_factory=dict)  # task -> per-example 0/1 (the primary metric)
+
+
+def _primary(task: str) -> str:
+    return "exact_match" if needs_generation(task) else "acc"
+
+
+def run_lmeval(session: Any, trial: TrialConfig, tasks: list[str], max_length: int, say: Say) -> TaskResult:
+    """simple_evaluate over `tasks` on `session`; per-task metrics and per-example answers."""
+    from .data import data_problems, yaml_dir, render_yamls
+    from .lmeval import SessionLM, offline_env
+    from .needle import needle_depth_of, render_needle_tasks
+
+    offline_env()
+    import lm_eval
+    from lm_eval.tasks import TaskManager
+
+    problem = data_problems()
+    if problem:
+        raise EngineError(problem)
+    render_yamls()
+    with tempfile.TemporaryDirectory(prefix="infersweep-needle-") as tmp:
+        includes = [str(yaml_dir())]
+        if any(needs_generation(t) for t in tasks):
+            render_needle_tasks([t for t in tasks if needs_generation(t)], session.tokenizer, trial, Path(tmp), say)
+            includes.append(tmp)
+        lm = SessionLM(session, max_length, say)
+        tm = TaskManager(include_path=includes, include_defaults=False)
+        mc = [t for t in tasks if not needs_generation(t)]
+        gen = [t for t in tasks if needs_generation(t)]
+        out = {"results": {}, "samples": {}}
+        # multiple choice: the first eval.limit documents; needle: all generated (eval.limit per depth)
+        for group, limit in ((mc, trial.eval.limit), (gen, None)):
+            if not group:
+                continue
+            say(f"lm-eval: {', '.join(group)}" + (f" (limit {limit})" if limit else ""))
+            got = lm_eval.simple_evaluate(model=lm, tasks=group, limit=limit, num_fewshot=0, task_manager=tm,
+                                          log_samples=True, bootstrap_iters=1000,  # mean: closed-form stderr random_seed=trial.seed,
+                                          numpy_random_seed=trial.seed, torch_random_seed=trial.seed,
+                                          fewshot_random_seed=trial.seed)
+            out["results"].update(got["results"])
+            out["samples"].update(got["samples"])
+    res = TaskResult()
+    for task in tasks:
+        r = out["results"][task]
+        samples = sorted(out["samples"][task], key=lambda s: s["doc_id"])
+        prim = _primary(task)
+        for name in ([prim, "acc_norm"] if prim == "acc" else [prim]):
+            if f"{name},none" in r or any(k.startswith(name + ",") for k in r):
+                key = next(k for k in r if k.startswith(name + ",") and "stderr" not in k)
+                filt = key.split(",", 1)[1]
+                metric = "acc" if name == "exact_match" else name
+                res.metrics[f"{metric}.{task}"] = float(r[key])
+                se = r.get(f"{name}_stderr,{filt}")
+                if isinstance(se, (int, float)):
+                    res.metrics[f"{metric}_stderr.{task}"] = float(se)
+        res.metrics[f"task_n.{task}"] = float(len(samples))
+        res.correct[task] = [float(s[prim]) for s in samples]
+        if prim == "acc":
+            res.answers[task] = [max(range(len(s["filtered_resps"])), key=lambda i: s["filtered_resps"][i][0])
+                                 for s in samples]
+        else:
+            res.answers[task] = [s["filtered_resps"][0] for s in samples]
+            by_depth: dict[int, list[float]] = {}
+            for s in samples:
+                by_depth.setdefault(needle_depth_of(s["doc"]), []).append(float(s[prim]))
+            for d, vals in sorted(by_depth.items()):
+                res.metrics[f"acc.{task}.d{d}"] = sum(vals) / len(vals)
+    return res
+
+
+def _reference_key(trial: TrialConfig, task: str) -> str:
+    """What the reference's result on `task` depends on: the model, the task's documents, limit, and for
+    needle tasks the context length, depths and seed."""
+    import dataclasses
+
+    from .data import YAML_DIR, manifest_path
+
+    ident = {k: v for k, v in dataclasses.asdict(trial.model).items() if k != "dtype"}
+    ident.update(v=TASKS_VERSION, task=task, limit=trial.eval.limit)
+    if needs_generation(task):
+        ident.update(context_len=trial.workload.context_len, depths=list(trial.eval.depths), seed=trial.seed)
+    else:
+        ident.update(yaml=(YAML_DIR / f"{task}.yaml").read_text(), data=json.loads(manifest_path().read_text())["files"])
+    return hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).hexdigest()
+
+
+def _reference(trial: TrialConfig, loaded: Any, max_length: int, say: Say) -> tuple[dict[str, dict], bool]:
+    """task -> {"metrics", "correct"} of the fp32 reference (cached under <cache>/tasks-reference)."""
+    from .. import engines
+    from ..engines.logits import LogitsSession
+    from ..models import cache_root
+
+    root = cache_root() / "tasks-reference"
+    out, missing = {}, []
+    for task in trial.eval.tasks:
+        path = root / f"{_reference_key(trial, task)}.json"
+        try:
+            out[task] = json.loads(path.read_text())
+        except (OSError, ValueError):
+            missing.append(task)
+    if missing:
+        say(f"computing the fp32 reference on {', '.join(missing)}")
+        ref_engine = engines.get(engines.REFERENCE)
+        backend = ref_engine.reference(trial, loaded)
+        ref_session = LogitsSession(ref_engine, backend.trial, backend.loaded, backend)
+        got = run_lmeval(ref_session, trial, missing, max_length, lambda m: say("reference: " + m))
+        root.mkdir(parents=True, exist_ok=True)
+        for task in missing:
+            entry = {"metrics": {k: v for k, v in got.metrics.items() if k.split(".")[1] == task},
+                     "correct": got.correct[task]}
+            path = root / f"{_reference_key(trial, task)}.json"
+            tmp = path.with_suffix(".tmp")
+            tmp.write_text(json.dumps(entry))
+            tmp.replace(path)
+            out[task] = entry
+    return out, not missing
+
+
+def evaluate_tasks(trial: TrialConfig, session: Any, loaded: Any, max_length: int, say: Say) -> TaskResult:
+    """The trial's task metrics, with the reference's and the comparison (delta, recovery, gate)."""
+    res = run_lmeval(session, trial, list(trial.eval.tasks), max_length, say)
+    ref, cached = _reference(trial, loaded, max_length, say)
+    res.metrics["task_ref_cached"] = float(cached)
+    for task in trial.eval.tasks:
+        acc, rm = res.metrics[f"acc.{task}"], ref[task]["metrics"]
+        racc = rm[f"acc.{task}"]
+        res.metrics[f"acc_ref.{task}"] = racc
+        a, b = res.correct[task], ref[task]["correct"]
+        n = min(len(a), len(b))
+        d = [x - y for x, y in zip(a[:n], b[:n])]
+        mean = sum(d) / n if n else 0.0
+        var = sum((x - mean) ** 2 for x in d) / (n - 1) if n > 1 else 0.0
+        res.metrics[f"acc_delta.{task}"] = acc - racc
+        res.metrics[f"acc_delta_stderr.{task}"] = math.sqrt(var / n) if n else 0.0
+        recovery = acc / racc if racc > 0 else (1.0 if acc >= racc else 0.0)
+        res.metrics[f"acc_recovery.{task}"] = recovery
+        res.metrics[f"acc_gate.{task}"] = float(recovery >= trial.eval.gate)
+    if trial.eval.tasks:
+        res.metrics["acc_gate"] = float(all(res.metrics[f"acc_gate.{t}"] == 1.0 for t in trial.eval.tasks))
+    return res
+
+
+def task_problems(trial: TrialConfig, max_positions: Optional[int]) -> list[tuple[str, str]]:
+    """What makes `eval.tasks` impossible before anything loads: unknown tasks, data not prepared, a limit
+    below 1, a needle longer than the model's positions, a request type the engine does not serve."""
+    from .. import engines
+    from .data import data_problems
+    from .needle import overhead_tokens
+
+    ev = trial.eval
+    if not (ev.enabled and ev.tasks):
+        return []
+    p: list[tuple[str, str]] = []
+    known = available_tasks()
+    unknown = [t for t in ev.tasks if t not in known]
+    if unknown:
+        p.append(("eval.tasks", f"unknown task(s) {', '.join(map(repr, unknown))}; available: {', '.join(known)}"))
+    if ev.limit < 1:
+        p.append(("eval.limit", f"must be >= 1 (examples per task; needle: per depth), got {ev.limit}"))
+    if not ev.depths or any(not 0.0 <= d <= 1.0 for d in ev.depths):
+        p.append(("eval.depths", f"needs fractions in [0, 1], got {list(ev.depths)}"))
+    if not 0.0 < ev.gate <= 1.0:
+        p.append(("eval.gate", f"must be in (0, 1] (a share of the reference's accuracy), got {ev.gate}"))
+    problem = data_problems()
+    if problem:
+        p.append(("eval.tasks", problem))
+    gen = [t for t in ev.tasks if needs_generation(t)]
+    if gen and max_positions and trial.workload.context_len > max_positions:
+        p.append(("workload.context_len", f"{', '.join(gen)} at context_len {trial.workload.context_len} "
+                                          f"exceeds the model's maximum of {max_positions} positions"))
+    if gen and trial.workload.context_len < 64:
+        p.append(("workload.context_len", f"{', '.join(gen)} needs context_len >= 64 (intro, needles, question)"))
+    if trial.engine.backend in engines.NAMES:
+        eng = engines.get(trial.engine.backend)
+        for need, which in (("loglikelihood", [t for t in ev.tasks if t in known and not needs_generation(t)]),
+                            ("generate_until", gen)):
+            if which and need not in eng.task_requests:
+                why = f": {eng.task_why}" if eng.task_why else ""
+                able = [e.name for e in engines.all_engines() if need in e.task_requests]
+                p.append(("eval.tasks", f"{', '.join(which)} need {need}, which engine={eng.name} does not serve"
+                                        f"{why}; engines that do: {', '.join(able)}"))
+    return p
