@@ -115,7 +115,7 @@ def test_lm_eval_task_on_the_tiny_model_is_deterministic(cache):
     assert a.metrics[f"task_n.{MC_TASK}"] == 5.0
     assert a.answers == b.answers and a.metrics == b.metrics
     acc = a.metrics[f"acc.{MC_TASK}"]
-    assert acc == sum(a.correct[MC_TASK]) / 5
+    assert a.metrics[f"task_score.{MC_TASK}"] == acc == sum(a.correct[MC_TASK]) / 5
     assert a.metrics[f"acc_stderr.{MC_TASK}"] == pytest.approx(math.sqrt(acc * (1 - acc) / 4), abs=1e-9)
 
 
@@ -153,7 +153,7 @@ def test_needle_task_runs_through_lm_eval_with_depth_dimension(cache):
     trial = replace(trial, "eval", EvalConfig(tasks=["niah_single"], limit=2, depths=[0.2, 0.8]))
     r = run_lmeval(s, trial, ["niah_single"], 2048, lambda m: None)
     assert r.metrics["task_n.niah_single"] == 4.0
-    assert {"acc.niah_single.d20", "acc.niah_single.d80"} <= set(r.metrics)
+    assert {"task_score.niah_single.d20", "task_score.niah_single.d80", "exact_match.niah_single"} <= set(r.metrics)
     assert len(r.answers["niah_single"]) == 4 and all(isinstance(x, str) for x in r.answers["niah_single"])
 
 
@@ -166,7 +166,8 @@ def test_pipeline_records_task_metrics_against_the_cached_reference(cache):
     m = first.metrics
     assert m["task_ref_cached"] == 0.0
     # the trial is the reference configuration itself: no delta, full recovery, gate passes
-    assert m[f"acc_delta.{MC_TASK}"] == 0.0 and m[f"acc_delta_stderr.{MC_TASK}"] == 0.0 and m["acc_gate"] == 1.0
+    assert m[f"task_delta.{MC_TASK}"] == 0.0 and m[f"task_delta_stderr.{MC_TASK}"] == 0.0 and m["task_gate"] == 1.0
+    assert m[f"task_ref.{MC_TASK}"] == m[f"task_score.{MC_TASK}"] and m[f"task_recovery.{MC_TASK}"] == 1.0
     assert first.answers[MC_TASK] and len(first.answers[MC_TASK]) == 5
     again = run_engine_trial(trial)
     assert again.metrics["task_ref_cached"] == 1.0 and again.answers == first.answers
@@ -202,12 +203,18 @@ def test_validation_refuses_a_request_type_the_engine_does_not_serve(cache):
                for k, v in problems), problems
 
 
-def test_sweep_with_bad_tasks_exits_2_and_logs_nothing(cache, tracking_overrides, capsys):
+def _all_runs(client) -> int:
+    return sum(len(client.search_runs([e.experiment_id])) for e in client.search_experiments())
+
+
+def test_sweep_with_bad_tasks_exits_2_and_logs_nothing(cache, tracking_overrides, mlflow_client, capsys):
     from experiments.cli import main
 
+    before = _all_runs(mlflow_client)
     rc = main(["sweep", "model=tiny-llama", "eval=tasks", "eval.tasks=[nope]", "eval.limit=0"] + tracking_overrides)
     err = capsys.readouterr().err
     assert rc == 2 and "unknown task(s) 'nope'" in err and "eval.limit" in err
+    assert _all_runs(mlflow_client) == before
 
 
 # --- the real model (slow tier) ----------------------------------------------------------------------------
@@ -228,7 +235,7 @@ def test_smollm2_fp32_is_above_chance_on_the_chosen_tasks():
             for t in CHANCE}
     for task in CHANCE:
         chance = sum(1 / len(d["choices"]) for d in docs[task]) / len(docs[task])
-        acc, se = r.metrics[f"acc.{task}"], r.metrics[f"acc_stderr.{task}"]
+        acc, se = r.metrics[f"task_score.{task}"], r.metrics[f"task_score_stderr.{task}"]
         assert acc - 2 * se > chance, (task, acc, se, chance)
 
 
@@ -242,4 +249,20 @@ def test_smollm2_finds_the_needle_at_short_context():
     eng = engines.get("hf")
     s = eng.open(trial, eng.load(trial, lambda m: None), lambda m: None)
     r = run_lmeval(s, trial, ["niah_single"], 8192, lambda m: None)
-    assert r.metrics["acc.niah_single"] >= 5 / 6, r.answers
+    assert r.metrics["task_score.niah_single"] >= 5 / 6, r.answers
+
+
+def test_sweep_table_shows_task_scores_and_the_gate():
+    from experiments.analysis.summary import table
+
+    m = {"task_score.bigbench_emoji_movie": 0.35, "task_score_stderr.bigbench_emoji_movie": 0.048,
+         "task_delta.bigbench_emoji_movie": -0.02, "task_recovery.bigbench_emoji_movie": 0.943,
+         "task_gate": 0.0, "task_score.niah_single.d50": 1.0}
+    ref = {"task_score.bigbench_emoji_movie": 0.35, "task_score_stderr.bigbench_emoji_movie": 0.048,
+           "task_delta.bigbench_emoji_movie": 0.0, "task_recovery.bigbench_emoji_movie": 1.0, "task_gate": 1.0}
+    text = table([{"hash": "a", "swept": {"quant": "int8"}, "metrics": m, "status": "FINISHED"},
+                  {"hash": "b", "swept": {"quant": "none"}, "metrics": ref, "status": "FINISHED"}])
+    header, _, row_a, row_b = text.splitlines()[:4]
+    assert "emoji_movie" in header and "acc gate" in header and "niah_single" not in header
+    assert "0.350±0.048 Δ-0.020" in row_a and "FAIL (94.3%)" in row_a
+    assert "0.350±0.048 Δ+0.000" in row_b and "pass (100.0%)" in row_b

@@ -1,11 +1,12 @@
 """Task accuracy of one trial: lm-evaluation-harness (`simple_evaluate`) on the trial's session through
 `SessionLM`, the same tasks on the fp32 reference of the model (cached on disk like the fidelity reference),
-and per task: accuracy (+ acc_norm) with lm-eval's stderr, n, the delta against the reference with its paired
-stderr, the recovery (acc / reference acc) and the gate (recovery >= eval.gate).
+and per task: lm-eval's metrics (acc, acc_norm, exact_match) with its stderr, n, the task's score (its primary
+metric), the delta against the reference's score with its paired stderr, the recovery (score / reference
+score) and the gate (recovery >= eval.gate).
 
 Metric keys are `<metric>.<task>` (engine/measure/metrics.py defines each <metric>); per needle depth
-`<metric>.<task>.d<percent>`. The per-example answers (chosen choice index, or the generated text) come back
-for reproduce.
+`task_score.<task>.d<percent>`. The per-example answers (chosen choice index, or the generated text) come
+back for reproduce.
 """
 from __future__ import annotations
 
@@ -23,6 +24,7 @@ from ..config import EngineError, TrialConfig
 log = logging.getLogger(__name__)
 Say = Callable[[str], None]
 TASKS_VERSION = 1
+LM_EVAL_METRICS = ("acc", "acc_norm", "exact_match")  # registered by lm-eval itself (no `evaluate` download)
 
 
 def available_tasks() -> list[str]:
@@ -46,8 +48,21 @@ class TaskResult:
     correct: dict[str, list] = field(default_factory=dict)  # task -> per-example 0/1 (the primary metric)
 
 
-def _primary(task: str) -> str:
-    return "exact_match" if needs_generation(task) else "acc"
+def primary_metric(task: str) -> str:
+    """The lm-eval metric a task is judged by (its score): exact_match for generation, else the YAML's
+    `metadata.primary_metric` (acc_norm where the choices' lengths differ so much that raw log-likelihood
+    mostly measures length), else acc."""
+    if needs_generation(task):
+        return "exact_match"
+    from .data import YAML_DIR
+
+    import yaml
+
+    try:
+        meta = yaml.safe_load((YAML_DIR / f"{task}.yaml").read_text()).get("metadata") or {}
+    except OSError:
+        meta = {}
+    return str(meta.get("primary_metric", "acc"))
 
 
 def run_lmeval(session: Any, trial: TrialConfig, tasks: list[str], max_length: int, say: Say) -> TaskResult:
@@ -89,28 +104,31 @@ def run_lmeval(session: Any, trial: TrialConfig, tasks: list[str], max_length: i
     for task in tasks:
         r = out["results"][task]
         samples = sorted(out["samples"][task], key=lambda s: s["doc_id"])
-        prim = _primary(task)
-        for name in ([prim, "acc_norm"] if prim == "acc" else [prim]):
-            if f"{name},none" in r or any(k.startswith(name + ",") for k in r):
-                key = next(k for k in r if k.startswith(name + ",") and "stderr" not in k)
-                filt = key.split(",", 1)[1]
-                metric = "acc" if name == "exact_match" else name
-                res.metrics[f"{metric}.{task}"] = float(r[key])
-                se = r.get(f"{name}_stderr,{filt}")
-                if isinstance(se, (int, float)):
-                    res.metrics[f"{metric}_stderr.{task}"] = float(se)
+        prim = primary_metric(task)
+        for key, value in r.items():  # lm-eval's own metrics: "<metric>,<filter>" and "<metric>_stderr,<filter>"
+            name = key.split(",", 1)[0]
+            if "," in key and isinstance(value, (int, float)) and name.removesuffix("_stderr") in LM_EVAL_METRICS:
+                res.metrics[f"{name}.{task}"] = float(value)
         res.metrics[f"task_n.{task}"] = float(len(samples))
+        res.metrics[f"task_score.{task}"] = res.metrics[f"{prim}.{task}"]
+        if f"{prim}_stderr.{task}" in res.metrics:
+            res.metrics[f"task_score_stderr.{task}"] = res.metrics[f"{prim}_stderr.{task}"]
         res.correct[task] = [float(s[prim]) for s in samples]
-        if prim == "acc":
-            res.answers[task] = [max(range(len(s["filtered_resps"])), key=lambda i: s["filtered_resps"][i][0])
-                                 for s in samples]
-        else:
+        if needs_generation(task):
             res.answers[task] = [s["filtered_resps"][0] for s in samples]
             by_depth: dict[int, list[float]] = {}
             for s in samples:
                 by_depth.setdefault(needle_depth_of(s["doc"]), []).append(float(s[prim]))
             for d, vals in sorted(by_depth.items()):
-                res.metrics[f"acc.{task}.d{d}"] = sum(vals) / len(vals)
+                res.metrics[f"task_score.{task}.d{d}"] = sum(vals) / len(vals)
+        else:  # the chosen choice: highest log-likelihood (acc), or per character of the choice (acc_norm)
+            def pick(s):
+                lls = [x[0] for x in s["filtered_resps"]]
+                if prim == "acc_norm":
+                    lls = [ll / max(1, len(c)) for ll, c in zip(lls, s["doc"]["choices"])]
+                return max(range(len(lls)), key=lambda i: lls[i])
+
+            res.answers[task] = [pick(s) for s in samples]
     return res
 
 
@@ -168,21 +186,23 @@ def evaluate_tasks(trial: TrialConfig, session: Any, loaded: Any, max_length: in
     ref, cached = _reference(trial, loaded, max_length, say)
     res.metrics["task_ref_cached"] = float(cached)
     for task in trial.eval.tasks:
-        acc, rm = res.metrics[f"acc.{task}"], ref[task]["metrics"]
-        racc = rm[f"acc.{task}"]
-        res.metrics[f"acc_ref.{task}"] = racc
+        score, racc = res.metrics[f"task_score.{task}"], ref[task]["metrics"][f"task_score.{task}"]
+        res.metrics[f"task_ref.{task}"] = racc
+        for k, v in ref[task]["metrics"].items():  # the reference's score by needle depth
+            if k.startswith(f"task_score.{task}.d"):
+                res.metrics["task_ref" + k[len("task_score"):]] = v
         a, b = res.correct[task], ref[task]["correct"]
         n = min(len(a), len(b))
         d = [x - y for x, y in zip(a[:n], b[:n])]
         mean = sum(d) / n if n else 0.0
         var = sum((x - mean) ** 2 for x in d) / (n - 1) if n > 1 else 0.0
-        res.metrics[f"acc_delta.{task}"] = acc - racc
-        res.metrics[f"acc_delta_stderr.{task}"] = math.sqrt(var / n) if n else 0.0
-        recovery = acc / racc if racc > 0 else (1.0 if acc >= racc else 0.0)
-        res.metrics[f"acc_recovery.{task}"] = recovery
-        res.metrics[f"acc_gate.{task}"] = float(recovery >= trial.eval.gate)
+        res.metrics[f"task_delta.{task}"] = score - racc
+        res.metrics[f"task_delta_stderr.{task}"] = math.sqrt(var / n) if n else 0.0
+        recovery = score / racc if racc > 0 else (1.0 if score >= racc else 0.0)
+        res.metrics[f"task_recovery.{task}"] = recovery
+        res.metrics[f"task_gate.{task}"] = float(recovery >= trial.eval.gate)
     if trial.eval.tasks:
-        res.metrics["acc_gate"] = float(all(res.metrics[f"acc_gate.{t}"] == 1.0 for t in trial.eval.tasks))
+        res.metrics["task_gate"] = float(all(res.metrics[f"task_gate.{t}"] == 1.0 for t in trial.eval.tasks))
     return res
 
 

@@ -21,28 +21,31 @@ def _fmt(key: str, fmt: str, metrics: dict[str, float]) -> str:
 
 
 def task_names(rows: Sequence[dict[str, Any]]) -> list[str]:
-    """The eval.tasks any row measured (metric keys `acc.<task>`; needle depths `acc.<task>.d<pct>` excluded)."""
+    """The eval.tasks any row measured (metric keys `task_score.<task>`; needle depths `.d<pct>` excluded)."""
     names: list[str] = []
     for r in rows:
-        names += [k[4:] for k in r["metrics"] if k.startswith("acc.") and "." not in k[4:] and k[4:] not in names]
+        for k in r["metrics"]:
+            t = k[len("task_score."):]
+            if k.startswith("task_score.") and "." not in t and t not in names:
+                names.append(t)
     return names
 
 
 def _task_cell(task: str, m: dict[str, float]) -> str:
-    """`acc±stderr Δdelta` of one task (Δ against the fp32 reference), "-" where not measured."""
-    if f"acc.{task}" not in m:
+    """`score±stderr Δdelta` of one task (Δ against the fp32 reference), "-" where not measured."""
+    if f"task_score.{task}" not in m:
         return "-"
-    cell = f"{m[f'acc.{task}']:.3f}±{m.get(f'acc_stderr.{task}', float('nan')):.3f}"
-    if f"acc_delta.{task}" in m:
-        cell += f" Δ{m[f'acc_delta.{task}']:+.3f}"
+    cell = f"{m[f'task_score.{task}']:.3f}±{m.get(f'task_score_stderr.{task}', float('nan')):.3f}"
+    if f"task_delta.{task}" in m:
+        cell += f" Δ{m[f'task_delta.{task}']:+.3f}"
     return cell
 
 
 def _gate_cell(m: dict[str, float]) -> str:
-    if "acc_gate" not in m:
+    if "task_gate" not in m:
         return "-"
-    worst = min((v for k, v in m.items() if k.startswith("acc_recovery.")), default=float("nan"))
-    return ("pass" if m["acc_gate"] == 1.0 else "FAIL") + f" ({worst:.1%})"
+    worst = min((v for k, v in m.items() if k.startswith("task_recovery.")), default=float("nan"))
+    return ("pass" if m["task_gate"] == 1.0 else "FAIL") + f" ({worst:.1%})"
 
 
 def _grid(rows: Sequence[dict[str, Any]]) -> tuple[list[str], list[list[str]]]:
@@ -52,7 +55,7 @@ def _grid(rows: Sequence[dict[str, Any]]) -> tuple[list[str], list[list[str]]]:
     for r in rows:
         axes += [k for k in r["swept"] if k not in axes]
     tasks = task_names(rows)
-    header = (["hash"] + axes + [label for _, label, _ in KEY_METRICS] + [f"acc {t}" for t in tasks]
+    header = (["hash"] + axes + [label for _, label, _ in KEY_METRICS] + [t.removeprefix("bigbench_") for t in tasks]
               + (["acc gate"] if tasks else []) + ["status"])
     body = [
         [r["hash"]]

@@ -107,7 +107,7 @@ def task_rows(tracker: Tracker, orig, om: dict, outcome) -> list[tuple[str, str,
         same = old == new
         rows.append((f"answers {task}", f"{len(old)} examples" if old is not None else "-", f"{len(new)} examples",
                      "MATCH" if same else "DIFFERS"))
-        for k in (f"acc.{task}", f"acc_norm.{task}"):
+        for k in (f"task_score.{task}", f"acc.{task}", f"acc_norm.{task}", f"exact_match.{task}"):
             if k in om or k in outcome.metrics:
                 a, b = om.get(k), outcome.metrics.get(k)
                 rows.append((k, _num(a), _num(b), "MATCH" if a == b else "DIFFERS"))

@@ -32,6 +32,9 @@ class VLLMEngine(Engine):
     serves = True
     in_process = False  # vLLM's engine-core processes: their CPU time cannot be told from other processes'
     serving_usage = "engine=vllm batching=continuous"
+    task_requests = ()  # eval.tasks: not wired yet (scoring arbitrary continuations needs prompt logprobs per request)
+    task_why = ("task evaluation through vLLM's prompt logprobs (its own interpreter) is not wired yet; "
+                "run the tasks on another engine")
     support = {
         # vLLM always runs its paged cache: asking for contiguous runs the same thing (one config hash)
         "kv_cache.mode": Support(("paged",), "vLLM always keeps its paged KV cache", aliases={"contiguous": "paged"}),
