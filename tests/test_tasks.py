@@ -266,3 +266,24 @@ def test_sweep_table_shows_task_scores_and_the_gate():
     assert "emoji_movie" in header and "acc gate" in header and "niah_single" not in header
     assert "0.350±0.048 Δ-0.020" in row_a and "FAIL (94.3%)" in row_a
     assert "0.350±0.048 Δ+0.000" in row_b and "pass (100.0%)" in row_b
+
+
+def test_sweep_records_tasks_in_mlflow_and_reproduce_matches_answers(cache, tiny_overrides, tracking, mlflow_client):
+    from experiments.run.reproduce import reproduce
+    from experiments.run.sweep import run_sweep
+    from experiments.tracking.store import ANSWERS_ARTIFACT
+
+    res = run_sweep(tiny_overrides + ["sweep_name=t-tasks", "seed=919", "eval=tasks", f"eval.tasks=[{MC_TASK}]",
+                                      "eval.limit=5"], in_process=True, echo=lambda *_: None)
+    (row,) = res.rows
+    assert row["status"] == "FINISHED"
+    run = mlflow_client.get_run(row["run_id"])
+    m = run.data.metrics
+    assert m[f"task_n.{MC_TASK}"] == 5 and m["task_gate"] == 1.0 and f"task_score_stderr.{MC_TASK}" in m
+    with open(mlflow_client.download_artifacts(run.info.run_id, ANSWERS_ARTIFACT)) as f:
+        answers = json.load(f)
+    assert len(answers[MC_TASK]) == 5
+    cmp = reproduce(row["hash"][:10], tracking)
+    verdicts = {k: v for k, _, _, v in cmp.rows}
+    assert verdicts[f"answers {MC_TASK}"] == "MATCH" and verdicts[f"task_score.{MC_TASK}"] == "MATCH"
+    assert cmp.deterministic_match
