@@ -186,6 +186,8 @@ def test_validation_refuses_bad_task_input(cache):
     assert "eval.limit: must be >= 1" in msg
     long = replace(replace(base, "eval", EvalConfig(tasks=["niah_single"])), "workload.context_len", 4096)
     assert "niah_single at context_len 4096 exceeds the model's maximum of 2048 positions" in _msgs(long)
+    short = replace(replace(base, "eval", EvalConfig(tasks=["niah_multikey"])), "workload.context_len", 128)
+    assert "workload.context_len: niah_multikey needs context_len >= " in _msgs(short)
 
 
 def test_validation_refuses_tasks_when_data_is_not_prepared(tmp_path, monkeypatch):

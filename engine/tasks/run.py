@@ -234,8 +234,14 @@ def task_problems(trial: TrialConfig, max_positions: Optional[int]) -> list[tupl
     if gen and max_positions and trial.workload.context_len > max_positions:
         p.append(("workload.context_len", f"{', '.join(gen)} at context_len {trial.workload.context_len} "
                                           f"exceeds the model's maximum of {max_positions} positions"))
-    if gen and trial.workload.context_len < 64:
-        p.append(("workload.context_len", f"{', '.join(gen)} needs context_len >= 64 (intro, needles, question)"))
+    if gen:
+        from ..models import local_tokenizer
+
+        tok = local_tokenizer(trial.model)
+        least = overhead_tokens(tok) + 16 if tok is not None else 64
+        if trial.workload.context_len < least:
+            p.append(("workload.context_len", f"{', '.join(gen)} needs context_len >= {least} for this model's "
+                                              f"tokenizer (intro, needles, question, answer and some haystack)"))
     if trial.engine.backend in engines.NAMES:
         eng = engines.get(trial.engine.backend)
         for need, which in (("loglikelihood", [t for t in ev.tasks if t in known and not needs_generation(t)]),
