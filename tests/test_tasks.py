@@ -289,3 +289,21 @@ def test_sweep_records_tasks_in_mlflow_and_reproduce_matches_answers(cache, tiny
     verdicts = {k: v for k, _, _, v in cmp.rows}
     assert verdicts[f"answers {MC_TASK}"] == "MATCH" and verdicts[f"task_score.{MC_TASK}"] == "MATCH"
     assert cmp.deterministic_match
+
+
+def test_needle_heatmap_has_one_panel_per_variant_and_a_cell_per_context_and_depth(tmp_path):
+    from experiments.analysis.needle import needle_cells, needle_heatmaps
+    from experiments.analysis.results import TrialRow
+
+    def row(quant, ctx, scores):
+        return TrialRow(run_id=f"{quant}{ctx}", name="", status="FINISHED",
+                        params={"quant.level": quant, "workload.context_len": str(ctx)},
+                        metrics={f"task_score.niah_multikey.d{d}": v for d, v in scores.items()}, tags={})
+
+    rows = [row("none", 1024, {10: 1.0, 90: 1.0}), row("none", 2048, {10: 1.0, 90: 0.5}),
+            row("bnb-nf4", 1024, {10: 1.0, 90: 0.0})]
+    cells = needle_cells(rows)
+    assert cells == {"niah_multikey": {"level=none": {(1024, 10): 1.0, (1024, 90): 1.0, (2048, 10): 1.0, (2048, 90): 0.5},
+                                       "level=bnb-nf4": {(1024, 10): 1.0, (1024, 90): 0.0}}}
+    (png,) = needle_heatmaps(rows, tmp_path)
+    assert png.name == "needle_niah_multikey.png" and png.read_bytes()[:4] == b"\x89PNG"
