@@ -307,3 +307,35 @@ def test_needle_heatmap_has_one_panel_per_variant_and_a_cell_per_context_and_dep
                                        "level=bnb-nf4": {(1024, 10): 1.0, (1024, 90): 0.0}}}
     (png,) = needle_heatmaps(rows, tmp_path)
     assert png.name == "needle_niah_multikey.png" and png.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_accuracy_claims_are_judged_by_the_interval_of_the_pooled_drop():
+    from experiments.analysis.accuracy_claims import NOISE, pooled_drop, verdict
+    from experiments.analysis.claims import CLAIMS, NO, YES, evaluate
+    from experiments.analysis.results import TrialRow
+
+    def row(level, ctx, metrics):
+        return TrialRow(run_id=level + str(ctx), name="", status="FINISHED",
+                        params={"quant.level": level, "workload.context_len": str(ctx), "model.dtype": "float32"},
+                        metrics={"output_tok_s": 10.0, **metrics}, tags={})
+
+    def mc(delta, se, ref=0.5):
+        out = {}
+        for t in ("bigbench_emoji_movie", "bigbench_general_knowledge"):
+            out.update({f"task_delta.{t}": delta, f"task_delta_stderr.{t}": se, f"task_ref.{t}": ref, f"task_n.{t}": 50.0})
+        return out
+
+    drop, se, tasks = pooled_drop(row("int8-weight", 128, mc(-0.01, 0.01)))
+    assert drop == pytest.approx(2.0) and se == pytest.approx(100 * math.sqrt(2 * 0.01 ** 2) / 2 / 0.5)
+    assert verdict(0.2, 0.1, -math.inf, 1.0) == YES and verdict(5.0, 1.0, -math.inf, 1.0) == NO
+    assert verdict(0.9, 0.5, -math.inf, 1.0) == NOISE
+    rows = [row("none", 128, {}), row("int8-weight", 128, mc(0.0, 0.001)), row("bnb-nf4", 128, mc(-0.2, 0.01)),
+            row("int8-dynamic", 1024, {"task_delta.niah_single": 0.0, "task_delta_stderr.niah_single": 0.0,
+                                       "task_ref.niah_single": 1.0}),
+            row("int8-dynamic", 4096, {"task_delta.niah_single": -0.5, "task_delta_stderr.niah_single": 0.05,
+                                       "task_ref.niah_single": 1.0})]
+    got = {r.name: r for r in evaluate(rows, CLAIMS)}
+    assert got["acc-int8-weight"].holds == YES and "+0.0%" in got["acc-int8-weight"].measured
+    assert got["acc-int4"].holds == NO and "+40.0%" in got["acc-int4"].measured  # a 40% drop: beyond 3-10%
+    assert got["acc-long-context"].holds == YES and "at 4096" in got["acc-long-context"].measured
+    assert got["acc-w8a8"].holds == "not measured (no such trials in this sweep)"

@@ -369,6 +369,11 @@ CLAIMS: tuple[Claim, ...] = (
     Claim("arith-spec-example", "alpha = 0.7, k = 5: roughly 2.5 tokens per target step", arith_speculative_example),
 )
 
+# the accuracy claims judged from task accuracy (eval.tasks): experiments/analysis/accuracy_claims.py
+from .accuracy_claims import accuracy_claims  # noqa: E402
+
+CLAIMS = CLAIMS + accuracy_claims()
+
 
 @dataclass
 class ClaimRow:
