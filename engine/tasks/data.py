@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -160,7 +161,11 @@ def render_yamls() -> list[str]:
     names = []
     for src in sorted(YAML_DIR.glob("*.yaml")):
         text = src.read_text().replace("{tasks_dir}", str(tasks_dir()))
-        (out / src.name).write_text(text)
+        dest = out / src.name
+        if not dest.exists() or dest.read_text() != text:  # atomically: parallel trials read these
+            tmp = dest.with_suffix(f".tmp{os.getpid()}")
+            tmp.write_text(text)
+            tmp.replace(dest)
         names.append(src.stem)
     return names
 
