@@ -229,11 +229,11 @@ def test_smollm2_fp32_is_above_chance_on_the_chosen_tasks():
     if task_data.data_problems():
         pytest.skip(task_data.data_problems())
     model = ModelConfig(name="smollm2-135m-instruct", path="prepared://smollm2-135m-instruct", dtype="float32")
-    trial = replace(make_trial(model), "eval", EvalConfig(tasks=list(CHANCE), limit=50))
+    trial = replace(make_trial(model), "eval", EvalConfig(tasks=list(CHANCE), limit=100))
     eng = engines.get("hf")
     s = eng.open(trial, eng.load(trial, lambda m: None), lambda m: None)
     r = run_lmeval(s, trial, list(CHANCE), 8192, lambda m: None)
-    docs = {t: [json.loads(x) for x in (task_data.tasks_dir() / f"{t}.jsonl").read_text().splitlines()[:50]]
+    docs = {t: [json.loads(x) for x in (task_data.tasks_dir() / f"{t}.jsonl").read_text().splitlines()[:100]]
             for t in CHANCE}
     for task in CHANCE:
         chance = sum(1 / len(d["choices"]) for d in docs[task]) / len(docs[task])
