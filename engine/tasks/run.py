@@ -94,7 +94,7 @@ def run_lmeval(session: Any, trial: TrialConfig, tasks: list[str], max_length: i
             if not group:
                 continue
             say(f"lm-eval: {', '.join(group)}" + (f" (limit {limit})" if limit else ""))
-            got = lm_eval.simple_evaluate(model=lm, tasks=group, limit=limit, num_fewshot=0, task_manager=tm,
+            got = lm_eval.simple_evaluate(model=lm, tasks=group, limit=limit, task_manager=tm,  # zero-shot: no fewshot in the YAMLs
                                           log_samples=True, bootstrap_iters=1000,  # mean: closed-form stderr random_seed=trial.seed,
                                           numpy_random_seed=trial.seed, torch_random_seed=trial.seed,
                                           fewshot_random_seed=trial.seed)
