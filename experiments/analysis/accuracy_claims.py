@@ -15,8 +15,8 @@ from engine.axes import QUANT
 
 from .results import TrialRow
 
-# claims.py imports this module to append `accuracy_claims()` to its CLAIMS: what comes from claims.py is
-# imported inside the functions
+# claims.py imports this module and wraps ACCURACY into its Claims (a measurement returns (measured, holds,
+# trials used) or None, which claims.py turns into a Finding): this module imports nothing from claims.py
 YES, NO, NOISE = "yes", "no", "within noise"
 Z = 2.0  # ~95% interval
 
@@ -51,8 +51,6 @@ def verdict(value: float, se: float, lo: float, hi: float) -> str:
 
 def _drop_claim(levels: tuple[str, ...], lo: float, hi: float):
     def measure(t):
-        from .claims import Finding
-
         for level in levels:
             for q in t.find(**{QUANT.key: level}):
                 got = pooled_drop(q)
@@ -61,7 +59,7 @@ def _drop_claim(levels: tuple[str, ...], lo: float, hi: float):
                 drop, se, tasks = got
                 measured = (f"{level}: task accuracy drop {drop:+.1f}% +- {Z * se:.1f}% (95%) vs fp32 over "
                             f"{len(tasks)} task(s), n={int(q.num(f'task_n.{tasks[0]}') or 0)} each")
-                return Finding(measured, verdict(drop, se, lo, hi), [q])
+                return measured, verdict(drop, se, lo, hi), [q]
         return None
 
     return measure
@@ -69,8 +67,6 @@ def _drop_claim(levels: tuple[str, ...], lo: float, hi: float):
 
 def long_context_drop(t):
     """A quantization level's needle drop at its longest context against its shortest."""
-    from .claims import Finding
-
     by_level: dict[str, dict[int, tuple[float, float, TrialRow]]] = {}
     for q in t.rows:
         lv = QUANT.value(q.params)
@@ -85,19 +81,16 @@ def long_context_drop(t):
         se = math.hypot(drops[hi][1], drops[lo][1])
         measured = (f"{lv}: needle drop {drops[lo][0]:+.1f}% at context {lo}, {drops[hi][0]:+.1f}% at {hi} "
                     f"(difference {diff:+.1f}% +- {Z * se:.1f}%)")
-        return Finding(measured, verdict(diff, se, 0.0, math.inf), [drops[lo][2], drops[hi][2]])
+        return measured, verdict(diff, se, 0.0, math.inf), [drops[lo][2], drops[hi][2]]
     return None
 
 
-def accuracy_claims() -> tuple:
-    from .claims import Claim
-
-    return (
-        Claim("acc-int8-weight", "Weight-only INT8: less than 1% accuracy drop on standard benchmarks",
-              _drop_claim(("int8-weight", "gguf-q8_0"), -math.inf, 1.0), ("quant",)),
-        Claim("acc-w8a8", "W8A8 (LLM.int8): 1-3% accuracy drop", _drop_claim(("bnb-int8",), 1.0, 3.0), ("quant",)),
-        Claim("acc-int4", "INT4: 3-10% accuracy drop", _drop_claim(("bnb-nf4", "gguf-q4_k_m", "gguf-q4_0"), 3.0, 10.0),
-              ("quant",)),
-        Claim("acc-long-context", "The accuracy drop at long context exceeds the drop at short context (needle)",
-              long_context_drop, ("quant",)),
-    )
+# (name, the seed's words, measurement, config groups it needs)
+ACCURACY = (
+    ("acc-int8-weight", "Weight-only INT8: less than 1% accuracy drop on standard benchmarks",
+     _drop_claim(("int8-weight", "gguf-q8_0"), -math.inf, 1.0), ("quant",)),
+    ("acc-w8a8", "W8A8 (LLM.int8): 1-3% accuracy drop", _drop_claim(("bnb-int8",), 1.0, 3.0), ("quant",)),
+    ("acc-int4", "INT4: 3-10% accuracy drop", _drop_claim(("bnb-nf4", "gguf-q4_k_m", "gguf-q4_0"), 3.0, 10.0), ("quant",)),
+    ("acc-long-context", "The accuracy drop at long context exceeds the drop at short context (needle)",
+     long_context_drop, ("quant",)),
+)

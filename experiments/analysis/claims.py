@@ -370,9 +370,14 @@ CLAIMS: tuple[Claim, ...] = (
 )
 
 # the accuracy claims judged from task accuracy (eval.tasks): experiments/analysis/accuracy_claims.py
-from .accuracy_claims import accuracy_claims  # noqa: E402
+from .accuracy_claims import ACCURACY  # noqa: E402
 
-CLAIMS = CLAIMS + accuracy_claims()
+
+def _finding(measure):
+    return lambda t: (lambda got: Finding(*got) if got else None)(measure(t))
+
+
+CLAIMS = CLAIMS + tuple(Claim(name, seed, _finding(m), needs) for name, seed, m, needs in ACCURACY)
 
 
 @dataclass
