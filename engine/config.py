@@ -322,6 +322,13 @@ class EvalConfig:
     fidelity: bool = False
     topk: int = 256
     text: TextConfig = field(default_factory=TextConfig)
+    # task accuracy through lm-evaluation-harness (engine/tasks, docs/accuracy.md), added after the first
+    # schema: the tasks (names under engine/tasks/yaml, or needle tasks), examples per task (needle: per
+    # depth), the needle depths (fractions of the haystack), and the accuracy gate (>= gate x the reference's)
+    tasks: list[str] = field(default_factory=list, metadata=added([]))
+    limit: int = field(default=50, metadata=added(50))
+    depths: list[float] = field(default_factory=lambda: [0.1, 0.5, 0.9], metadata=added([0.1, 0.5, 0.9]))
+    gate: float = field(default=0.99, metadata=added(0.99))
 
 
 @dataclass

@@ -35,6 +35,7 @@ class EngineResult:
     samples: dict[str, list[float]] = field(default_factory=dict)  # each timed repeat's whole-run timings, in order
     # metric -> values by step (a capacity search's probe curve, in rate order), logged with steps
     series: dict[str, list[float]] = field(default_factory=dict)
+    answers: dict[str, list] = field(default_factory=dict)  # eval.tasks: task -> per-example answers
 
 
 def seed_everything(seed: int) -> None:
@@ -264,6 +265,19 @@ def _reference(trial: TrialConfig, loaded: Any, windows: torch.Tensor):
         key, lambda: compute_reference(engines.get(engines.REFERENCE).reference(trial, loaded), windows, trial.eval.topk))
 
 
+def evaluate_tasks(trial: TrialConfig, session: TrialSession, loaded: Any, metrics: dict[str, float], say) -> dict:
+    """Task accuracy through lm-evaluation-harness (engine/tasks) into `metrics`; the per-example answers."""
+    if not (trial.eval.enabled and trial.eval.tasks):
+        return {}
+    from .tasks.run import evaluate_tasks as run_tasks
+
+    facts = facts_or_none(trial.model)
+    max_length = (facts.max_positions if facts and facts.max_positions else None) or 2048
+    res = run_tasks(trial, session, loaded, max_length, say)
+    metrics.update(res.metrics)
+    return res.answers
+
+
 def evaluate(trial: TrialConfig, session: TrialSession, loaded: Any, metrics: dict[str, float], say) -> None:
     """Accuracy at `workload.context_len` (perplexity, or fidelity against the reference) into `metrics`."""
     from .measure.fidelity import fidelity_of, perplexity_of
@@ -318,6 +332,7 @@ class Measurement:
         if why:
             labels[UNSTABLE] = why
         evaluate(trial, session, self.loaded, metrics, self.say)
+        answers = evaluate_tasks(trial, session, self.loaded, metrics, self.say)
         info = dict(device_info(session.device), **session.info(), repeats_stop=stop)
         from .measure.hardware import slow_dtype_note
 
@@ -326,7 +341,7 @@ class Measurement:
             info["dtype_note"] = note
         samples = {k: [float(r[k]) for r in per_run] for k in TIMINGS if k in per_run[0]}
         return EngineResult(metrics=metrics, token_ids=token_ids, sample_text=session.tokenizer.decode(token_ids[0]),
-                            info=info, labels=labels, samples=samples)
+                            info=info, labels=labels, samples=samples, answers=answers)
 
 
 def open_trial(trial: TrialConfig, loaded: Optional[Any] = None,

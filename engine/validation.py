@@ -168,6 +168,10 @@ def check_trial(trial: TrialConfig, gpu_available: bool) -> list[tuple[str, str]
         p += _repeat_prompt(trial) + _quant_layers(trial) + _self_draft_support(trial, facts)
     if trial.engine.backend in engines.NAMES:
         p += engines.problems(trial, facts, gpu_available)
+    if trial.eval.enabled and trial.eval.tasks:
+        from .tasks.run import task_problems
+
+        p += task_problems(trial, limit)
     return p
 
 

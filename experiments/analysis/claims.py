@@ -428,6 +428,16 @@ CLAIMS: tuple[Claim, ...] = (
     Claim("arith-spec-example", "alpha = 0.7, k = 5: roughly 2.5 tokens per target step", arith_speculative_example),
 )
 
+# the accuracy claims judged from task accuracy (eval.tasks): experiments/analysis/accuracy_claims.py
+from .accuracy_claims import ACCURACY  # noqa: E402
+
+
+def _finding(measure):
+    return lambda t: (lambda got: Finding(*got) if got else None)(measure(t))
+
+
+CLAIMS = CLAIMS + tuple(Claim(name, seed, _finding(m), needs) for name, seed, m, needs in ACCURACY)
+
 
 @dataclass
 class ClaimRow:

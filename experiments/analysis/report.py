@@ -594,6 +594,9 @@ def build(
         plot_regime_chain(ls, out / "regime_chain.png", ax_keys),
         sv.plot(sv.points(ls), out / "serving_pareto.png"),
     ) if p is not None]
+    from .needle import needle_heatmaps
+
+    plots += needle_heatmaps(sel.finished, out)  # eval.tasks needle tasks: context x depth
     done("plots")
     rep = Report(sel, ls, advices, claim_rows, out)
     (out / "trials.csv").write_text(csv_text(ls))

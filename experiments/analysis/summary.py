@@ -22,16 +22,49 @@ def _fmt(key: str, fmt: str, metrics: dict[str, float]) -> str:
     return fmt.format(v)
 
 
+def task_names(rows: Sequence[dict[str, Any]]) -> list[str]:
+    """The eval.tasks any row measured (metric keys `task_score.<task>`; needle depths `.d<pct>` excluded)."""
+    names: list[str] = []
+    for r in rows:
+        for k in r["metrics"]:
+            t = k[len("task_score."):]
+            if k.startswith("task_score.") and "." not in t and t not in names:
+                names.append(t)
+    return names
+
+
+def _task_cell(task: str, m: dict[str, float]) -> str:
+    """`score±stderr Δdelta` of one task (Δ against the fp32 reference), "-" where not measured."""
+    if f"task_score.{task}" not in m:
+        return "-"
+    cell = f"{m[f'task_score.{task}']:.3f}±{m.get(f'task_score_stderr.{task}', float('nan')):.3f}"
+    if f"task_delta.{task}" in m:
+        cell += f" Δ{m[f'task_delta.{task}']:+.3f}"
+    return cell
+
+
+def _gate_cell(m: dict[str, float]) -> str:
+    if "task_gate" not in m:
+        return "-"
+    worst = min((v for k, v in m.items() if k.startswith("task_recovery.")), default=float("nan"))
+    return ("pass" if m["task_gate"] == 1.0 else "FAIL") + f" ({worst:.1%})"
+
+
 def _grid(rows: Sequence[dict[str, Any]]) -> tuple[list[str], list[list[str]]]:
-    """rows: {'hash', 'swept': {k: v}, 'metrics': {...}, 'status'} -> (header, body)."""
+    """rows: {'hash', 'swept': {k: v}, 'metrics': {...}, 'status'} -> (header, body). Task accuracy columns
+    (one per task, and the accuracy gate with the worst recovery) appear when a row measured tasks."""
     axes: list[str] = []
     for r in rows:
         axes += [k for k in r["swept"] if k not in axes]
-    header = ["hash"] + axes + [label for _, label, _ in KEY_METRICS] + ["status"]
+    tasks = task_names(rows)
+    header = (["hash"] + axes + [label for _, label, _ in KEY_METRICS] + [t.removeprefix("bigbench_") for t in tasks]
+              + (["acc gate"] if tasks else []) + ["status"])
     body = [
         [r["hash"]]
         + [str(r["swept"].get(a, "")) for a in axes]
         + [_fmt(k, f, r["metrics"]) for k, _, f in KEY_METRICS]
+        + [_task_cell(t, r["metrics"]) for t in tasks]
+        + ([_gate_cell(r["metrics"])] if tasks else [])
         + [r["status"]]
         for r in rows
     ]

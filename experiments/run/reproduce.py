@@ -10,7 +10,7 @@ from engine.measure.metrics import DETERMINISTIC
 
 from ..config.compose import SweepError, load_trial
 from ..errors import UserError
-from ..tracking.store import CONFIG_ARTIFACT, TOKENS_ARTIFACT, Tracker
+from ..tracking.store import ANSWERS_ARTIFACT, CONFIG_ARTIFACT, TOKENS_ARTIFACT, Tracker
 from .trial import FINISHED, execute_trial
 
 class ReproduceError(UserError):
@@ -92,6 +92,7 @@ def reproduce(prefix: str, tracking: dict, against_all: bool = False) -> Compari
         if k in om or k in outcome.metrics:
             a, b = om.get(k), outcome.metrics.get(k)
             rows.append((k, _num(a), _num(b), "MATCH" if a == b else "DIFFERS"))
+    rows += task_rows(tracker, orig, om, outcome)
     for k in TIMING:
         if k in om and k in outcome.metrics and om[k]:
             rows.append((k, _num(om[k]), _num(outcome.metrics[k]), timing_verdict(k, om, outcome.metrics)))
@@ -108,6 +109,27 @@ def reproduce(prefix: str, tracking: dict, against_all: bool = False) -> Compari
         cmp.others.append((f"run {other.info.run_id[:8]}{tag}, experiment id {other.info.experiment_id}",
                            {True: "tokens MATCH", False: "tokens DIFFER", None: "tokens not recorded"}[same], judged))
     return cmp
+
+
+def task_rows(tracker: Tracker, orig, om: dict, outcome) -> list[tuple[str, str, str, str]]:
+    """eval.tasks: each task's per-example answers (greedy, so deterministic) and its accuracy must match."""
+    if not outcome.answers:
+        return []
+    try:
+        orig_answers = json.loads(tracker.load_text(orig.info.run_id, ANSWERS_ARTIFACT))
+    except Exception:
+        orig_answers = {}
+    rows = []
+    for task, new in sorted(outcome.answers.items()):
+        old = orig_answers.get(task)
+        same = old == new
+        rows.append((f"answers {task}", f"{len(old)} examples" if old is not None else "-", f"{len(new)} examples",
+                     "MATCH" if same else "DIFFERS"))
+        for k in (f"task_score.{task}", f"acc.{task}", f"acc_norm.{task}", f"exact_match.{task}"):
+            if k in om or k in outcome.metrics:
+                a, b = om.get(k), outcome.metrics.get(k)
+                rows.append((k, _num(a), _num(b), "MATCH" if a == b else "DIFFERS"))
+    return rows
 
 
 CONSISTENT, DIFFERS_BEYOND_NOISE, NO_INTERVAL = "consistent", "differs beyond noise", "no interval recorded"

@@ -32,6 +32,7 @@ class TrialOutcome:
     info: dict[str, str] = field(default_factory=dict)
     labels: dict[str, str] = field(default_factory=dict)  # the engine's labels of the trial (regime.*)
     series: dict[str, list[float]] = field(default_factory=dict)  # metric -> values by step (capacity curve)
+    answers: dict[str, list] = field(default_factory=dict)  # eval.tasks: task -> per-example answers
     error: Optional[str] = None
     start_ms: int = 0
     end_ms: int = 0
@@ -154,6 +155,7 @@ def _finished(base: dict[str, Any], result, metrics: dict[str, float], info: dic
         info=info,
         labels=dict(result.labels),
         series={k: list(v) for k, v in result.series.items()},
+        answers=dict(result.answers),
         end_ms=int(time.time() * 1000),
         samples=dict(result.samples),
         **base,

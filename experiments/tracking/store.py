@@ -34,6 +34,7 @@ PARENT_TAG = "mlflow.parentRunId"
 CONFIG_ARTIFACT = "config.yaml"
 TOKENS_ARTIFACT = "token_ids.json"
 REPEAT_PREFIX = "repeat."  # metric history of each timed repeat's value: repeat.output_tok_s at steps 0..n-1
+ANSWERS_ARTIFACT = "task_answers.json"  # eval.tasks: task -> per-example answers (reproduce compares them)
 PACKAGES = ("torch", "transformers", "ray", "mlflow", "hydra-core", "bitsandbytes", "infersweep")
 
 
@@ -311,6 +312,8 @@ class Tracker:
                 self.client.log_text(rid, outcome.sample_text, "sample.txt")
             if outcome.series:
                 _log_curve(self.client, rid, outcome.series)
+            if getattr(outcome, "answers", None):
+                self.client.log_text(rid, json.dumps(outcome.answers), ANSWERS_ARTIFACT)
             if outcome.error:
                 self.client.log_text(rid, outcome.error, "error.txt")
             if outcome.attempt_errors:

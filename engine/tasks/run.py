@@ -1,0 +1,254 @@
+"""Task accuracy of one trial: lm-evaluation-harness (`simple_evaluate`) on the trial's session through
+`SessionLM`, the same tasks on the fp32 reference of the model (cached on disk like the fidelity reference),
+and per task: lm-eval's metrics (acc, acc_norm, exact_match) with its stderr, n, the task's score (its primary
+metric), the delta against the reference's score with its paired stderr, the recovery (score / reference
+score) and the gate (recovery >= eval.gate).
+
+Metric keys are `<metric>.<task>` (engine/measure/metrics.py defines each <metric>); per needle depth
+`task_score.<task>.d<percent>`. The per-example answers (chosen choice index, or the generated text) come
+back for reproduce.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import math
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+from ..config import EngineError, TrialConfig
+
+log = logging.getLogger(__name__)
+Say = Callable[[str], None]
+TASKS_VERSION = 1
+LM_EVAL_METRICS = ("acc", "acc_norm", "exact_match")  # registered by lm-eval itself (no `evaluate` download)
+
+
+def available_tasks() -> list[str]:
+    """The tasks `eval.tasks` accepts: the shipped YAMLs (engine/tasks/yaml) and the needle tasks."""
+    from .data import YAML_DIR
+    from .needle import NEEDLE_TASKS
+
+    return sorted(p.stem for p in YAML_DIR.glob("*.yaml")) + list(NEEDLE_TASKS)
+
+
+def needs_generation(task: str) -> bool:
+    from .needle import NEEDLE_TASKS
+
+    return task in NEEDLE_TASKS
+
+
+@dataclass
+class TaskResult:
+    metrics: dict[str, float] = field(default_factory=dict)
+    answers: dict[str, list] = field(default_factory=dict)  # task -> per-example answers, in document order
+    correct: dict[str, list] = field(default_factory=dict)  # task -> per-example 0/1 (the primary metric)
+
+
+def primary_metric(task: str) -> str:
+    """The lm-eval metric a task is judged by (its score): exact_match for generation, else the YAML's
+    `metadata.primary_metric` (acc_norm where the choices' lengths differ so much that raw log-likelihood
+    mostly measures length), else acc."""
+    if needs_generation(task):
+        return "exact_match"
+    from .data import YAML_DIR
+
+    import yaml
+
+    try:
+        meta = yaml.safe_load((YAML_DIR / f"{task}.yaml").read_text()).get("metadata") or {}
+    except OSError:
+        meta = {}
+    return str(meta.get("primary_metric", "acc"))
+
+
+def run_lmeval(session: Any, trial: TrialConfig, tasks: list[str], max_length: int, say: Say) -> TaskResult:
+    """simple_evaluate over `tasks` on `session`; per-task metrics and per-example answers."""
+    from .data import data_problems, yaml_dir, render_yamls
+    from .lmeval import SessionLM, offline_env
+    from .needle import needle_depth_of, render_needle_tasks
+
+    offline_env()
+    import lm_eval
+    from lm_eval.tasks import TaskManager
+
+    problem = data_problems()
+    if problem:
+        raise EngineError(problem)
+    render_yamls()
+    with tempfile.TemporaryDirectory(prefix="infersweep-needle-") as tmp:
+        includes = [str(yaml_dir())]
+        if any(needs_generation(t) for t in tasks):
+            render_needle_tasks([t for t in tasks if needs_generation(t)], session.tokenizer, trial, Path(tmp), say)
+            includes.append(tmp)
+        lm = SessionLM(session, max_length, say)
+        tm = TaskManager(include_path=includes, include_defaults=False)
+        mc = [t for t in tasks if not needs_generation(t)]
+        gen = [t for t in tasks if needs_generation(t)]
+        out = {"results": {}, "samples": {}}
+        # multiple choice: the first eval.limit documents; needle: all generated (eval.limit per depth)
+        for group, limit in ((mc, trial.eval.limit), (gen, None)):
+            if not group:
+                continue
+            say(f"lm-eval: {', '.join(group)}" + (f" (limit {limit})" if limit else ""))
+            got = lm_eval.simple_evaluate(model=lm, tasks=group, limit=limit, task_manager=tm,  # zero-shot: no fewshot in the YAMLs
+                                          log_samples=True, bootstrap_iters=1000,  # mean: closed-form stderr random_seed=trial.seed,
+                                          numpy_random_seed=trial.seed, torch_random_seed=trial.seed,
+                                          fewshot_random_seed=trial.seed)
+            out["results"].update(got["results"])
+            out["samples"].update(got["samples"])
+    res = TaskResult()
+    for task in tasks:
+        r = out["results"][task]
+        samples = sorted(out["samples"][task], key=lambda s: s["doc_id"])
+        prim = primary_metric(task)
+        for key, value in r.items():  # lm-eval's own metrics: "<metric>,<filter>" and "<metric>_stderr,<filter>"
+            name = key.split(",", 1)[0]
+            if "," in key and isinstance(value, (int, float)) and name.removesuffix("_stderr") in LM_EVAL_METRICS:
+                res.metrics[f"{name}.{task}"] = float(value)
+        res.metrics[f"task_n.{task}"] = float(len(samples))
+        res.metrics[f"task_score.{task}"] = res.metrics[f"{prim}.{task}"]
+        if f"{prim}_stderr.{task}" in res.metrics:
+            res.metrics[f"task_score_stderr.{task}"] = res.metrics[f"{prim}_stderr.{task}"]
+        res.correct[task] = [float(s[prim]) for s in samples]
+        if needs_generation(task):
+            res.answers[task] = [s["filtered_resps"][0] for s in samples]
+            by_depth: dict[int, list[float]] = {}
+            for s in samples:
+                by_depth.setdefault(needle_depth_of(s["doc"]), []).append(float(s[prim]))
+            for d, vals in sorted(by_depth.items()):
+                res.metrics[f"task_score.{task}.d{d}"] = sum(vals) / len(vals)
+        else:  # the chosen choice: highest log-likelihood (acc), or per character of the choice (acc_norm)
+            def pick(s):
+                lls = [x[0] for x in s["filtered_resps"]]
+                if prim == "acc_norm":
+                    lls = [ll / max(1, len(c)) for ll, c in zip(lls, s["doc"]["choices"])]
+                return max(range(len(lls)), key=lambda i: lls[i])
+
+            res.answers[task] = [pick(s) for s in samples]
+    return res
+
+
+def _reference_key(trial: TrialConfig, task: str) -> str:
+    """What the reference's result on `task` depends on: the model, the task's documents, limit, and for
+    needle tasks the context length, depths and seed."""
+    import dataclasses
+
+    from .data import YAML_DIR, manifest_path
+
+    ident = {k: v for k, v in dataclasses.asdict(trial.model).items() if k != "dtype"}
+    ident.update(v=TASKS_VERSION, task=task, limit=trial.eval.limit)
+    if needs_generation(task):
+        ident.update(context_len=trial.workload.context_len, depths=list(trial.eval.depths), seed=trial.seed)
+    else:
+        ident.update(yaml=(YAML_DIR / f"{task}.yaml").read_text(), data=json.loads(manifest_path().read_text())["files"])
+    return hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).hexdigest()
+
+
+def _reference(trial: TrialConfig, loaded: Any, max_length: int, say: Say) -> tuple[dict[str, dict], bool]:
+    """task -> {"metrics", "correct"} of the fp32 reference (cached under <cache>/tasks-reference)."""
+    from .. import engines
+    from ..engines.logits import LogitsSession
+    from ..models import cache_root
+
+    root = cache_root() / "tasks-reference"
+    out, missing = {}, []
+    for task in trial.eval.tasks:
+        path = root / f"{_reference_key(trial, task)}.json"
+        try:
+            out[task] = json.loads(path.read_text())
+        except (OSError, ValueError):
+            missing.append(task)
+    if missing:
+        say(f"computing the fp32 reference on {', '.join(missing)}")
+        ref_engine = engines.get(engines.REFERENCE)
+        backend = ref_engine.reference(trial, loaded)
+        ref_session = LogitsSession(ref_engine, backend.trial, backend.loaded, backend)
+        got = run_lmeval(ref_session, trial, missing, max_length, lambda m: say("reference: " + m))
+        root.mkdir(parents=True, exist_ok=True)
+        for task in missing:
+            entry = {"metrics": {k: v for k, v in got.metrics.items() if k.split(".")[1] == task},
+                     "correct": got.correct[task]}
+            path = root / f"{_reference_key(trial, task)}.json"
+            tmp = path.with_suffix(".tmp")
+            tmp.write_text(json.dumps(entry))
+            tmp.replace(path)
+            out[task] = entry
+    return out, not missing
+
+
+def evaluate_tasks(trial: TrialConfig, session: Any, loaded: Any, max_length: int, say: Say) -> TaskResult:
+    """The trial's task metrics, with the reference's and the comparison (delta, recovery, gate)."""
+    res = run_lmeval(session, trial, list(trial.eval.tasks), max_length, say)
+    ref, cached = _reference(trial, loaded, max_length, say)
+    res.metrics["task_ref_cached"] = float(cached)
+    for task in trial.eval.tasks:
+        score, racc = res.metrics[f"task_score.{task}"], ref[task]["metrics"][f"task_score.{task}"]
+        res.metrics[f"task_ref.{task}"] = racc
+        for k, v in ref[task]["metrics"].items():  # the reference's score by needle depth
+            if k.startswith(f"task_score.{task}.d"):
+                res.metrics["task_ref" + k[len("task_score"):]] = v
+        a, b = res.correct[task], ref[task]["correct"]
+        n = min(len(a), len(b))
+        d = [x - y for x, y in zip(a[:n], b[:n])]
+        mean = sum(d) / n if n else 0.0
+        var = sum((x - mean) ** 2 for x in d) / (n - 1) if n > 1 else 0.0
+        res.metrics[f"task_delta.{task}"] = score - racc
+        res.metrics[f"task_delta_stderr.{task}"] = math.sqrt(var / n) if n else 0.0
+        recovery = score / racc if racc > 0 else (1.0 if score >= racc else 0.0)
+        res.metrics[f"task_recovery.{task}"] = recovery
+        res.metrics[f"task_gate.{task}"] = float(recovery >= trial.eval.gate)
+    if trial.eval.tasks:
+        res.metrics["task_gate"] = float(all(res.metrics[f"task_gate.{t}"] == 1.0 for t in trial.eval.tasks))
+    return res
+
+
+def task_problems(trial: TrialConfig, max_positions: Optional[int]) -> list[tuple[str, str]]:
+    """What makes `eval.tasks` impossible before anything loads: unknown tasks, data not prepared, a limit
+    below 1, a needle longer than the model's positions, a request type the engine does not serve."""
+    from .. import engines
+    from .data import data_problems
+    from .needle import overhead_tokens
+
+    ev = trial.eval
+    if not (ev.enabled and ev.tasks):
+        return []
+    p: list[tuple[str, str]] = []
+    known = available_tasks()
+    unknown = [t for t in ev.tasks if t not in known]
+    if unknown:
+        p.append(("eval.tasks", f"unknown task(s) {', '.join(map(repr, unknown))}; available: {', '.join(known)}"))
+    if ev.limit < 1:
+        p.append(("eval.limit", f"must be >= 1 (examples per task; needle: per depth), got {ev.limit}"))
+    if not ev.depths or any(not 0.0 <= d <= 1.0 for d in ev.depths):
+        p.append(("eval.depths", f"needs fractions in [0, 1], got {list(ev.depths)}"))
+    if not 0.0 < ev.gate <= 1.0:
+        p.append(("eval.gate", f"must be in (0, 1] (a share of the reference's accuracy), got {ev.gate}"))
+    problem = data_problems()
+    if problem:
+        p.append(("eval.tasks", problem))
+    gen = [t for t in ev.tasks if needs_generation(t)]
+    if gen and max_positions and trial.workload.context_len > max_positions:
+        p.append(("workload.context_len", f"{', '.join(gen)} at context_len {trial.workload.context_len} "
+                                          f"exceeds the model's maximum of {max_positions} positions"))
+    if gen:
+        from ..models import local_tokenizer
+
+        tok = local_tokenizer(trial.model)
+        least = overhead_tokens(tok) + 16 if tok is not None else 64
+        if trial.workload.context_len < least:
+            p.append(("workload.context_len", f"{', '.join(gen)} needs context_len >= {least} for this model's "
+                                              f"tokenizer (intro, needles, question, answer and some haystack)"))
+    if trial.engine.backend in engines.NAMES:
+        eng = engines.get(trial.engine.backend)
+        for need, which in (("loglikelihood", [t for t in ev.tasks if t in known and not needs_generation(t)]),
+                            ("generate_until", gen)):
+            if which and need not in eng.task_requests:
+                why = f": {eng.task_why}" if eng.task_why else ""
+                able = [e.name for e in engines.all_engines() if need in e.task_requests]
+                p.append(("eval.tasks", f"{', '.join(which)} need {need}, which engine={eng.name} does not serve"
+                                        f"{why}; engines that do: {', '.join(able)}"))
+    return p

@@ -1,0 +1,341 @@
+"""Task accuracy through lm-evaluation-harness (engine/tasks): the adapter over the trial contract, the
+offline task data, the needle documents, validation, and the real model's accuracy (slow tier).
+
+The fast tier runs a seeded tiny random Llama (byte tokenizer) on a 5-example task written into a temporary
+cache (`INFERSWEEP_CACHE`), so it needs neither the 358 MB download nor the real model.
+"""
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import math
+
+import pytest
+import torch
+
+from engine import engines
+from engine.config import EvalConfig, ModelConfig, TrialConfig, WorkloadConfig, replace
+from engine.tasks import data as task_data
+from engine.tasks.lmeval import SessionLM
+from engine.tasks.needle import documents
+from engine.tasks.run import available_tasks, run_lmeval, task_problems
+from engine.validation import check_trial
+from support import make_trial
+
+TINY = ModelConfig(name="tiny-llama", path="tiny://llama")
+HAVE_LLAMA_CPP = importlib.util.find_spec("llama_cpp") is not None
+LL_ATOL = 1e-3  # summed log-probs of a few tokens: float32 kernels of different engines agree to ~1e-5 per token
+MC_TASK = "bigbench_general_knowledge"
+
+
+class _Req:
+    def __init__(self, *args):
+        self.args = args
+
+
+def _fake_data(root) -> None:
+    """A prepared-looking data dir: 5 examples per shipped BIG-bench task and a small essay haystack."""
+    d = root / "data"
+    files = {}
+    examples = [("How many legs do horses have?", ["two", "four", "six"], 1),
+                ("What color is the sky on a clear day?", ["green", "blue", "red"], 1),
+                ("What do bees make?", ["honey", "milk", "silk"], 0),
+                ("Which is the largest planet?", ["Mars", "Venus", "Jupiter"], 2),
+                ("What is frozen water called?", ["steam", "ice", "sand"], 1)]
+    (d / "tasks").mkdir(parents=True)
+    (d / "essays").mkdir(parents=True)
+    for t in task_data.BIGBENCH_TASKS:
+        body = "".join(json.dumps({"prompt": f"Q: {q}\nA:", "choices": c, "label": y}) + "\n" for q, c, y in examples)
+        rel = f"tasks/bigbench_{t}.jsonl"
+        (d / rel).write_text(body)
+        files[rel] = hashlib.sha256(body.encode()).hexdigest()
+    essay = " ".join(f"Sentence number {i} of a quiet essay about startups and painting." for i in range(400))
+    (d / "essays" / "a.txt").write_text(essay)
+    files["essays/a.txt"] = hashlib.sha256(essay.encode()).hexdigest()
+    (d / "manifest.json").write_text(json.dumps({"version": task_data.DATA_VERSION, "tasks": list(task_data.BIGBENCH_TASKS),
+                                                 "files": files}))
+
+
+@pytest.fixture()
+def cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("INFERSWEEP_CACHE", str(tmp_path))
+    _fake_data(tmp_path)
+    return tmp_path
+
+
+def _session(backend: str, **kw):
+    trial = make_trial(TINY, backend=backend, attention="eager" if backend == "llamacpp" else "sdpa", **kw)
+    if backend == "llamacpp":  # f32 K/V: its default f16 cache would round every key and value
+        trial = replace(trial, "kv_cache.dtype", "f32")
+    eng = engines.get(backend)
+    return trial, eng.open(trial, eng.load(trial, lambda m: None), lambda m: None)
+
+
+def test_adapter_loglikelihood_equals_the_engines_own_scoring():
+    """lm-eval's loglikelihood requests through SessionLM give exactly what the backend's logits say."""
+    _, s = _session("hf")
+    lm = SessionLM(s, 2048)
+    reqs = [_Req("Q: How many legs do horses have?\nA:", " four"), _Req("Q: What do bees make?\nA:", " honey"),
+            _Req("x", " a longer continuation of several bytes")]
+    got = lm.loglikelihood(reqs, disable_tqdm=True)
+    for (ctx, cont), (ll, greedy) in zip([r.args for r in reqs], got):
+        c, t = s.tokenizer.encode(ctx), s.tokenizer.encode(cont)
+        logits = s.backend.score(torch.tensor([c + t]))[0]
+        logp = torch.log_softmax(logits[len(c) - 1:-1].float(), -1)
+        tgt = torch.tensor(t)
+        assert ll == pytest.approx(float(logp.gather(-1, tgt[:, None]).sum()), abs=1e-4)
+        assert greedy == bool((logp.argmax(-1) == tgt).all())
+    # batching (right padding) changes nothing: scored one at a time
+    single = [s.loglikelihood([p], lambda m: None)[0][0] for p in
+              [(s.tokenizer.encode(r.args[0]), s.tokenizer.encode(r.args[1])) for r in reqs]]
+    assert [g for g, _ in got] == pytest.approx(single, abs=1e-4)
+
+
+def test_generate_until_stops_where_asked():
+    _, s = _session("hf")
+    lm = SessionLM(s, 2048)
+    ctx = "Once upon a time"
+    free = lm.generate_until([_Req(ctx, {"until": [], "max_gen_toks": 24})], disable_tqdm=True)[0]
+    free_ids = s.generate_greedy(s.tokenizer.encode(ctx), 24, [], lambda m: None)
+    assert len(free_ids) == 24 and free == s.tokenizer.decode(free_ids)
+    stop = free[8:10]  # a string the free-running answer contains
+    assert stop and stop in free
+    cut = lm.generate_until([_Req(ctx, {"until": [stop], "max_gen_toks": 24})], disable_tqdm=True)[0]
+    assert cut == free.split(stop)[0] and stop not in cut
+    ids = s.generate_greedy(s.tokenizer.encode(ctx), 24, [stop], lambda m: None)
+    assert ids == free_ids[:len(ids)] and len(ids) < 24 and stop in s.tokenizer.decode(ids)  # stopped early
+
+
+def test_lm_eval_task_on_the_tiny_model_is_deterministic(cache):
+    trial, s = _session("hf")
+    trial = replace(trial, "eval", EvalConfig(tasks=[MC_TASK], limit=5))
+    a = run_lmeval(s, trial, [MC_TASK], 2048, lambda m: None)
+    b = run_lmeval(s, trial, [MC_TASK], 2048, lambda m: None)
+    assert a.metrics[f"task_n.{MC_TASK}"] == 5.0
+    assert a.answers == b.answers and a.metrics == b.metrics
+    acc = a.metrics[f"acc.{MC_TASK}"]
+    assert a.metrics[f"task_score.{MC_TASK}"] == acc == sum(a.correct[MC_TASK]) / 5
+    assert a.metrics[f"acc_stderr.{MC_TASK}"] == pytest.approx(math.sqrt(acc * (1 - acc) / 4), abs=1e-9)
+
+
+@pytest.mark.parametrize("other", ["native"] + (["llamacpp"] if HAVE_LLAMA_CPP else []))
+def test_engines_give_the_same_answers_for_the_same_fp32_model(cache, other):
+    reqs = [(ctx, cont) for ctx in ("Q: What do bees make?\nA:", "Q: Which is the largest planet?\nA:")
+            for cont in (" honey", " Jupiter", " ice")]
+    results = {}
+    for backend in ("hf", other):
+        trial, s = _session(backend)
+        lm = SessionLM(s, 2048)
+        results[backend] = lm.loglikelihood([_Req(*r) for r in reqs], disable_tqdm=True)
+        trial = replace(trial, "eval", EvalConfig(tasks=[MC_TASK], limit=5))
+        results[backend + "-task"] = run_lmeval(s, trial, [MC_TASK], 2048, lambda m: None)
+    assert [x for x, _ in results[other]] == pytest.approx([x for x, _ in results["hf"]], abs=LL_ATOL)
+    assert results[other + "-task"].answers == results["hf-task"].answers
+
+
+def test_needle_documents_are_deterministic_and_hold_the_needle(cache):
+    tok = engines.get("hf").load(make_trial(TINY), lambda m: None).tokenizer
+    a = documents("niah_multikey", tok, 1024, [0.1, 0.9], 3, seed=0)
+    assert a == documents("niah_multikey", tok, 1024, [0.1, 0.9], 3, seed=0)
+    assert a != documents("niah_multikey", tok, 1024, [0.1, 0.9], 3, seed=1)
+    assert len(a) == 6 and [d["depth_pct"] for d in a] == [10] * 3 + [90] * 3
+    for d in a:
+        assert f"for {d['key']} is: {d['answer']}." in d["prompt"]
+        assert d["prompt"].count("special magic numbers for") == 4  # the needle and 3 distractors
+        assert len(tok.encode(d["prompt"])) <= 1024
+    early, late = a[0]["prompt"], a[3]["prompt"]
+    assert early.index(a[0]["answer"]) / len(early) < 0.5 < late.index(a[3]["answer"]) / len(late)
+
+
+def test_needle_task_runs_through_lm_eval_with_depth_dimension(cache):
+    trial, s = _session("hf", workload=WorkloadConfig(context_len=700))
+    trial = replace(trial, "eval", EvalConfig(tasks=["niah_single"], limit=2, depths=[0.2, 0.8]))
+    r = run_lmeval(s, trial, ["niah_single"], 2048, lambda m: None)
+    assert r.metrics["task_n.niah_single"] == 4.0
+    assert {"task_score.niah_single.d20", "task_score.niah_single.d80", "exact_match.niah_single"} <= set(r.metrics)
+    assert len(r.answers["niah_single"]) == 4 and all(isinstance(x, str) for x in r.answers["niah_single"])
+
+
+def test_pipeline_records_task_metrics_against_the_cached_reference(cache):
+    from engine.pipeline import run_engine_trial
+
+    trial = make_trial(TINY, workload=WorkloadConfig(context_len=16, max_new_tokens=2, repeats=1, warmup=0),
+                       eval=EvalConfig(num_windows=0, tasks=[MC_TASK], limit=5))
+    first = run_engine_trial(trial)
+    m = first.metrics
+    assert m["task_ref_cached"] == 0.0
+    # the trial is the reference configuration itself: no delta, full recovery, gate passes
+    assert m[f"task_delta.{MC_TASK}"] == 0.0 and m[f"task_delta_stderr.{MC_TASK}"] == 0.0 and m["task_gate"] == 1.0
+    assert m[f"task_ref.{MC_TASK}"] == m[f"task_score.{MC_TASK}"] and m[f"task_recovery.{MC_TASK}"] == 1.0
+    assert first.answers[MC_TASK] and len(first.answers[MC_TASK]) == 5
+    again = run_engine_trial(trial)
+    assert again.metrics["task_ref_cached"] == 1.0 and again.answers == first.answers
+
+
+# --- bad input: refused before anything loads --------------------------------------------------------------
+
+def _msgs(trial) -> str:
+    return "\n".join(f"{k}: {v}" for k, v in check_trial(trial, gpu_available=False))
+
+
+def test_validation_refuses_bad_task_input(cache):
+    base = make_trial(TINY)
+    msg = _msgs(replace(base, "eval", EvalConfig(tasks=["nope"], limit=0)))
+    assert "eval.tasks: unknown task(s) 'nope'; available: " + ", ".join(available_tasks()) in msg
+    assert "eval.limit: must be >= 1" in msg
+    long = replace(replace(base, "eval", EvalConfig(tasks=["niah_single"])), "workload.context_len", 4096)
+    assert "niah_single at context_len 4096 exceeds the model's maximum of 2048 positions" in _msgs(long)
+    short = replace(replace(base, "eval", EvalConfig(tasks=["niah_multikey"])), "workload.context_len", 128)
+    assert "workload.context_len: niah_multikey needs context_len >= " in _msgs(short)
+
+
+def test_validation_refuses_tasks_when_data_is_not_prepared(tmp_path, monkeypatch):
+    monkeypatch.setenv("INFERSWEEP_CACHE", str(tmp_path))
+    msg = _msgs(replace(make_trial(TINY), "eval", EvalConfig(tasks=[MC_TASK])))
+    assert "task data is not prepared" in msg and "infersweep prepare --data" in msg
+
+
+def test_validation_refuses_a_request_type_the_engine_does_not_serve(cache):
+    lacking = [e for e in engines.all_engines() if "generate_until" not in e.task_requests]
+    assert lacking, "every engine serves generation: nothing to refuse"
+    trial = replace(make_trial(TINY, backend=lacking[0].name), "eval", EvalConfig(tasks=["niah_single"]))
+    problems = task_problems(trial, 2048)
+    assert any(k == "eval.tasks" and f"need generate_until, which engine={lacking[0].name} does not serve" in v
+               for k, v in problems), problems
+
+
+def _all_runs(client) -> int:
+    return sum(len(client.search_runs([e.experiment_id])) for e in client.search_experiments())
+
+
+def test_sweep_with_bad_tasks_exits_2_and_logs_nothing(cache, tracking_overrides, mlflow_client, capsys):
+    from experiments.cli import main
+
+    before = _all_runs(mlflow_client)
+    rc = main(["sweep", "model=tiny-llama", "eval=tasks", "eval.tasks=[nope]", "eval.limit=0"] + tracking_overrides)
+    err = capsys.readouterr().err
+    assert rc == 2 and "unknown task(s) 'nope'" in err and "eval.limit" in err
+    assert _all_runs(mlflow_client) == before
+
+
+# --- the real model (slow tier) ----------------------------------------------------------------------------
+
+CHANCE = ("bigbench_general_knowledge", "bigbench_emoji_movie", "bigbench_code_line_description")
+
+
+@pytest.mark.slow
+def test_smollm2_fp32_is_above_chance_on_the_chosen_tasks():
+    if task_data.data_problems():
+        pytest.skip(task_data.data_problems())
+    model = ModelConfig(name="smollm2-135m-instruct", path="prepared://smollm2-135m-instruct", dtype="float32")
+    trial = replace(make_trial(model), "eval", EvalConfig(tasks=list(CHANCE), limit=100))
+    eng = engines.get("hf")
+    s = eng.open(trial, eng.load(trial, lambda m: None), lambda m: None)
+    r = run_lmeval(s, trial, list(CHANCE), 8192, lambda m: None)
+    docs = {t: [json.loads(x) for x in (task_data.tasks_dir() / f"{t}.jsonl").read_text().splitlines()[:100]]
+            for t in CHANCE}
+    for task in CHANCE:
+        chance = sum(1 / len(d["choices"]) for d in docs[task]) / len(docs[task])
+        acc, se = r.metrics[f"task_score.{task}"], r.metrics[f"task_score_stderr.{task}"]
+        assert acc - 2 * se > chance, (task, acc, se, chance)
+
+
+@pytest.mark.slow
+def test_smollm2_finds_the_needle_at_short_context():
+    if task_data.data_problems():
+        pytest.skip(task_data.data_problems())
+    model = ModelConfig(name="smollm2-135m-instruct", path="prepared://smollm2-135m-instruct", dtype="float32")
+    trial = make_trial(model, workload=WorkloadConfig(context_len=512))
+    trial = replace(trial, "eval", EvalConfig(tasks=["niah_single"], limit=2, depths=[0.1, 0.5, 0.9]))
+    eng = engines.get("hf")
+    s = eng.open(trial, eng.load(trial, lambda m: None), lambda m: None)
+    r = run_lmeval(s, trial, ["niah_single"], 8192, lambda m: None)
+    assert r.metrics["task_score.niah_single"] >= 5 / 6, r.answers
+
+
+def test_sweep_table_shows_task_scores_and_the_gate():
+    from experiments.analysis.summary import table
+
+    m = {"task_score.bigbench_emoji_movie": 0.35, "task_score_stderr.bigbench_emoji_movie": 0.048,
+         "task_delta.bigbench_emoji_movie": -0.02, "task_recovery.bigbench_emoji_movie": 0.943,
+         "task_gate": 0.0, "task_score.niah_single.d50": 1.0}
+    ref = {"task_score.bigbench_emoji_movie": 0.35, "task_score_stderr.bigbench_emoji_movie": 0.048,
+           "task_delta.bigbench_emoji_movie": 0.0, "task_recovery.bigbench_emoji_movie": 1.0, "task_gate": 1.0}
+    text = table([{"hash": "a", "swept": {"quant": "int8"}, "metrics": m, "status": "FINISHED"},
+                  {"hash": "b", "swept": {"quant": "none"}, "metrics": ref, "status": "FINISHED"}])
+    header, _, row_a, row_b = text.splitlines()[:4]
+    assert "emoji_movie" in header and "acc gate" in header and "niah_single" not in header
+    assert "0.350±0.048 Δ-0.020" in row_a and "FAIL (94.3%)" in row_a
+    assert "0.350±0.048 Δ+0.000" in row_b and "pass (100.0%)" in row_b
+
+
+def test_sweep_records_tasks_in_mlflow_and_reproduce_matches_answers(cache, tiny_overrides, tracking, mlflow_client):
+    from experiments.run.reproduce import reproduce
+    from experiments.run.sweep import run_sweep
+    from experiments.tracking.store import ANSWERS_ARTIFACT
+
+    res = run_sweep(tiny_overrides + ["sweep_name=t-tasks", "seed=919", "eval=tasks", f"eval.tasks=[{MC_TASK}]",
+                                      "eval.limit=5"], in_process=True, echo=lambda *_: None)
+    (row,) = res.rows
+    assert row["status"] == "FINISHED"
+    run = mlflow_client.get_run(row["run_id"])
+    m = run.data.metrics
+    assert m[f"task_n.{MC_TASK}"] == 5 and m["task_gate"] == 1.0 and f"task_score_stderr.{MC_TASK}" in m
+    with open(mlflow_client.download_artifacts(run.info.run_id, ANSWERS_ARTIFACT)) as f:
+        answers = json.load(f)
+    assert len(answers[MC_TASK]) == 5
+    cmp = reproduce(row["hash"][:10], tracking)
+    verdicts = {k: v for k, _, _, v in cmp.rows}
+    assert verdicts[f"answers {MC_TASK}"] == "MATCH" and verdicts[f"task_score.{MC_TASK}"] == "MATCH"
+    assert cmp.deterministic_match
+
+
+def test_needle_heatmap_has_one_panel_per_variant_and_a_cell_per_context_and_depth(tmp_path):
+    from experiments.analysis.needle import needle_cells, needle_heatmaps
+    from experiments.analysis.results import TrialRow
+
+    def row(quant, ctx, scores):
+        return TrialRow(run_id=f"{quant}{ctx}", name="", status="FINISHED",
+                        params={"quant.level": quant, "workload.context_len": str(ctx)},
+                        metrics={f"task_score.niah_multikey.d{d}": v for d, v in scores.items()}, tags={})
+
+    rows = [row("none", 1024, {10: 1.0, 90: 1.0}), row("none", 2048, {10: 1.0, 90: 0.5}),
+            row("bnb-nf4", 1024, {10: 1.0, 90: 0.0})]
+    cells = needle_cells(rows)
+    assert cells == {"niah_multikey": {"level=none": {(1024, 10): 1.0, (1024, 90): 1.0, (2048, 10): 1.0, (2048, 90): 0.5},
+                                       "level=bnb-nf4": {(1024, 10): 1.0, (1024, 90): 0.0}}}
+    (png,) = needle_heatmaps(rows, tmp_path)
+    assert png.name == "needle_niah_multikey.png" and png.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_accuracy_claims_are_judged_by_the_interval_of_the_pooled_drop():
+    from experiments.analysis.accuracy_claims import NOISE, pooled_drop, verdict
+    from experiments.analysis.claims import CLAIMS, NO, YES, evaluate
+    from experiments.analysis.results import TrialRow
+
+    def row(level, ctx, metrics):
+        return TrialRow(run_id=level + str(ctx), name="", status="FINISHED",
+                        params={"quant.level": level, "workload.context_len": str(ctx), "model.dtype": "float32"},
+                        metrics={"output_tok_s": 10.0, **metrics}, tags={})
+
+    def mc(delta, se, ref=0.5):
+        out = {}
+        for t in ("bigbench_emoji_movie", "bigbench_general_knowledge"):
+            out.update({f"task_delta.{t}": delta, f"task_delta_stderr.{t}": se, f"task_ref.{t}": ref, f"task_n.{t}": 50.0})
+        return out
+
+    drop, se, tasks = pooled_drop(row("int8-weight", 128, mc(-0.01, 0.01)))
+    assert drop == pytest.approx(2.0) and se == pytest.approx(100 * math.sqrt(2 * 0.01 ** 2) / 2 / 0.5)
+    assert verdict(0.2, 0.1, -math.inf, 1.0) == YES and verdict(5.0, 1.0, -math.inf, 1.0) == NO
+    assert verdict(0.9, 0.5, -math.inf, 1.0) == NOISE
+    rows = [row("none", 128, {}), row("int8-weight", 128, mc(0.0, 0.001)), row("bnb-nf4", 128, mc(-0.2, 0.01)),
+            row("int8-dynamic", 1024, {"task_delta.niah_single": 0.0, "task_delta_stderr.niah_single": 0.0,
+                                       "task_ref.niah_single": 1.0}),
+            row("int8-dynamic", 4096, {"task_delta.niah_single": -0.5, "task_delta_stderr.niah_single": 0.05,
+                                       "task_ref.niah_single": 1.0})]
+    got = {r.name: r for r in evaluate(rows, CLAIMS)}
+    assert got["acc-int8-weight"].holds == YES and "+0.0%" in got["acc-int8-weight"].measured
+    assert got["acc-int4"].holds == NO and "+40.0%" in got["acc-int4"].measured  # a 40% drop: beyond 3-10%
+    assert got["acc-long-context"].holds == YES and "at 4096" in got["acc-long-context"].measured
+    assert got["acc-w8a8"].holds == "not measured (no such trials in this sweep)"
