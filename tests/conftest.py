@@ -38,6 +38,19 @@ def engine_missing(name: str, reason: str) -> None:
     pytest.skip(msg)
 
 
+def need_task_data() -> None:
+    """Skip the running test, or fail it under CI=true, when the offline task data is not prepared
+    (`infersweep prepare --data`; `make test-all` does it)."""
+    from engine.tasks import data as task_data
+
+    problem = task_data.data_problems()
+    if problem is None:
+        return
+    if in_ci():
+        pytest.fail(f"{problem} (CI=true: tests of task accuracy must not skip)", pytrace=False)
+    pytest.skip(problem)
+
+
 def pytest_configure(config):
     config.addinivalue_line("markers", "needs_engine(name, available, reason): see tests/conftest.py require_engine")
 

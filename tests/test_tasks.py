@@ -21,6 +21,7 @@ from engine.tasks.lmeval import SessionLM
 from engine.tasks.needle import documents
 from engine.tasks.run import available_tasks, run_lmeval, task_problems
 from engine.validation import check_trial
+from conftest import need_task_data
 from support import make_trial
 
 TINY = ModelConfig(name="tiny-llama", path="tiny://llama")
@@ -226,8 +227,7 @@ CHANCE = ("bigbench_general_knowledge", "bigbench_emoji_movie", "bigbench_code_l
 
 @pytest.mark.slow
 def test_smollm2_fp32_is_above_chance_on_the_chosen_tasks():
-    if task_data.data_problems():
-        pytest.skip(task_data.data_problems())
+    need_task_data()
     model = ModelConfig(name="smollm2-135m-instruct", path="prepared://smollm2-135m-instruct", dtype="float32")
     trial = replace(make_trial(model), "eval", EvalConfig(tasks=list(CHANCE), limit=100))
     eng = engines.get("hf")
@@ -243,8 +243,7 @@ def test_smollm2_fp32_is_above_chance_on_the_chosen_tasks():
 
 @pytest.mark.slow
 def test_smollm2_finds_the_needle_at_short_context():
-    if task_data.data_problems():
-        pytest.skip(task_data.data_problems())
+    need_task_data()
     model = ModelConfig(name="smollm2-135m-instruct", path="prepared://smollm2-135m-instruct", dtype="float32")
     trial = make_trial(model, workload=WorkloadConfig(context_len=512))
     trial = replace(trial, "eval", EvalConfig(tasks=["niah_single"], limit=2, depths=[0.1, 0.5, 0.9]))
