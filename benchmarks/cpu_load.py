@@ -3,6 +3,7 @@
     with CpuBurners():            # busy from here to the end of the block
     with CpuBurners(after_s=30):  # busy from 30 s into the block (drift in the middle of a measurement)
     with CpuBurners(enabled=False):  # no load (the same code path for the quiet run)
+    with CpuBurners(after_s=float("inf")) as b: ... b.start_now()  # started by the caller
 """
 from __future__ import annotations
 
@@ -22,6 +23,13 @@ class CpuBurners:
         self.after_s, self.enabled, self.n, self.settle_s = after_s, enabled, n or os.cpu_count() or 1, settle_s
         self._stop, self._procs, self._timer = mp.Event(), [], None
 
+    def start_now(self) -> None:
+        """Start the burners at once (for a caller that knows when: a round of an interleaved run)."""
+        if self.enabled and not self._procs:
+            if self._timer is not None:
+                self._timer.cancel()
+            self._start()
+
     def _start(self) -> None:
         self._procs = [mp.Process(target=_burn, args=(self._stop,), daemon=True) for _ in range(self.n)]
         for p in self._procs:
@@ -30,6 +38,8 @@ class CpuBurners:
     def __enter__(self) -> "CpuBurners":
         if not self.enabled:
             return self
+        if self.after_s == float("inf"):
+            return self  # the caller calls start_now()
         if self.after_s > 0:
             self._timer = threading.Timer(self.after_s, self._start)
             self._timer.start()

@@ -6,8 +6,9 @@ Measures variant A (engine=hf) and variant B (engine=native) of the same model a
   ratio's interval comes from each trial's own interval (`engine.measure.spread.ratio`);
 - interleaved: `engine.run_interleaved`, one repeat of each per round; the interval comes from the per-round
   ratios (`engine.measure.spread.paired_ratio`).
-Halfway through each, the script starts one busy process per core (and ends them at the end), so the
-machine's speed changes during the measurement as it does when other work arrives on a shared machine.
+Halfway through each (sequential: when B starts; interleaved: when round rounds/2 starts), the script
+starts one busy process per core (and ends them at the end), so the machine's speed changes during the
+measurement as it does when other work arrives on a shared machine.
 
     .venv/bin/python benchmarks/paired_check.py [--rounds 8] [--tiny] [--no-drift]
 """
@@ -55,11 +56,11 @@ def main() -> None:
     with CpuBurners(enabled=not args.no_drift):
         rb = run_engine_trial(b)
     seq = ratio(spread(ra.samples[args.metric]), spread(rb.samples[args.metric]))
-    seq_s = sum(1 / x for x in ra.samples[args.metric] + rb.samples[args.metric])  # rough: for the drift timer
 
-    # interleaved: ABBA rounds; the drift starts halfway through by the sequential run's duration
-    with CpuBurners(after_s=0.5 * seq_s * args.new_tokens, enabled=not args.no_drift):
-        ia, ib = run_interleaved([a, b], args.rounds)
+    # interleaved: ABBA rounds; the drift starts halfway through, when round rounds/2 begins
+    with CpuBurners(after_s=float("inf"), enabled=not args.no_drift) as load:
+        ia, ib = run_interleaved([a, b], args.rounds,
+                                 on_round=lambda r: load.start_now() if r == args.rounds // 2 else None)
     inter = paired_ratio(ia.samples[args.metric], ib.samples[args.metric])
 
     print(f"\n| mode | {args.metric} A (median) | B (median) | B/A | 95% interval | width | verdict |")

@@ -391,8 +391,8 @@ def run_engine_trial(
     return result
 
 
-def run_interleaved(trials: list[TrialConfig], rounds: int,
-                    progress: Optional[Callable[[str], None]] = None) -> list[EngineResult]:
+def run_interleaved(trials: list[TrialConfig], rounds: int, progress: Optional[Callable[[str], None]] = None,
+                    on_round: Optional[Callable[[int], None]] = None) -> list[EngineResult]:
     """Measure several configurations round-robin on this worker: each warms up, then every round runs one
     timed repeat of each, in ABBA order (reversed every other round), so drift on a shared machine (another
     process starting, a thermal or frequency change) hits every variant alike. Repeat i of every variant ran
@@ -412,6 +412,8 @@ def run_interleaved(trials: list[TrialConfig], rounds: int,
     gpus = {m.gpu for m in ms} - {None}
     with NoiseMonitor(min(gpus) if gpus else None) as noise:
         for r in range(rounds):
+            if on_round is not None:  # round r is about to start (progress, or a benchmark's own events)
+                on_round(r)
             order = list(range(len(ms))) if r % 2 == 0 else list(reversed(range(len(ms))))
             for i in order:
                 collected[i].append(ms[i].workload.run(0, 1))
