@@ -77,7 +77,7 @@ def _check_context(trial: TrialConfig, need: int, what: str) -> None:
         raise EngineError(f"{what} = {need} exceeds the model's maximum of {limit} positions")
 
 
-def precise_enough(per_run: list[dict[str, float]], target: float) -> float:
+def precise_enough(per_run: list[dict[str, float]]) -> float:
     """The widest relative half-width of the 95% interval of a judged timing's median over the repeats so
     far (0 when none is judged; infinite from one repeat, which has no interval)."""
     from .measure.spread import spread
@@ -106,7 +106,7 @@ def _repeat_until_precise(trial: TrialConfig, run: Callable[[int, int], Runs], m
     spent = 0.0
     for _ in range(2):
         per_run = [metrics_of(t, x) for t, x in zip(runs.traces, runs.extra)]
-        width, n = precise_enough(per_run, tm.target_ci), len(runs.traces)
+        width, n = precise_enough(per_run), len(runs.traces)
         if width <= tm.target_ci:
             return runs, f"interval within +-{tm.target_ci:.0%}"
         # the interval narrows as 1/sqrt(n); one repeat has none yet: ask for what the limits allow
@@ -122,7 +122,7 @@ def _repeat_until_precise(trial: TrialConfig, run: Callable[[int, int], Runs], m
         runs = Runs(runs.traces + list(more.traces), runs.extra + list(more.extra),
                     max(runs.peak_mem_bytes, more.peak_mem_bytes))
     per_run = [metrics_of(t, x) for t, x in zip(runs.traces, runs.extra)]
-    if precise_enough(per_run, tm.target_ci) <= tm.target_ci:
+    if precise_enough(per_run) <= tm.target_ci:
         return runs, f"interval within +-{tm.target_ci:.0%}"
     return runs, ("repeat limit" if len(runs.traces) >= tm.max_repeats else "time budget")
 

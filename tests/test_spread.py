@@ -210,7 +210,7 @@ def test_quiet_timings_stop_at_the_minimum_and_noisy_ones_repeat_until_the_inter
     runs, why = _adapt(_policy_trial(max_repeats=40, budget_s=1e9), run)
     from engine.pipeline import precise_enough
 
-    width = precise_enough([{"output_tok_s": t} for t in runs.traces], 0.05)
+    width = precise_enough([{"output_tok_s": t} for t in runs.traces])
     assert why == "interval within +-5%" and width <= 0.05 and 3 < len(runs.traces) <= 40
     assert calls[0] == (0, 3) and all(w == 0 for w, _ in calls[1:]) and len(calls) <= 3  # no second warm-up
 
