@@ -338,3 +338,31 @@ def test_accuracy_claims_are_judged_by_the_interval_of_the_pooled_drop():
     assert got["acc-int4"].holds == NO and "+40.0%" in got["acc-int4"].measured  # a 40% drop: beyond 3-10%
     assert got["acc-long-context"].holds == YES and "at 4096" in got["acc-long-context"].measured
     assert got["acc-w8a8"].holds == "not measured (no such trials in this sweep)"
+
+
+def test_an_accuracy_claim_judges_every_level_the_sweep_ran():
+    from experiments.analysis.accuracy_claims import NOISE
+    from experiments.analysis.claims import CLAIMS, NO, YES, evaluate
+    from experiments.analysis.results import TrialRow
+
+    def row(level, delta, se):
+        metrics = {"output_tok_s": 10.0}
+        for t in ("bigbench_emoji_movie", "bigbench_general_knowledge"):
+            metrics.update({f"task_delta.{t}": delta, f"task_delta_stderr.{t}": se, f"task_ref.{t}": 0.5,
+                            f"task_n.{t}": 50.0})
+        return TrialRow(run_id=level, name="", status="FINISHED", metrics=metrics, tags={},
+                        params={"quant.level": level, "workload.context_len": "128", "model.dtype": "float32"})
+
+    # INT4 levels: nf4 drops 5% (inside 3-10%), q4_0 drops 40% (beyond): they disagree, so not as a rule
+    got = {r.name: r for r in evaluate([row("none", 0, 0), row("bnb-nf4", -0.025, 0.001),
+                                        row("gguf-q4_0", -0.2, 0.001)], CLAIMS)}
+    text = got["acc-int4"].measured
+    assert "bnb-nf4: task accuracy drop +5.0%" in text and "(yes)" in text
+    assert "gguf-q4_0: task accuracy drop +40.0%" in text and "(no)" in text
+    assert got["acc-int4"].holds == NO
+    # one level within noise, one inside the range: the data cannot tell
+    got = {r.name: r for r in evaluate([row("none", 0, 0), row("bnb-nf4", -0.025, 0.001),
+                                        row("gguf-q4_0", -0.025, 0.02)], CLAIMS)}
+    assert got["acc-int4"].holds == NOISE
+    got = {r.name: r for r in evaluate([row("none", 0, 0), row("int8-dynamic", -0.01, 0.0005)], CLAIMS)}
+    assert got["acc-w8a8"].holds == YES and "int8-dynamic" in got["acc-w8a8"].measured

@@ -571,6 +571,9 @@ def validate(config: dict[str, Any], gpu_available: bool | None = None) -> list[
         return out + [str(e)]
     gpu = cl.num_gpus_per_trial > 0 if gpu_available is None else gpu_available
     out += [f"{key}: {msg}" for key, msg in check_trial(trial, gpu_available=gpu)]
+    if cl.interleave and trial.workload.serving and trial.capacity.search:
+        out.append("cluster.interleave: a capacity search runs its own probes one after another; it cannot be "
+                   "interleaved with other trials (drop cluster.interleave or capacity.search)")
     return out
 
 
