@@ -172,6 +172,24 @@ def test_pipeline_records_task_metrics_against_the_cached_reference(cache):
     assert first.answers[MC_TASK] and len(first.answers[MC_TASK]) == 5
     again = run_engine_trial(trial)
     assert again.metrics["task_ref_cached"] == 1.0 and again.answers == first.answers
+    # the reference cached from the trial's own results is what computing it separately gives: a native fp32
+    # trial (not the reference configuration) in a fresh cache computes it on the reference engine
+    import shutil
+
+    shutil.rmtree(cache / "tasks-reference")
+    native = run_engine_trial(make_trial(TINY, backend="native", workload=trial.workload, eval=trial.eval))
+    assert native.metrics["task_ref_cached"] == 0.0
+    assert native.metrics[f"task_ref.{MC_TASK}"] == m[f"task_ref.{MC_TASK}"]
+
+
+def test_only_the_reference_configuration_stands_in_for_the_reference():
+    from engine.tasks.run import is_reference
+
+    base = make_trial(TINY)
+    assert is_reference(base) and is_reference(replace(base, "model.dtype", "bfloat16")) is False
+    for key, value in (("engine.backend", "native"), ("attention.impl", "eager"), ("quant.level", "int8-weight"),
+                       ("kv_cache.mode", "off")):
+        assert not is_reference(replace(base, key, value)), key
 
 
 # --- bad input: refused before anything loads --------------------------------------------------------------
