@@ -109,6 +109,9 @@ class TrialSession(Protocol):
         """Where and how it ran, for the run's tags (versions, thread binding)."""
         ...
 
+    # Optional: `close()` ends what the session holds outside this process (vLLM's server); the pipeline
+    # calls it once the trial is measured and evaluated (engine/pipeline.py `close_session`).
+
 
 class Engine:
     """An engine's declaration. Subclasses set the class attributes and implement `load`/`open`."""
