@@ -86,6 +86,19 @@ def test_capacity_search_and_multi_turn_on_vllm_validate_and_the_sweep_has_no_vl
     assert points == {("native", "static"), ("native", "continuous"), ("vllm", "continuous")} and len(specs) == 12
 
 
+def test_a_choice_a_server_contradicts_exits_2_naming_both_keys():
+    from experiments.config.compose import SweepError, expand
+
+    base = ["model=tiny-llama", "model.tiny.num_heads=2", "model.tiny.num_kv_heads=1", "workload=serving-multiturn"]
+    for extra, want in ((["server=vllm", "batching=static"], "batching=static conflicts with server=vllm, which sets "
+                                                             "batching.mode=continuous: a server sets the engine"),
+                        (["server=native-static,vllm", "engine=native"], "engine=native conflicts with server=vllm, "
+                                                                        "which sets engine.backend=vllm")):
+        with pytest.raises(SweepError) as ei:
+            expand(base + extra)
+        assert any(p.startswith(want) for p in ei.value.problems), ei.value.problems
+
+
 # ------------------------------------------------------------------------------------------ real vLLM
 
 @pytest.mark.vllm
