@@ -57,9 +57,8 @@ def main() -> None:
         if r.info.status != "FINISHED":
             print(f"{head} {r.info.status}: {(r.data.tags.get('error') or '')[:80]} ||||||||||")
             continue
-        hi = m.get("max_rate_at_slo_ci_hi")
-        bracket = f"{m['max_rate_at_slo']:.3g}" + (f" [{m['max_rate_at_slo_ci_lo']:.3g}, {hi:.3g})"
-                                                    if hi and hi > m["max_rate_at_slo"] else "")
+        hi = m.get("capacity_bracket_hi")
+        bracket = f"{m['max_rate_at_slo']:.3g}" + (f" [{m['max_rate_at_slo']:.3g}, {hi:.3g})" if hi else "")
         print(f"{head} {bracket} | {_f(m, 'capacity_probes')} | {_f(m, 'capacity_sync_request_s', '{:.3f}')} | "
               f"{_f(m, 'capacity_saturation_request_s', '{:.3f}')} | {_f(m, 'goodput_at_slo', '{:.3f}')} | "
               f"{_f(m, 'output_tok_s_at_slo', '{:.1f}')} | {_f(m, 'ttft_ms_p90')} | {_f(m, 'tpot_ms_p90')} | "

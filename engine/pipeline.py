@@ -228,7 +228,7 @@ def _capacity(m: "Measurement"):
     runs = done[result.probes.index(result.best)][0]
     reference = done[0][1]
     mismatched = {i for _, out in done for i, (a, b) in enumerate(zip(out, reference)) if a != b}
-    scalars, series = capacity_metrics(result)
+    scalars, series = capacity_metrics(result, cap.tolerance)
     scalars["capacity_token_mismatches"] = float(len(mismatched))
     return runs, scalars, series, result.verdict, reference
 

@@ -70,7 +70,11 @@ METRICS: dict[str, str] = {
     "kv_peak_bytes": "serving: most KV pool bytes held by sequences at once (blocks x block bytes)",
     # capacity search (engine/serving/capacity.py; capacity.search=true): probes of the same requests at several rates
     "max_rate_at_slo": "capacity search: the highest Poisson rate (req/s) whose probe met the SLO at capacity.percentile "
-                       "(0 when none did); _ci_lo/_ci_hi: the search's bracket (highest passing, lowest failing rate)",
+                       "(0 when none did); _ci_lo/_ci_hi: the search's bracket (highest passing, lowest failing rate) "
+                       "widened by capacity.tolerance on each side, the resolution the search claims (a capacity at "
+                       "the saturating throughput has no failing rate above it: its bracket is that rate alone)",
+    "capacity_bracket_hi": "capacity search: the lowest Poisson rate whose probe missed the SLO (the bracket's top; "
+                           "absent when none above max_rate_at_slo missed)",
     "goodput_at_slo": "capacity search: goodput (req/s meeting both SLOs) of the probe at max_rate_at_slo",
     "output_tok_s_at_slo": "capacity search: output tokens/s of the probe at max_rate_at_slo",
     "capacity_meets_slo": "capacity search: 1 when some load meets the SLO (the synchronous probe did), 0: no rate meets it",
@@ -300,19 +304,22 @@ CURVE = ("probe_rate", "probe_ttft_ms_p50", "probe_ttft_ms_p99", "probe_tpot_ms_
          "probe_output_tok_s", "probe_request_s", "probe_goodput", "probe_meets_slo", "probe_kind")
 
 
-def capacity_metrics(result) -> tuple[dict[str, float], dict[str, list[float]]]:
-    """(scalars, curve) of a capacity search (`engine.serving.capacity.SearchResult`); the curve's steps
-    are the probes in rate order."""
+def capacity_metrics(result, tolerance: float = 0.0) -> tuple[dict[str, float], dict[str, list[float]]]:
+    """(scalars, curve) of a capacity search (`engine.serving.capacity.SearchResult`, run with
+    `capacity.tolerance` = `tolerance`); the curve's steps are the probes in rate order."""
     from ..serving.capacity import RATE, SATURATE, SYNC
 
     best = result.best.stats.metrics if result.best is not None else {}
     kinds = {SYNC: 0, SATURATE: 2, RATE: 1}
     hi = result.hi if result.hi is not None else result.max_rate
-    m = {"max_rate_at_slo": result.max_rate, "max_rate_at_slo_ci_lo": result.lo, "max_rate_at_slo_ci_hi": hi,
+    m = {"max_rate_at_slo": result.max_rate, "max_rate_at_slo_ci_lo": result.lo * (1 - tolerance),
+         "max_rate_at_slo_ci_hi": hi * (1 + tolerance),
          "goodput_at_slo": best.get("goodput", 0.0) if result.max_rate > 0 else 0.0,
          "output_tok_s_at_slo": best.get("output_tok_s", 0.0) if result.max_rate > 0 else 0.0,
          "capacity_meets_slo": float(result.meets_slo), "capacity_probes": float(len(result.probes)),
          "capacity_search_s": sum(p.elapsed_s for p in result.probes)}
+    if result.hi is not None:
+        m["capacity_bracket_hi"] = result.hi
     for p in result.probes:
         if p.kind == SYNC:
             m["capacity_sync_request_s"] = p.stats.request_s
