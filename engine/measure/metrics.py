@@ -36,12 +36,21 @@ METRICS: dict[str, str] = {
     "ppl": "perplexity of the model on the evaluation text at context_len (teacher-forced)",
     "nll_mean": "mean negative log-likelihood per predicted token (nats)",
     "kl_div_mean": "mean over positions of KL(reference || candidate) next-token distributions (nats; top-K + tail buckets)",
+    "kl_div_mean_stderr": "standard error of kl_div_mean over positions (llama.cpp's: sample stdev / sqrt(n); "
+                          "positions of one window are correlated, so a lower bound)",
     "kl_div_p99": "99th percentile of the per-position KL divergence",
+    "kl_div_p999": "99.9th percentile of the per-position KL divergence (llama.cpp's '99.9% KLD': the rare "
+                   "positions a quantization breaks)",
+    "kl_div_max": "largest per-position KL divergence",
     "kl_div_early": "mean KL over the first quarter of positions of each eval window (little context behind them)",
     "kl_div_late": "mean KL over the last quarter of positions of each eval window (the most context behind them): "
                    "late > early is the long-context trap within one window",
     "top1_agreement": "share of positions where candidate and reference rank the same token first",
+    "top1_agreement_stderr": "binomial standard error of top1_agreement over positions, sqrt(p(1-p)/(n-1)) "
+                             "(llama.cpp's 'Same top p' error)",
     "ppl_ratio": "candidate perplexity / reference perplexity on the same windows",
+    "ppl_ratio_stderr": "error of ppl_ratio (llama.cpp's): ppl_ratio x the standard error of the mean over positions "
+                        "of log p_ref - log p_cand of the actual next token (delta method on exp)",
     "fidelity_ref_cached": "1 when the reference statistics came from the on-disk cache, 0 when computed",
     "model_load_s": "seconds this trial spent loading the model, outside every timed region; 0.0 when a warm "
     "worker reused the model an earlier trial of the same model key loaded (tag env.model_cache=hit)",
@@ -184,6 +193,7 @@ LABELS: dict[str, str] = {
 
 # Metrics that must be bit-identical when a trial is re-run (reproduce compares them exactly).
 DETERMINISTIC = ("ppl", "nll_mean", "kl_div_mean", "kl_div_p99", "kl_div_early", "kl_div_late", "top1_agreement", "ppl_ratio",
+                 "kl_div_mean_stderr", "kl_div_p999", "kl_div_max", "top1_agreement_stderr", "ppl_ratio_stderr",
                  "kv_cache_bytes", "kv_cache_used_bytes", "weights_bytes")
 
 PERCENTILES = (50, 90, 99)
