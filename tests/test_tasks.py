@@ -384,3 +384,47 @@ def test_an_accuracy_claim_judges_every_level_the_sweep_ran():
     assert got["acc-int4"].holds == NOISE
     got = {r.name: r for r in evaluate([row("none", 0, 0), row("int8-dynamic", -0.01, 0.0005)], CLAIMS)}
     assert got["acc-w8a8"].holds == YES and "int8-dynamic" in got["acc-w8a8"].measured
+
+
+def test_needle_trial_logs_its_depth_plot_and_the_report_logs_the_heatmap_to_the_sweep(cache, tiny_overrides, tracking,
+                                                                                       mlflow_client, tmp_path):
+    """eval=tasks with a needle task on the tiny model at two context lengths: each trial's run holds
+    `needle_<task>.png` (a valid PNG), the report logs the context x depth heatmap to the sweep's parent run, and the experiment's saved
+    view lists the gate and the task's score columns."""
+    from PIL import Image
+
+    from experiments.analysis.report import ARTIFACT_DIR, build
+    from experiments.run.sweep import run_sweep
+    from experiments.tracking import dashboard
+    from experiments.tracking.curves import needle_artifact
+    from experiments.tracking.store import PARENT_TAG
+
+    task = "niah_single"
+    res = run_sweep(tiny_overrides + ["sweep_name=t-needle-art", "seed=921", "eval=tasks", f"eval.tasks=[{task}]",
+                                      "eval.limit=1", "eval.depths=[0.2,0.8]", "workload.context_len=700,800"],
+                    in_process=True, echo=lambda *_: None)  # two trials: a sweep with a parent run
+    row = res.rows[0]
+    assert [r["status"] for r in res.rows] == ["FINISHED"] * 2
+    run = mlflow_client.get_run(row["run_id"])
+    assert {f"task_score.{task}.d20", f"task_score.{task}.d80", f"task_ref.{task}.d20", "task_gate"} <= set(run.data.metrics)
+
+    def valid_png(run_id: str, path: str) -> None:
+        local = mlflow_client.download_artifacts(run_id, path, str(tmp_path))
+        with open(local, "rb") as f:
+            assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+        with Image.open(local) as im:
+            im.verify()  # decodes the chunks and checks their CRCs
+
+    assert needle_artifact(task) in {a.path for a in mlflow_client.list_artifacts(run.info.run_id)}
+    valid_png(run.info.run_id, needle_artifact(task))
+
+    rep = build("t-needle-art", tracking, out_dir=tmp_path / "report", progress=False)
+    assert rep.logged_to == run.data.tags[PARENT_TAG]
+    logged = {a.path for a in mlflow_client.list_artifacts(rep.logged_to, ARTIFACT_DIR)}
+    assert f"{ARTIFACT_DIR}/{needle_artifact(task)}" in logged
+    valid_png(rep.logged_to, f"{ARTIFACT_DIR}/{needle_artifact(task)}")
+
+    exp = mlflow_client.get_experiment(run.info.experiment_id)
+    state = json.loads(json.loads(exp.tags[dashboard.VIEW_TAG_PREFIX + dashboard.VIEW_KEY])["state"])
+    cols = state["selectedColumns"]
+    assert cols.index("metrics.`task_gate`") + 1 == cols.index(f"metrics.`task_score.{task}`")
