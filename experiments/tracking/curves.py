@@ -75,8 +75,8 @@ def needle_depths(metrics: Mapping[str, float]) -> dict[str, dict[int, float]]:
 
 
 def plot_needle_depths(task: str, metrics: Mapping[str, float], context_len: int, path: Path) -> Optional[Path]:
-    """One trial's needle task at its context length: a bar per depth (score, with its binomial standard
-    error over the depth's examples where `task_n.<task>` says how many), and the fp32 reference's score at
+    """One trial's needle task at its context length: a bar per depth (score, with its standard error over the
+    depth's examples, sqrt(p(1-p)/(n-1)), where `task_n.<task>` says how many), and the fp32 reference's score at
     that depth (`task_ref.<task>.d<pct>`) as a black tick. None when the trial has no depth scores for `task`."""
     scores = needle_depths(metrics).get(task)
     if not scores:
@@ -90,7 +90,8 @@ def plot_needle_depths(task: str, metrics: Mapping[str, float], context_len: int
     ys = [scores[d] for d in depths]
     n = metrics.get(f"task_n.{task}")
     per_depth = n / len(depths) if n else 0
-    err = [math.sqrt(y * (1 - y) / per_depth) if per_depth else 0.0 for y in ys]
+    # lm-eval's stderr of a mean of 0/1 scores (sample stdev / sqrt(n)), as task_score_stderr
+    err = [math.sqrt(y * (1 - y) / (per_depth - 1)) if per_depth > 1 else 0.0 for y in ys]
     xs = range(len(depths))
     fig, ax = plt.subplots(figsize=(1.1 * len(depths) + 3.5, 3.4))
     ax.bar(xs, ys, yerr=err, capsize=3, color=[plt.cm.RdYlGn(y) for y in ys], edgecolor="#444444",
