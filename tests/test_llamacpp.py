@@ -141,6 +141,21 @@ def test_converted_gguf_logits_match_transformers(hf_tiny, tiny_f32):
 
 @pytest.mark.llamacpp
 @needs_llamacpp
+def test_a_reused_context_takes_longer_rows_than_it_was_made_for(tiny_f32):
+    """llama.cpp clamps n_batch to the n_ctx asked for and then pads n_ctx: a context made for 20-token rows
+    holds 256 cells but takes only 20 tokens per decode call. Scoring 100-token rows on it (reused: they fit
+    the cells) used to abort the process (GGML_ASSERT n_tokens_all <= n_batch, seen in lm-eval's log-likelihood
+    requests of varying lengths); now it splits the calls, and the logits equal a fresh context's."""
+    backend = _backend(tiny_f32, kv_cache_dtype="f32")
+    backend.score(_ids(1, 20))
+    long = _ids(1, 100, seed=1)
+    got = backend.score(long)
+    fresh = _backend(tiny_f32, kv_cache_dtype="f32").score(long)
+    assert torch.allclose(got, fresh, atol=EXACT_ATOL, rtol=0), float((got - fresh).abs().max())
+
+
+@pytest.mark.llamacpp
+@needs_llamacpp
 def test_greedy_tokens_equal_transformers_and_batch_rows_equal_single_runs(hf_tiny, tiny_f32):
     from engine.engines.hf.backend import HFBackend
 

@@ -251,8 +251,11 @@ class LlamaCppBackend:
         pos = np.tile(np.arange(start, start + t, dtype=np.int32), rows)
         seq = np.repeat(np.arange(rows, dtype=np.int32), t)
         out = torch.empty(n, self.n_vocab, dtype=torch.float32)
-        for c0 in range(0, n, b.cap):  # row-major chunks keep each sequence's tokens in order
-            c1 = min(n, c0 + b.cap)
+        # llama.cpp clamps a context's n_batch to the n_ctx asked for (before padding it), so a reused context
+        # made for shorter rows takes fewer tokens per call than n_batch (more aborts the process)
+        cap = min(b.cap, int(cpp.llama_n_batch(self._ctx)))
+        for c0 in range(0, n, cap):  # row-major chunks keep each sequence's tokens in order
+            c1 = min(n, c0 + cap)
             m = c1 - c0
             b.token[:m], b.pos[:m], b.seq[:m] = flat[c0:c1], pos[c0:c1], seq[c0:c1]
             b.struct.n_tokens = m
