@@ -36,9 +36,8 @@ class VLLMEngine(Engine):
                                 "answer are not implemented on vLLM yet")
     searches_capacity_why = ("its worker runs one job whose arrivals it builds from workload.rate (a new vLLM start per "
                              "probe); a capacity search on vLLM is not implemented yet")
-    task_requests = ()  # eval.tasks: not wired yet (scoring arbitrary continuations needs prompt logprobs per request)
-    task_why = ("task evaluation through vLLM's prompt logprobs (its own interpreter) is not wired yet; "
-                "run the tasks on another engine")
+    # eval.tasks: continuations scored by vLLM's prompt log-probs, greedy generation; one vLLM start per task phase
+    task_requests = ("loglikelihood", "generate_until")
     support = {
         # vLLM always runs its paged cache: asking for contiguous runs the same thing (one config hash)
         "kv_cache.mode": Support(("paged",), "vLLM always keeps its paged KV cache", aliases={"contiguous": "paged"}),

@@ -102,11 +102,46 @@ def _req(i: int, prompt, max_new: int, arrival: float = 0.0) -> dict:
     return {"id": int(i), "prompt": [int(t) for t in prompt], "max_new_tokens": int(max_new), "arrival_s": float(arrival)}
 
 
+def trial_args(trial: TrialConfig, total: int) -> dict[str, Any]:
+    """vLLM engine arguments that make it run the trial's configuration (precision, KV cache, compile,
+    speculation), for the timed runs and task evaluation alike."""
+    kv, s = trial.kv_cache, trial.speculative
+    args: dict[str, Any] = dict(dtype=trial.model.dtype, enforce_eager=not trial.engine.compile, max_model_len=total,
+                                enable_prefix_caching=kv.prefix_caching, kv_cache_dtype=kv.dtype, seed=trial.seed,
+                                max_logprobs=max(20, trial.eval.topk), kv_cache_memory_bytes=None)
+    if s.method == "prompt-lookup":
+        args["speculative_config"] = {"method": "ngram", "num_speculative_tokens": s.k,
+                                      "prompt_lookup_min": s.prompt_lookup_min, "prompt_lookup_max": s.prompt_lookup_max}
+    elif s.method == "draft":
+        draft = s.draft_model.resolve(trial.model)
+        if draft is None:
+            raise EngineError("speculative=draft needs speculative.draft_model.path")
+        draft_dir, _ = checkpoint(draft)
+        args["speculative_config"] = {"method": "draft_model", "model": draft_dir, "num_speculative_tokens": s.k}
+    return args
+
+
+# task jobs: sequences in flight at once, and the KV pool's budget in tokens (max_num_seqs shrinks for long prompts)
+TASK_MAX_SEQS = 16
+TASK_POOL_TOKENS = 16384
+
+
+def task_job(trial: TrialConfig, model_dir: str, score: list[dict], generate: list[dict]) -> dict[str, Any]:
+    """A worker job for lm-evaluation-harness requests (engine/tasks): `score` = [{"prompt": context +
+    continuation, "start": len(context)}], `generate` = [{"prompt", "max_new_tokens"}], all run on one vLLM start
+    with the trial's configuration; vLLM holds the longest request (the model's own limit applies)."""
+    need = max([len(r["prompt"]) + 1 for r in score] + [len(r["prompt"]) + r["max_new_tokens"] for r in generate])
+    seqs = max(1, min(TASK_MAX_SEQS, TASK_POOL_TOKENS // need))
+    args = dict(trial_args(trial, need), max_num_seqs=seqs, max_num_batched_tokens=max(need, 2048),
+                enable_chunked_prefill=False, logprobs_mode="raw_logprobs")
+    return {"model": model_dir, "engine_args": args, "task": {"score": score, "generate": generate}}
+
+
 def build_job(trial: TrialConfig, model_dir: str, tokenizer, eval_out: Optional[str]) -> dict[str, Any]:
     """The worker's whole input: prompts as token ids, engine arguments, warm-up and repeats."""
     from ...prompts import corpus_ids, windows, workload_prompts
 
-    wl, b, kv, s = trial.workload, trial.batching, trial.kv_cache, trial.speculative
+    wl, b, s = trial.workload, trial.batching, trial.speculative
     total = max_model_len(trial)
     if wl.serving:
         from ...serving.requests import make_requests, warmup_requests
@@ -127,18 +162,7 @@ def build_job(trial: TrialConfig, model_dir: str, tokenizer, eval_out: Optional[
         args = dict(max_num_seqs=wl.batch_size, max_num_batched_tokens=max(wl.batch_size * wl.context_len, total),
                     enable_chunked_prefill=False)
         concurrency = 0
-    args.update(dtype=trial.model.dtype, enforce_eager=not trial.engine.compile, max_model_len=total,
-                enable_prefix_caching=kv.prefix_caching, kv_cache_dtype=kv.dtype, seed=trial.seed,
-                max_logprobs=max(20, trial.eval.topk), kv_cache_memory_bytes=None)
-    if s.method == "prompt-lookup":
-        args["speculative_config"] = {"method": "ngram", "num_speculative_tokens": s.k,
-                                      "prompt_lookup_min": s.prompt_lookup_min, "prompt_lookup_max": s.prompt_lookup_max}
-    elif s.method == "draft":
-        draft = s.draft_model.resolve(trial.model)
-        if draft is None:
-            raise EngineError("speculative=draft needs speculative.draft_model.path")
-        draft_dir, _ = checkpoint(draft)
-        args["speculative_config"] = {"method": "draft_model", "model": draft_dir, "num_speculative_tokens": s.k}
+    args.update(trial_args(trial, total))
     job: dict[str, Any] = {
         "model": model_dir, "engine_args": args, "requests": requests,
         "warmup": [warm] * wl.warmup, "repeats": max(1, wl.repeats), "max_concurrency": concurrency,
@@ -328,6 +352,8 @@ class VLLMSession:
         self._scores = None
         self._windows = None
         self._worker_s = 0.0
+        self._task_s = 0.0  # task evaluation's worker calls (engine/tasks), each a vLLM start
+        self._task_calls = 0
 
     def _run(self, plan_prompts: list[list[int]], say):
         import torch
@@ -374,6 +400,42 @@ class VLLMSession:
                               "these windows were not part of it")
         return self._scores
 
+    def _task(self, score: list[dict], generate: list[dict], say) -> dict:
+        """One worker call (one vLLM start) for a task phase's requests."""
+        job = task_job(self.trial, self.model_dir, score, generate)
+        with tempfile.TemporaryDirectory(prefix="infersweep-vllm-task-") as d:
+            say(f"vLLM: {len(score)} continuations to score, {len(generate)} generations (one vLLM start)")
+            t0 = time.perf_counter()
+            result = call_worker(job, Path(d), self.trial.engine.threads, self.python)
+            self._task_s += time.perf_counter() - t0
+        self._task_calls += 1
+        return result["task"]
+
+    def loglikelihood(self, pairs: list[tuple[list[int], list[int]]], say) -> list[tuple[float, bool]]:
+        """vLLM's prompt log-probs of context + continuation, all pairs on one vLLM start."""
+        if not pairs:
+            return []
+        if any(not ctx for ctx, _ in pairs):
+            raise EngineError("engine=vllm scores a continuation after at least one context token (vLLM has no "
+                              "log-prob for a prompt's first position)")
+        got = self._task([{"prompt": [int(t) for t in list(ctx) + list(cont)], "start": len(ctx)} for ctx, cont in pairs],
+                         [], say)["score"]
+        return [(math.fsum(r["logprobs"]), all(r["greedy"])) for r in got]
+
+    def generate_greedy_many(self, requests, say) -> list[list[int]]:
+        """Greedy answers of every (prompt, max_new_tokens, stop) on one vLLM start, cut where the other engines
+        stop (`ends_generation`: EOS or a stop string)."""
+        from ..base import cut_generation
+
+        if not requests:
+            return []
+        got = self._task([], [{"prompt": [int(t) for t in p], "max_new_tokens": int(n)} for p, n, _ in requests],
+                         say)["generate"]
+        return [cut_generation(list(ids), self.tokenizer, list(stop)) for ids, (_, _, stop) in zip(got, requests)]
+
+    def generate_greedy(self, prompt: list[int], max_new_tokens: int, stop: list[str], say) -> list[int]:
+        return self.generate_greedy_many([(prompt, max_new_tokens, stop)], say)[0]
+
     def weights_bytes(self) -> int:
         return _weights_bytes(self.model_dir, self.trial.model.dtype)
 
@@ -385,7 +447,9 @@ class VLLMSession:
         env = worker_env(self.trial.engine.threads)
         return {"engine": "vllm", "vllm": str(info.get("vllm")), "vllm_block_size": str(info.get("block_size")),
                 "vllm_num_blocks": str(info.get("num_blocks")), "vllm_cpus": env["VLLM_CPU_OMP_THREADS_BIND"],
-                "torch_threads": env["OMP_NUM_THREADS"], "vllm_worker_s": f"{self._worker_s:.1f}"}
+                "torch_threads": env["OMP_NUM_THREADS"], "vllm_worker_s": f"{self._worker_s:.1f}",
+                **({"vllm_task_worker_s": f"{self._task_s:.1f}", "vllm_task_calls": str(self._task_calls)}
+                   if self._task_calls else {})}
 
 
 def _problems(trial: TrialConfig):
