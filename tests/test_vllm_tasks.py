@@ -15,7 +15,7 @@ import os
 import pytest
 
 from engine import engines
-from engine.config import EvalConfig, ModelConfig, TinyModelConfig, WorkloadConfig, replace
+from engine.config import EvalConfig, ModelConfig, SpeculativeConfig, TinyModelConfig, WorkloadConfig, replace
 from engine.engines.base import cut_generation, generate_greedy_many
 from engine.engines.vllm import engine as vllm_runner
 from engine.models import tiny_checkpoint
@@ -61,6 +61,9 @@ def test_task_job_carries_every_request_on_one_start_with_the_trials_configurati
     assert a["logprobs_mode"] == "raw_logprobs" and a["dtype"] == "float32" and a["enable_prefix_caching"] is True
     assert 1 <= a["max_num_seqs"] <= vllm_runner.TASK_MAX_SEQS
     assert "requests" not in job and "warmup" not in job
+    spec = make_trial(TINY32, backend="vllm", speculative=SpeculativeConfig(method="prompt-lookup", k=3))
+    assert vllm_runner.task_job(spec, "/ckpt", [], gen)["engine_args"]["speculative_config"]["method"] == "ngram"
+    assert "speculative_config" not in vllm_runner.task_job(spec, "/ckpt", score, [])["engine_args"]  # a prefill each
 
 
 def test_the_cut_rule_vllm_applies_is_where_the_decode_loop_stops():

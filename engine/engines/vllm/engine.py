@@ -134,6 +134,8 @@ def task_job(trial: TrialConfig, model_dir: str, score: list[dict], generate: li
     seqs = max(1, min(TASK_MAX_SEQS, TASK_POOL_TOKENS // need))
     args = dict(trial_args(trial, need), max_num_seqs=seqs, max_num_batched_tokens=max(need, 2048),
                 enable_chunked_prefill=False, logprobs_mode="raw_logprobs")
+    if not generate:  # scoring is one prefill per request: speculation has nothing to draft (and is not loaded)
+        args.pop("speculative_config", None)
     return {"model": model_dir, "engine_args": args, "task": {"score": score, "generate": generate}}
 
 
