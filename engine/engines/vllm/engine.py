@@ -11,7 +11,9 @@ decides everything that makes trials comparable across backends and leaves vLLM 
   (static batch: the batch's i-th token is ready when every sequence has it, as in our decode loop);
 - the trial pipeline (engine/pipeline.py) checks determinism, takes medians and evaluates, as for every engine;
 - accuracy uses the same evaluation windows and the same cached fp32 reference (engine/measure/fidelity.py),
-  with vLLM's prompt log-probs standing in for logits -- see `fidelity_from_topk` for the approximation.
+  with vLLM's prompt log-probs standing in for logits -- see `fidelity_from_topk` for the approximation;
+- task accuracy (engine/tasks, lm-evaluation-harness) sends each task phase's requests in one more worker call
+  (`task_job`): continuations scored by prompt log-probs, greedy answers cut here by the engines' shared rule.
 
 What vLLM honours and its own checks are declared in engine/engines/vllm/__init__.py.
 
