@@ -153,3 +153,28 @@ def test_smollm2_fp32_task_accuracy_on_vllm_equals_transformers():
     for t in tasks:
         assert out["vllm"].answers[t] == out["hf"].answers[t], t
         assert out["vllm"].metrics[f"task_score.{t}"] == out["hf"].metrics[f"task_score.{t}"], t
+
+
+@pytest.mark.vllm
+@needs_vllm
+def test_vllm_task_trial_records_answers_and_reproduce_matches(cache, tracking_overrides, tracking, mlflow_client):
+    """A sweep trial on engine=vllm with a multiple-choice and a needle task, then `reproduce`: the per-example
+    answers and task scores MATCH (greedy answers are deterministic on vLLM too)."""
+    from experiments.run.reproduce import reproduce
+    from experiments.run.sweep import run_sweep
+    from test_vllm import TINY32_OVERRIDES
+
+    res = run_sweep(TINY32_OVERRIDES + tracking_overrides + [
+        "engine=vllm", "sweep_name=t-vllm-tasks", "seed=929", "workload.context_len=700", "workload.max_new_tokens=4",
+        "workload.repeats=1", "workload.warmup=0", "eval=tasks", f"eval.tasks=[{MC_TASK},niah_single]", "eval.limit=3",
+        "eval.depths=[0.5]"], in_process=True, echo=lambda *_: None)
+    (row,) = res.rows
+    assert row["status"] == "FINISHED", row
+    run = mlflow_client.get_run(row["run_id"])
+    assert run.data.metrics[f"task_n.{MC_TASK}"] == 3 and run.data.metrics["task_n.niah_single"] == 3
+    assert run.data.tags["env.vllm_task_calls"] == "2"  # one vLLM start per task phase (multiple choice, needle)
+    cmp = reproduce(row["hash"][:10], tracking)
+    verdicts = {k: v for k, _, _, v in cmp.rows}
+    for t in (MC_TASK, "niah_single"):
+        assert verdicts[f"answers {t}"] == "MATCH" and verdicts[f"task_score.{t}"] == "MATCH", verdicts
+    assert cmp.deterministic_match
