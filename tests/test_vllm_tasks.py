@@ -178,3 +178,39 @@ def test_vllm_task_trial_records_answers_and_reproduce_matches(cache, tracking_o
     for t in (MC_TASK, "niah_single"):
         assert verdicts[f"answers {t}"] == "MATCH" and verdicts[f"task_score.{t}"] == "MATCH", verdicts
     assert cmp.deterministic_match
+
+
+def test_worker_gives_up_when_the_engine_core_dies():
+    """`_gather_alive`: requests waiting on a dead engine core end in an error (the worker exits non-zero and
+    the trial fails with its log) instead of hanging until the worker's timeout. The worker module imports only
+    the standard library at load; its `errored` flag is AsyncLLM's."""
+    import asyncio
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("vllm_worker_under_test", vllm_runner.worker_script())
+    worker = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(worker)
+
+    class Core:  # AsyncLLM's `errored` after its engine core exited
+        errored = False
+
+    async def scenario():
+        core = Core()
+
+        async def never():
+            await asyncio.Event().wait()
+
+        async def die():
+            await asyncio.sleep(0.1)
+            core.errored = True
+
+        asyncio.ensure_future(die())
+        with pytest.raises(RuntimeError, match="engine core died"):
+            await worker._gather_alive(core, [never(), never()])
+
+        async def value(x):
+            return x
+
+        assert await worker._gather_alive(Core(), [value(1), value(2)]) == [1, 2]
+
+    asyncio.run(scenario())

@@ -234,6 +234,25 @@ async def _final(engine, prompt: list[int], params, rid: str):
     return final
 
 
+async def _gather_alive(engine, coros) -> list:
+    """asyncio.gather that fails when vLLM's engine core dies: requests added after its output handler has
+    failed would otherwise wait forever (seen under memory pressure: the engine core exited without a trace)."""
+    tasks = [asyncio.ensure_future(c) for c in coros]
+    try:
+        while True:
+            done, pending = await asyncio.wait(tasks, timeout=1.0, return_when=asyncio.FIRST_EXCEPTION)
+            for t in done:
+                if t.exception() is not None:
+                    raise t.exception()
+            if not pending:
+                return [t.result() for t in tasks]
+            if engine.errored:
+                raise RuntimeError("vLLM's engine core died (its cause is in the log above)")
+    finally:
+        for t in tasks:
+            t.cancel()
+
+
 async def _task_score(engine, reqs: list[dict]) -> list[dict]:
     """Task log-likelihoods: per request (prompt = context + continuation, `start` = len(context) >= 1), the
     log-probs of the continuation's tokens and whether each was the top-1 of its position. vLLM's prompt
@@ -246,7 +265,7 @@ async def _task_score(engine, reqs: list[dict]) -> list[dict]:
 
     params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=1, detokenize=False,
                             output_kind=RequestOutputKind.FINAL_ONLY)
-    finals = await asyncio.gather(*(_final(engine, r["prompt"], params, f"ll{i}") for i, r in enumerate(reqs)))
+    finals = await _gather_alive(engine, [_final(engine, r["prompt"], params, f"ll{i}") for i, r in enumerate(reqs)])
     out = []
     for r, final in zip(reqs, finals):
         pl, prompt = final.prompt_logprobs, r["prompt"]
@@ -265,8 +284,8 @@ async def _task_generate(engine, reqs: list[dict]) -> list[list[int]]:
         return SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True, detokenize=False,
                               output_kind=RequestOutputKind.FINAL_ONLY)
 
-    finals = await asyncio.gather(*(_final(engine, r["prompt"], params(r["max_new_tokens"]), f"gen{i}")
-                                    for i, r in enumerate(reqs)))
+    finals = await _gather_alive(engine, [_final(engine, r["prompt"], params(r["max_new_tokens"]), f"gen{i}")
+                                          for i, r in enumerate(reqs)])
     return [list(f.outputs[0].token_ids) for f in finals]
 
 
