@@ -39,7 +39,8 @@ def main() -> None:
 
     def key(r):
         p = r.data.params
-        return p["workload.name"], MODES.index(p["batching.mode"]) if p["batching.mode"] in MODES else 9, p["kv_cache.prefix_caching"]
+        return (p["workload.name"], p["engine.backend"], MODES.index(p["batching.mode"]) if p["batching.mode"] in MODES else 9,
+                p["kv_cache.prefix_caching"])
 
     runs.sort(key=key)
     p, env = runs[0].data.params, runs[0].data.tags
@@ -47,18 +48,17 @@ def main() -> None:
           f"{env.get('env.torch_threads', '?')}; SLO: p{p.get('capacity.percentile')} TTFT <= {p.get('slo.ttft_ms')} ms "
           f"and TPOT <= {p.get('slo.tpot_ms')} ms; <= {p.get('capacity.max_probes')} probes, tolerance "
           f"{p.get('capacity.tolerance')}, <= {p.get('capacity.max_s')} s per search\n")
-    print("| workload | batching | prefix cache | max rate at SLO (bracket) | probes | sync req/s | saturation req/s | "
+    print("| workload | engine | batching | prefix cache | max rate at SLO (bracket) | probes | sync req/s | saturation req/s | "
           "goodput at SLO | output tok/s at SLO | TTFT p90 ms | TPOT p90 ms | search s | why it stopped |")
-    print("|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|")
+    print("|---|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|")
     for r in runs:
         p, m = r.data.params, r.data.metrics
-        head = f"| {p['workload.name']} | {p['batching.mode']} | {p['kv_cache.prefix_caching']} |"
+        head = f"| {p['workload.name']} | {p['engine.backend']} | {p['batching.mode']} | {p['kv_cache.prefix_caching']} |"
         if r.info.status != "FINISHED":
             print(f"{head} {r.info.status}: {(r.data.tags.get('error') or '')[:80]} ||||||||||")
             continue
-        hi = m.get("max_rate_at_slo_ci_hi")
-        bracket = f"{m['max_rate_at_slo']:.3g}" + (f" [{m['max_rate_at_slo_ci_lo']:.3g}, {hi:.3g})"
-                                                    if hi and hi > m["max_rate_at_slo"] else "")
+        hi = m.get("capacity_bracket_hi")
+        bracket = f"{m['max_rate_at_slo']:.3g}" + (f" [{m['max_rate_at_slo']:.3g}, {hi:.3g})" if hi else "")
         print(f"{head} {bracket} | {_f(m, 'capacity_probes')} | {_f(m, 'capacity_sync_request_s', '{:.3f}')} | "
               f"{_f(m, 'capacity_saturation_request_s', '{:.3f}')} | {_f(m, 'goodput_at_slo', '{:.3f}')} | "
               f"{_f(m, 'output_tok_s_at_slo', '{:.1f}')} | {_f(m, 'ttft_ms_p90')} | {_f(m, 'tpot_ms_p90')} | "
@@ -66,15 +66,15 @@ def main() -> None:
     multi = [r for r in runs if r.data.params.get("workload.kind") == "multi-turn" and r.info.status == "FINISHED"]
     if multi:
         print("\nMulti-turn, per turn (mean over conversations, the probe at the found rate):\n")
-        print("| batching | prefix cache | prompt tokens per turn | prefill tokens computed per turn | TTFT ms per turn | "
+        print("| engine | batching | prefix cache | prompt tokens per turn | prefill tokens computed per turn | TTFT ms per turn | "
               "prefill computed / prompt (all turns) |")
-        print("|---|---|---|---|---|---:|")
+        print("|---|---|---|---|---|---|---:|")
         for r in multi:
             p, m = r.data.params, r.data.metrics
             cols = [" / ".join(f"{v:.0f}" for v in _history(client, r.info.run_id, k))
                     for k in ("turn_prompt_tokens", "turn_prefill_tokens", "turn_ttft_ms")]
             share = m["prefill_tokens"] / m["prompt_tokens"] if m.get("prompt_tokens") else float("nan")
-            print(f"| {p['batching.mode']} | {p['kv_cache.prefix_caching']} | {cols[0]} | {cols[1]} | {cols[2]} | {share:.2f} |")
+            print(f"| {p['engine.backend']} | {p['batching.mode']} | {p['kv_cache.prefix_caching']} | {cols[0]} | {cols[1]} | {cols[2]} | {share:.2f} |")
 
 
 if __name__ == "__main__":

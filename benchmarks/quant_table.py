@@ -21,6 +21,19 @@ def _early_late(m: dict) -> str:
     return f"{m['kl_div_early']:.4f} / {m['kl_div_late']:.4f}"
 
 
+def _tail(m: dict) -> str:
+    """KL p99.9 / max (llama.cpp's '99.9% KLD' and 'Maximum KLD'); '-' for runs recorded before them."""
+    if "kl_div_p999" not in m:
+        return "-"
+    return f"{m['kl_div_p999']:.4f} / {m['kl_div_max']:.4f}"
+
+
+def _pm(m: dict, key: str, fmt: str) -> str:
+    """value ± its stderr (`<key>_stderr`), or the value alone for runs recorded before the stderr."""
+    se = m.get(f"{key}_stderr")
+    return fmt.format(m[key]) + ("" if se is None else " ± " + fmt.format(se))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--tracking-uri", default="sqlite:///mlflow/mlflow.db")
@@ -37,15 +50,15 @@ def main() -> None:
     print(f"sweep(s) {', '.join(sel.sweep_ids)} on {env.get('env.device_name', '?')}, "
           f"torch threads {env.get('env.torch_threads', '?')}\n")
     print("| quant | context | prefill tok/s | vs none | decode tok/s | vs none | weights MB | kl_div_mean | kl_div_p99 | "
-          "KL early / late quarter | top1 | ppl | ppl_ratio |")
-    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+          "KL p99.9 / max | KL early / late quarter | top1 | ppl | ppl_ratio |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for lvl in LEVELS:
         for c in ctxs:
             m = cells.get((lvl, c))
             if not m:
                 continue
             if m["status"] != "FINISHED":
-                print(f"| {lvl} | {c} | {m['status']} |||||||||||")
+                print(f"| {lvl} | {c} | {m['status']} ||||||||||||")
                 continue
             ref = cells.get(("none", c), {})
 
@@ -54,8 +67,8 @@ def main() -> None:
 
             print(f"| {lvl} | {c} | {m['prefill_tok_s']:.0f} | {rel('prefill_tok_s')} | {m['decode_tok_s']:.2f} | "
                   f"{rel('decode_tok_s')} | {m['weights_bytes'] / 1e6:.0f} | "
-                  f"{m['kl_div_mean']:.4f} | {m['kl_div_p99']:.4f} | {_early_late(m)} | {m['top1_agreement']:.3f} | "
-                  f"{m['ppl']:.2f} | {m['ppl_ratio']:.4f} |")
+                  f"{_pm(m, 'kl_div_mean', '{:.4f}')} | {m['kl_div_p99']:.4f} | {_tail(m)} | {_early_late(m)} | "
+                  f"{_pm(m, 'top1_agreement', '{:.3f}')} | {m['ppl']:.2f} | {_pm(m, 'ppl_ratio', '{:.4f}')} |")
     print("\nLong-context trap: KL at the longest context / KL at the shortest, per level")
     trend = defaultdict(dict)
     for (lvl, c), m in cells.items():

@@ -228,7 +228,7 @@ def _capacity(m: "Measurement"):
     runs = done[result.probes.index(result.best)][0]
     reference = done[0][1]
     mismatched = {i for _, out in done for i, (a, b) in enumerate(zip(out, reference)) if a != b}
-    scalars, series = capacity_metrics(result)
+    scalars, series = capacity_metrics(result, cap.tolerance)
     scalars["capacity_token_mismatches"] = float(len(mismatched))
     return runs, scalars, series, result.verdict, reference
 
@@ -344,6 +344,13 @@ class Measurement:
                             info=info, labels=labels, samples=samples, answers=answers)
 
 
+def close_session(session: TrialSession) -> None:
+    """End what a session holds outside this process (an engine's server), where it has a `close`."""
+    close = getattr(session, "close", None)
+    if close is not None:
+        close()
+
+
 def open_trial(trial: TrialConfig, loaded: Optional[Any] = None,
                progress: Optional[Callable[[str], None]] = None) -> Measurement:
     """Load (unless `loaded`) and open `trial`'s model, ready to measure its workload."""
@@ -372,13 +379,16 @@ def run_engine_trial(
     """Measure one configuration. `loaded` lets a warm worker reuse a model (from `load_trial_model`)."""
     m = open_trial(trial, loaded, progress)
     searched = trial.workload.serving and trial.capacity.search
-    with NoiseMonitor(m.gpu) as noise:
-        if searched:  # each probe runs the workload's fixed warm-up and repeats
-            runs, found, series, verdict, reference = _capacity(m)
-            stop = "capacity search"
-        else:
-            runs, stop = _repeat_until_precise(trial, m.workload.run, m.workload.metrics_of, m.engine.in_process, m.say)
-    result = m.finish(runs, stop, noise.result)
+    try:
+        with NoiseMonitor(m.gpu) as noise:
+            if searched:  # each probe runs the workload's fixed warm-up and repeats
+                runs, found, series, verdict, reference = _capacity(m)
+                stop = "capacity search"
+            else:
+                runs, stop = _repeat_until_precise(trial, m.workload.run, m.workload.metrics_of, m.engine.in_process, m.say)
+        result = m.finish(runs, stop, noise.result)
+    finally:
+        close_session(m.session)
     if searched:
         result.metrics.update(found)
         result.series.update(series)

@@ -141,7 +141,7 @@ def cmd_report(args) -> int:
 def cmd_ui(args) -> int:
     from mlflow.tracking import MlflowClient
 
-    from .tracking.dashboard import latest_experiment, runs_url, tag_experiment
+    from .tracking.dashboard import latest_experiment, logged_tasks, runs_url, tag_experiment
     from .tracking.store import is_http, redact, resolve_uri
     from .tracking.server import MlflowServer
 
@@ -161,7 +161,7 @@ def cmd_ui(args) -> int:
     client = MlflowClient(tracking_uri=uri)
     exp = latest_experiment(client)
     if exp is not None:
-        tag_experiment(client, exp)  # the saved view the URL opens lives on the experiment
+        tag_experiment(client, exp, logged_tasks(client, exp))  # the saved view the URL opens lives on the experiment
     if server is None:  # a tracking server already serves the UI
         print(runs_url(uri, exp.experiment_id) if exp is not None else uri)
         return 0

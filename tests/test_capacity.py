@@ -224,3 +224,25 @@ def test_the_synchronous_probe_sends_one_request_at_a_time_and_the_saturating_al
     assert len(recs) == 5 and all(b.sent_s >= a.token_times_s[-1] for a, b in zip(recs, recs[1:]))  # no overlap
     sat = serving_plan(dataclasses.replace(trial.workload, arrival="all-at-once"), corpus, 0, 0, 1)
     assert all(r.sent_s == 0.0 for r in session.run_serving(sat, lambda _m: None).traces[0].requests)
+
+
+def test_the_found_rates_interval_is_the_bracket_widened_by_the_searchs_resolution():
+    from engine.measure.metrics import capacity_metrics
+
+    q = Queue()
+    r = search_capacity(q, lambda s: meets(s, 150.0, 100.0), SearchBudget(max_probes=12, tolerance=0.1))
+    m, _ = capacity_metrics(r, 0.1)
+    assert m["capacity_bracket_hi"] == r.hi and m["max_rate_at_slo"] == r.lo
+    assert m["max_rate_at_slo_ci_lo"] == pytest.approx(0.9 * r.lo) and m["max_rate_at_slo_ci_hi"] == pytest.approx(1.1 * r.hi)
+    # a capacity at the saturating throughput: nothing failed above it, its interval is the rate +- the tolerance
+    sat = search_capacity(Queue(), lambda s: meets(s, 1e12, 100.0), SearchBudget(tolerance=0.15))
+    m, _ = capacity_metrics(sat, 0.15)
+    assert "capacity_bracket_hi" not in m
+    assert (m["max_rate_at_slo_ci_lo"], m["max_rate_at_slo_ci_hi"]) == (pytest.approx(8.5), pytest.approx(11.5))
+    # reproduce: a rerun within the search's resolution is consistent, one beyond it differs
+    from experiments.run.reproduce import CONSISTENT, DIFFERS_BEYOND_NOISE, timing_verdict
+
+    near = {k: v * 0.97 for k, v in m.items() if k.startswith("max_rate_at_slo")}
+    far = {k: v * 0.6 for k, v in m.items() if k.startswith("max_rate_at_slo")}
+    assert timing_verdict("max_rate_at_slo", m, near).endswith(CONSISTENT)
+    assert timing_verdict("max_rate_at_slo", m, far).endswith(DIFFERS_BEYOND_NOISE)

@@ -222,3 +222,55 @@ def test_mlflow_ui_shows_experiment_child_runs_and_a_logged_plot(ui, dashboard_s
     finally:
         shot = _shot(d, "mlflow-report-plot")
     assert shot.stat().st_size > 10_000
+
+
+@pytest.fixture(scope="module")
+def needle_sweep(tiny_overrides, tmp_path_factory):
+    """A needle-task sweep on the tiny model (the fake task data of tests/test_tasks.py), two context lengths."""
+    from test_tasks import _fake_data
+
+    cache = tmp_path_factory.mktemp("needle-cache")
+    _fake_data(cache)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("INFERSWEEP_CACHE", str(cache))
+        res = run_sweep(tiny_overrides + ["sweep_name=t-dashboard-needle", "seed=925", "eval=tasks",
+                                          "eval.tasks=[niah_single]", "eval.limit=1", "eval.depths=[0.2,0.8]",
+                                          "workload.context_len=700,800"], in_process=True, echo=lambda *_: None)
+    assert not res.failed
+    return res
+
+
+def test_saved_view_of_a_task_sweep_shows_the_gate_and_task_score_and_the_needle_plot(ui, needle_sweep, mlflow_client,
+                                                                                      browser):
+    """The runs table of a sweep with eval.tasks opens with the gate and the task's score columns on screen,
+    and a trial's needle_<task>.png renders on its artifacts page."""
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    from experiments.tracking.dashboard import runs_url
+
+    d = browser
+    base, _ = ui
+    exp_id = mlflow_client.get_experiment_by_name("t-dashboard-needle").experiment_id
+    wanted = [column_id("task_gate"), column_id("task_score.niah_single")]
+    wait = WebDriverWait(d, 90, poll_frequency=0.5)
+
+    def headers() -> list[str]:
+        cells = d.find_elements(By.CSS_SELECTOR, "[role='columnheader'][col-id^='metrics.']")
+        return [c.get_attribute("col-id") for c in sorted((c for c in cells if c.text), key=lambda c: c.location["x"])]
+
+    d.get(runs_url(base, exp_id))
+    try:
+        wait.until(lambda _: all(w in headers() for w in wanted))
+    finally:
+        _shot(d, "mlflow-task-columns")
+    hs = headers()
+    assert hs.index(wanted[0]) + 1 == hs.index(wanted[1])  # the gate, then the task's score
+    rid = needle_sweep.rows[0]["run_id"]
+    d.get(f"{base}/#/experiments/{exp_id}/runs/{rid}/artifacts/needle_niah_single.png")
+    try:
+        wait.until(lambda _: any(
+            d.execute_script("return arguments[0].complete && arguments[0].naturalWidth", img) > 200
+            for img in d.find_elements(By.TAG_NAME, "img")))
+    finally:
+        _shot(d, "mlflow-needle-plot")

@@ -64,3 +64,11 @@ def test_groups_hold_the_variants_of_one_workload():
 def test_interleave_needs_two_rounds(tiny_overrides, rounds, capsys):
     assert main(["sweep", *tiny_overrides, "sweep_name=t-interleave-bad", f"cluster.interleave={rounds}"]) == 2
     assert "cluster.interleave: rounds must be 0 (off) or >= 2" in capsys.readouterr().err
+
+
+def test_a_capacity_search_cannot_be_interleaved_and_is_refused_before_launch(tiny_overrides, capsys):
+    args = ["sweep", *tiny_overrides, "sweep_name=t-interleave-capacity", "workload=serving-mixed", "engine=native",
+            "kv_cache=paged", "capacity.search=true", "cluster.interleave=2", "batching=static,continuous"]
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    assert "cluster.interleave: a capacity search runs its own probes" in err

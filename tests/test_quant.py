@@ -114,9 +114,13 @@ def test_fidelity_is_exact_for_reference_and_worse_for_4bit(fresh_cache):
     assert none["kl_div_mean"] == 0.0 and none["kl_div_p99"] == 0.0
     assert none["kl_div_early"] == 0.0 and none["kl_div_late"] == 0.0
     assert none["top1_agreement"] == 1.0 and none["ppl_ratio"] == 1.0
+    for k in ("kl_div_mean_stderr", "kl_div_p999", "kl_div_max", "top1_agreement_stderr", "ppl_ratio_stderr"):
+        assert none[k] == 0.0, k
     for lvl in ("bnb-nf4", "bnb-fp4"):
         m = run_engine_trial(_trial(lvl)).metrics
         assert m["kl_div_mean"] > 0 and m["kl_div_p99"] >= m["kl_div_mean"]
+        assert m["kl_div_p99"] <= m["kl_div_p999"] <= m["kl_div_max"] and m["kl_div_mean_stderr"] > 0
+        assert m["ppl_ratio_stderr"] > 0 and m["top1_agreement_stderr"] > 0
         assert m["kl_div_early"] > 0 and m["kl_div_late"] > 0
         assert m["top1_agreement"] < 1.0
     w8 = run_engine_trial(_trial("int8-weight")).metrics

@@ -172,6 +172,24 @@ def test_pipeline_records_task_metrics_against_the_cached_reference(cache):
     assert first.answers[MC_TASK] and len(first.answers[MC_TASK]) == 5
     again = run_engine_trial(trial)
     assert again.metrics["task_ref_cached"] == 1.0 and again.answers == first.answers
+    # the reference cached from the trial's own results is what computing it separately gives: a native fp32
+    # trial (not the reference configuration) in a fresh cache computes it on the reference engine
+    import shutil
+
+    shutil.rmtree(cache / "tasks-reference")
+    native = run_engine_trial(make_trial(TINY, backend="native", workload=trial.workload, eval=trial.eval))
+    assert native.metrics["task_ref_cached"] == 0.0
+    assert native.metrics[f"task_ref.{MC_TASK}"] == m[f"task_ref.{MC_TASK}"]
+
+
+def test_only_the_reference_configuration_stands_in_for_the_reference():
+    from engine.tasks.run import is_reference
+
+    base = make_trial(TINY)
+    assert is_reference(base) and is_reference(replace(base, "model.dtype", "bfloat16")) is False
+    for key, value in (("engine.backend", "native"), ("attention.impl", "eager"), ("quant.level", "int8-weight"),
+                       ("kv_cache.mode", "off")):
+        assert not is_reference(replace(base, key, value)), key
 
 
 # --- bad input: refused before anything loads --------------------------------------------------------------
@@ -342,3 +360,75 @@ def test_accuracy_claims_are_judged_by_the_interval_of_the_pooled_drop():
     assert got["acc-int4"].holds == NO and "+40.0%" in got["acc-int4"].measured  # a 40% drop: beyond 3-10%
     assert got["acc-long-context"].holds == YES and "at 4096" in got["acc-long-context"].measured
     assert got["acc-w8a8"].holds == "not measured (no such trials in this sweep)"
+
+
+def test_an_accuracy_claim_judges_every_level_the_sweep_ran():
+    from experiments.analysis.accuracy_claims import NOISE
+    from experiments.analysis.claims import CLAIMS, NO, YES, evaluate
+    from experiments.analysis.results import TrialRow
+
+    def row(level, delta, se):
+        metrics = {"output_tok_s": 10.0}
+        for t in ("bigbench_emoji_movie", "bigbench_general_knowledge"):
+            metrics.update({f"task_delta.{t}": delta, f"task_delta_stderr.{t}": se, f"task_ref.{t}": 0.5,
+                            f"task_n.{t}": 50.0})
+        return TrialRow(run_id=level, name="", status="FINISHED", metrics=metrics, tags={},
+                        params={"quant.level": level, "workload.context_len": "128", "model.dtype": "float32"})
+
+    # INT4 levels: nf4 drops 5% (inside 3-10%), q4_0 drops 40% (beyond): they disagree, so not as a rule
+    got = {r.name: r for r in evaluate([row("none", 0, 0), row("bnb-nf4", -0.025, 0.001),
+                                        row("gguf-q4_0", -0.2, 0.001)], CLAIMS)}
+    text = got["acc-int4"].measured
+    assert "bnb-nf4: task accuracy drop +5.0%" in text and "(yes)" in text
+    assert "gguf-q4_0: task accuracy drop +40.0%" in text and "(no)" in text
+    assert got["acc-int4"].holds == NO
+    # one level within noise, one inside the range: the data cannot tell
+    got = {r.name: r for r in evaluate([row("none", 0, 0), row("bnb-nf4", -0.025, 0.001),
+                                        row("gguf-q4_0", -0.025, 0.02)], CLAIMS)}
+    assert got["acc-int4"].holds == NOISE
+    got = {r.name: r for r in evaluate([row("none", 0, 0), row("int8-dynamic", -0.01, 0.0005)], CLAIMS)}
+    assert got["acc-w8a8"].holds == YES and "int8-dynamic" in got["acc-w8a8"].measured
+
+
+def test_needle_trial_logs_its_depth_plot_and_the_report_logs_the_heatmap_to_the_sweep(cache, tiny_overrides, tracking,
+                                                                                       mlflow_client, tmp_path):
+    """eval=tasks with a needle task on the tiny model at two context lengths: each trial's run holds
+    `needle_<task>.png` (a valid PNG), the report logs the context x depth heatmap to the sweep's parent run, and the experiment's saved
+    view lists the gate and the task's score columns."""
+    from PIL import Image
+
+    from experiments.analysis.report import ARTIFACT_DIR, build
+    from experiments.run.sweep import run_sweep
+    from experiments.tracking import dashboard
+    from experiments.tracking.curves import needle_artifact
+    from experiments.tracking.store import PARENT_TAG
+
+    task = "niah_single"
+    res = run_sweep(tiny_overrides + ["sweep_name=t-needle-art", "seed=921", "eval=tasks", f"eval.tasks=[{task}]",
+                                      "eval.limit=1", "eval.depths=[0.2,0.8]", "workload.context_len=700,800"],
+                    in_process=True, echo=lambda *_: None)  # two trials: a sweep with a parent run
+    row = res.rows[0]
+    assert [r["status"] for r in res.rows] == ["FINISHED"] * 2
+    run = mlflow_client.get_run(row["run_id"])
+    assert {f"task_score.{task}.d20", f"task_score.{task}.d80", f"task_ref.{task}.d20", "task_gate"} <= set(run.data.metrics)
+
+    def valid_png(run_id: str, path: str) -> None:
+        local = mlflow_client.download_artifacts(run_id, path, str(tmp_path))
+        with open(local, "rb") as f:
+            assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+        with Image.open(local) as im:
+            im.verify()  # decodes the chunks and checks their CRCs
+
+    assert needle_artifact(task) in {a.path for a in mlflow_client.list_artifacts(run.info.run_id)}
+    valid_png(run.info.run_id, needle_artifact(task))
+
+    rep = build("t-needle-art", tracking, out_dir=tmp_path / "report", progress=False)
+    assert rep.logged_to == run.data.tags[PARENT_TAG]
+    logged = {a.path for a in mlflow_client.list_artifacts(rep.logged_to, ARTIFACT_DIR)}
+    assert f"{ARTIFACT_DIR}/{needle_artifact(task)}" in logged
+    valid_png(rep.logged_to, f"{ARTIFACT_DIR}/{needle_artifact(task)}")
+
+    exp = mlflow_client.get_experiment(run.info.experiment_id)
+    state = json.loads(json.loads(exp.tags[dashboard.VIEW_TAG_PREFIX + dashboard.VIEW_KEY])["state"])
+    cols = state["selectedColumns"]
+    assert cols.index("metrics.`task_gate`") + 1 == cols.index(f"metrics.`task_score.{task}`")

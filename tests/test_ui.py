@@ -71,10 +71,44 @@ def test_tracker_tags_new_and_existing_experiments_and_keeps_an_edited_view(trac
         state = json.loads(envelope["state"])
         assert state["selectedColumns"] == state["columnOrder"] == [
             "metrics.`output_tok_s`", "metrics.`ttft_ms_p50`", "metrics.`tpot_ms_p50`", "metrics.`ppl`",
-            "metrics.`kl_div_mean`", "metrics.`peak_mem_bytes`", "tags.`unstable`"]
+            "metrics.`kl_div_mean`", "metrics.`task_gate`", "metrics.`peak_mem_bytes`", "tags.`unstable`"]
         assert state["searchFilter"] == "tags.kind = 'trial'" and state["orderByAsc"] is False
     edited = mlflow_client.get_experiment(edited_id)
     assert edited.tags[view_key] == "{\"edited\": true}" and edited.tags[dashboard.KIND_TAG] == "custom_model_development"
+
+
+def _columns(exp) -> list[str]:
+    state = json.loads(json.loads(exp.tags[dashboard.VIEW_TAG_PREFIX + dashboard.VIEW_KEY])["state"])
+    assert state["columnOrder"] == state["selectedColumns"]
+    return state["selectedColumns"]
+
+
+def test_saved_view_shows_the_gate_and_each_task_score_and_grows_with_new_tasks(tracking, mlflow_client):
+    """A sweep with eval.tasks: the view has task_gate followed by task_score.<task> per task; a later sweep
+    with another task adds its column to a view infersweep wrote, never to one the user rearranged."""
+    tracker = Tracker(tracking)
+    eid = tracker.experiment_id("t-ui-tasks", ["mmlu_x", "niah_single"])
+    cols = _columns(mlflow_client.get_experiment(eid))
+    gate = cols.index("metrics.`task_gate`")
+    assert cols[gate:gate + 4] == ["metrics.`task_gate`", "metrics.`task_score.mmlu_x`",
+                                   "metrics.`task_score.niah_single`", "metrics.`peak_mem_bytes`"]
+    assert tracker.experiment_id("t-ui-tasks", ["niah_single"]) == eid  # nothing new: no write
+    Tracker(tracking).experiment_id("t-ui-tasks", ["bigbench_emoji_movie"])  # a later sweep, another process
+    cols = _columns(mlflow_client.get_experiment(eid))
+    assert cols[gate:gate + 4] == ["metrics.`task_gate`", "metrics.`task_score.bigbench_emoji_movie`",
+                                   "metrics.`task_score.mmlu_x`", "metrics.`task_score.niah_single`"]
+    # a view from before task columns existed gains them; a rearranged one is the user's and stays
+    legacy = json.dumps({"name": "infersweep", "createdAt": 1, "updatedAt": 1, "state": json.dumps(
+        dict(dashboard.view_state(), selectedColumns=["metrics.`output_tok_s`", "metrics.`ppl`"],
+             columnOrder=["metrics.`output_tok_s`", "metrics.`ppl`"]))})
+    grown = json.loads(json.loads(dashboard.with_task_columns(legacy, ["t1"]))["state"])["selectedColumns"]
+    assert grown == ["metrics.`output_tok_s`", "metrics.`ppl`", "metrics.`task_gate`", "metrics.`task_score.t1`"]
+    moved = json.dumps({"name": "infersweep", "state": json.dumps(
+        dict(dashboard.view_state(), selectedColumns=["metrics.`ppl`", "metrics.`output_tok_s`"],
+             columnOrder=["metrics.`ppl`", "metrics.`output_tok_s`"]))})
+    assert dashboard.with_task_columns(moved, ["t1"]) is None
+    assert dashboard.with_task_columns(json.dumps({"edited": True}), ["t1"]) is None
+    assert dashboard.with_task_columns(legacy, []) is None
 
 
 def test_latest_experiment_is_the_one_of_the_newest_sweep(tmp_path):

@@ -65,7 +65,8 @@ def test_static_job_carries_the_engine_prompts_as_token_ids_through_json():
     assert back["eval"]["topk"] == 1 and len(back["eval"]["windows"]) == 1 and len(back["eval"]["windows"][0]) == 24
 
 
-def test_serving_job_submits_the_engine_requests_at_their_arrival_times():
+def test_serving_command_submits_the_plans_requests_at_their_arrival_times():
+    from engine.pipeline import serving_plan
     from engine.prompts import corpus_ids
     from engine.serving.requests import make_requests
 
@@ -75,13 +76,18 @@ def test_serving_job_submits_the_engine_requests_at_their_arrival_times():
                                                            chunked_prefill=True),
                    prefix_caching=True, kv="paged", speculative=SpeculativeConfig())
     tok = ByteTokenizer()
-    job = json.loads(json.dumps(vllm_runner.build_job(trial, "/ckpt", tok, None)))
-    want = make_requests(serving, corpus_ids(tok, trial.workload.text), trial.seed)
-    assert [(r["prompt"], r["arrival_s"], r["max_new_tokens"]) for r in job["requests"]] == \
+    corpus = corpus_ids(tok, trial.workload.text)
+    job = json.loads(json.dumps(vllm_runner.server_job(trial, "/ckpt")))
+    cmd = json.loads(json.dumps(vllm_runner.serving_command(serving_plan(trial.workload, corpus, trial.seed, 1, 2))))
+    want = make_requests(serving, corpus, trial.seed)
+    assert [(r["prompt"], r["arrival_s"], r["max_new_tokens"]) for r in cmd["requests"]] == \
         [(list(r.prompt), r.arrival_s, r.max_new_tokens) for r in want]
+    assert (cmd["warmup"], cmd["repeats"], cmd["max_concurrency"], cmd["follow"]) == (1, 2, 2, False)
     a = job["engine_args"]
     assert (a["max_num_seqs"], a["max_num_batched_tokens"], a["enable_chunked_prefill"]) == (3, 64, True)
-    assert a["enable_prefix_caching"] is True and job["max_concurrency"] == 2 and job["eval"] is None
+    assert a["enable_prefix_caching"] is True and set(job) == {"model", "engine_args", "sampling"}
+    with pytest.raises(EngineError, match="runs on the vLLM server"):  # serving is never one job
+        vllm_runner.build_job(trial, "/ckpt", tok, None)
 
 
 def test_prompt_lookup_maps_to_vllm_ngram_speculation():

@@ -113,6 +113,9 @@ class TrialSession(Protocol):
         """Where and how it ran, for the run's tags (versions, thread binding)."""
         ...
 
+    # Optional: `close()` ends what the session holds outside this process (vLLM's server); the pipeline
+    # calls it once the trial is measured and evaluated (engine/pipeline.py `close_session`).
+
 
 GreedyRequest = tuple[list[int], int, list[str]]  # (prompt ids, max_new_tokens, stop strings)
 

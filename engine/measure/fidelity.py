@@ -111,7 +111,7 @@ def _tail(logp_topk: torch.Tensor) -> torch.Tensor:
 
 def fidelity(backend: Backend, windows: torch.Tensor, ref: ReferenceStats) -> dict[str, float]:
     """KL(reference || candidate) per position, top-1 agreement and perplexity of the candidate."""
-    kls, agree, nll_sum, count = [], 0, 0.0, 0
+    kls, diffs, agree, nll_sum, count = [], [], 0, 0.0, 0
     for i, w in enumerate(windows):
         logq = torch.log_softmax(backend.score(w[None])[0, :-1].float(), dim=-1)  # [T-1, V]
         logp_k = ref.topk_logp[i].double()  # [T-1, K]
@@ -124,24 +124,47 @@ def fidelity(backend: Backend, windows: torch.Tensor, ref: ReferenceStats) -> di
         nll = -logq.gather(-1, w[1:, None]).squeeze(-1)
         nll_sum += float(nll.double().sum())
         count += nll.numel()
-    return _summary(kls, agree, nll_sum, count, ref)
+        diffs.append(nll.double() - ref.target_nll[i].double())
+    return _summary(kls, agree, nll_sum, count, ref, diffs)
 
 
-def _summary(kls: list[torch.Tensor], agree: int, nll_sum: float, count: int, ref: ReferenceStats) -> dict[str, float]:
-    """The fidelity metrics from per-window KL [T-1] tensors, top-1 matches, the candidate's summed NLL and the
-    number of positions."""
+def mean_stderr(x: torch.Tensor) -> float:
+    """Standard error of the mean of the samples `x`, as llama.cpp's `mean_and_uncertainty`: the sample
+    standard deviation / sqrt(n) (= sqrt(population variance / (n - 1))); 0 for fewer than 2 samples."""
+    n = x.numel()
+    if n < 2:
+        return 0.0
+    x = x.double()
+    return math.sqrt(float(((x - x.mean()) ** 2).sum()) / (n - 1) / n)
+
+
+def _summary(kls: list[torch.Tensor], agree: int, nll_sum: float, count: int, ref: ReferenceStats,
+             diffs: list[torch.Tensor]) -> dict[str, float]:
+    """The fidelity metrics from per-window KL [T-1] tensors, top-1 matches, the candidate's summed NLL, the
+    number of positions and the per-window differences candidate NLL - reference NLL of each actual next token
+    [T-1] (= log p_ref - log p_cand). Errors as llama.cpp's `--kl-divergence` reports them: the KL's and the
+    ln-ratio's standard error of the mean over positions, the same-top-1 rate's binomial sqrt(p(1-p)/(n-1)),
+    and the ppl ratio's by the delta method, ratio x stderr(mean difference). Positions of one window are not
+    independent, so these errors are lower bounds, as llama.cpp's are."""
     allkl = torch.cat(kls)
     cand_nll = nll_sum / count
     quarter = max(1, kls[0].numel() // 4)  # positions per quarter window (all windows have one length)
+    top1 = agree / count
+    ratio = math.exp(cand_nll) / ref.ppl
     return {
         "kl_div_mean": float(allkl.mean()),
+        "kl_div_mean_stderr": mean_stderr(allkl),
         "kl_div_early": float(torch.cat([k[:quarter] for k in kls]).mean()),
         "kl_div_late": float(torch.cat([k[-quarter:] for k in kls]).mean()),
         "kl_div_p99": float(torch.quantile(allkl, 0.99)),
-        "top1_agreement": agree / count,
+        "kl_div_p999": float(torch.quantile(allkl, 0.999)),
+        "kl_div_max": float(allkl.max()),
+        "top1_agreement": top1,
+        "top1_agreement_stderr": math.sqrt(top1 * (1.0 - top1) / (count - 1)) if count > 1 else 0.0,
         "ppl": math.exp(cand_nll),
         "nll_mean": cand_nll,
-        "ppl_ratio": math.exp(cand_nll) / ref.ppl,
+        "ppl_ratio": ratio,
+        "ppl_ratio_stderr": ratio * mean_stderr(torch.cat(diffs)),
     }
 
 
@@ -157,7 +180,7 @@ def fidelity_from_topk(cand_idx: torch.Tensor, cand_logp: torch.Tensor, cand_tar
     distributions are identical, and equals `fidelity`'s K+1-bucket KL when the candidate's top-k contains
     the reference's top-K (asked with k = K, near-identical distributions share nearly all of it). ppl and
     top-1 agreement are exact."""
-    kls, agree, nll_sum, count = [], 0, 0.0, 0
+    kls, diffs, agree, nll_sum, count = [], [], 0, 0.0, 0
     for i in range(ref.topk_logp.shape[0]):
         ridx = ref.topk_idx[i].long()  # [T-1, K]
         logp_k = ref.topk_logp[i].double()
@@ -175,7 +198,8 @@ def fidelity_from_topk(cand_idx: torch.Tensor, cand_logp: torch.Tensor, cand_tar
         agree += int((cidx[:, 0] == ridx[:, 0]).sum())
         nll_sum += float(-cand_target_logp[i].double().sum())
         count += cand_target_logp[i].numel()
-    return _summary(kls, agree, nll_sum, count, ref)
+        diffs.append(-cand_target_logp[i].double() - ref.target_nll[i].double())
+    return _summary(kls, agree, nll_sum, count, ref, diffs)
 
 
 class ReferenceCache:

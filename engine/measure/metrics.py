@@ -36,12 +36,21 @@ METRICS: dict[str, str] = {
     "ppl": "perplexity of the model on the evaluation text at context_len (teacher-forced)",
     "nll_mean": "mean negative log-likelihood per predicted token (nats)",
     "kl_div_mean": "mean over positions of KL(reference || candidate) next-token distributions (nats; top-K + tail buckets)",
+    "kl_div_mean_stderr": "standard error of kl_div_mean over positions (llama.cpp's: sample stdev / sqrt(n); "
+                          "positions of one window are correlated, so a lower bound)",
     "kl_div_p99": "99th percentile of the per-position KL divergence",
+    "kl_div_p999": "99.9th percentile of the per-position KL divergence (llama.cpp's '99.9% KLD': the rare "
+                   "positions a quantization breaks)",
+    "kl_div_max": "largest per-position KL divergence",
     "kl_div_early": "mean KL over the first quarter of positions of each eval window (little context behind them)",
     "kl_div_late": "mean KL over the last quarter of positions of each eval window (the most context behind them): "
                    "late > early is the long-context trap within one window",
     "top1_agreement": "share of positions where candidate and reference rank the same token first",
+    "top1_agreement_stderr": "binomial standard error of top1_agreement over positions, sqrt(p(1-p)/(n-1)) "
+                             "(llama.cpp's 'Same top p' error)",
     "ppl_ratio": "candidate perplexity / reference perplexity on the same windows",
+    "ppl_ratio_stderr": "error of ppl_ratio (llama.cpp's): ppl_ratio x the standard error of the mean over positions "
+                        "of log p_ref - log p_cand of the actual next token (delta method on exp)",
     "fidelity_ref_cached": "1 when the reference statistics came from the on-disk cache, 0 when computed",
     "model_load_s": "seconds this trial spent loading the model, outside every timed region; 0.0 when a warm "
     "worker reused the model an earlier trial of the same model key loaded (tag env.model_cache=hit)",
@@ -70,7 +79,11 @@ METRICS: dict[str, str] = {
     "kv_peak_bytes": "serving: most KV pool bytes held by sequences at once (blocks x block bytes)",
     # capacity search (engine/serving/capacity.py; capacity.search=true): probes of the same requests at several rates
     "max_rate_at_slo": "capacity search: the highest Poisson rate (req/s) whose probe met the SLO at capacity.percentile "
-                       "(0 when none did); _ci_lo/_ci_hi: the search's bracket (highest passing, lowest failing rate)",
+                       "(0 when none did); _ci_lo/_ci_hi: the search's bracket (highest passing, lowest failing rate) "
+                       "widened by capacity.tolerance on each side, the resolution the search claims (a capacity at "
+                       "the saturating throughput has no failing rate above it: its bracket is that rate alone)",
+    "capacity_bracket_hi": "capacity search: the lowest Poisson rate whose probe missed the SLO (the bracket's top; "
+                           "absent when none above max_rate_at_slo missed)",
     "goodput_at_slo": "capacity search: goodput (req/s meeting both SLOs) of the probe at max_rate_at_slo",
     "output_tok_s_at_slo": "capacity search: output tokens/s of the probe at max_rate_at_slo",
     "capacity_meets_slo": "capacity search: 1 when some load meets the SLO (the synchronous probe did), 0: no rate meets it",
@@ -180,6 +193,7 @@ LABELS: dict[str, str] = {
 
 # Metrics that must be bit-identical when a trial is re-run (reproduce compares them exactly).
 DETERMINISTIC = ("ppl", "nll_mean", "kl_div_mean", "kl_div_p99", "kl_div_early", "kl_div_late", "top1_agreement", "ppl_ratio",
+                 "kl_div_mean_stderr", "kl_div_p999", "kl_div_max", "top1_agreement_stderr", "ppl_ratio_stderr",
                  "kv_cache_bytes", "kv_cache_used_bytes", "weights_bytes")
 
 PERCENTILES = (50, 90, 99)
@@ -300,19 +314,22 @@ CURVE = ("probe_rate", "probe_ttft_ms_p50", "probe_ttft_ms_p99", "probe_tpot_ms_
          "probe_output_tok_s", "probe_request_s", "probe_goodput", "probe_meets_slo", "probe_kind")
 
 
-def capacity_metrics(result) -> tuple[dict[str, float], dict[str, list[float]]]:
-    """(scalars, curve) of a capacity search (`engine.serving.capacity.SearchResult`); the curve's steps
-    are the probes in rate order."""
+def capacity_metrics(result, tolerance: float = 0.0) -> tuple[dict[str, float], dict[str, list[float]]]:
+    """(scalars, curve) of a capacity search (`engine.serving.capacity.SearchResult`, run with
+    `capacity.tolerance` = `tolerance`); the curve's steps are the probes in rate order."""
     from ..serving.capacity import RATE, SATURATE, SYNC
 
     best = result.best.stats.metrics if result.best is not None else {}
     kinds = {SYNC: 0, SATURATE: 2, RATE: 1}
     hi = result.hi if result.hi is not None else result.max_rate
-    m = {"max_rate_at_slo": result.max_rate, "max_rate_at_slo_ci_lo": result.lo, "max_rate_at_slo_ci_hi": hi,
+    m = {"max_rate_at_slo": result.max_rate, "max_rate_at_slo_ci_lo": result.lo * (1 - tolerance),
+         "max_rate_at_slo_ci_hi": hi * (1 + tolerance),
          "goodput_at_slo": best.get("goodput", 0.0) if result.max_rate > 0 else 0.0,
          "output_tok_s_at_slo": best.get("output_tok_s", 0.0) if result.max_rate > 0 else 0.0,
          "capacity_meets_slo": float(result.meets_slo), "capacity_probes": float(len(result.probes)),
          "capacity_search_s": sum(p.elapsed_s for p in result.probes)}
+    if result.hi is not None:
+        m["capacity_bracket_hi"] = result.hi
     for p in result.probes:
         if p.kind == SYNC:
             m["capacity_sync_request_s"] = p.stats.request_s

@@ -10,6 +10,7 @@ back for reproduce.
 """
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import logging
@@ -148,8 +149,20 @@ def _reference_key(trial: TrialConfig, task: str) -> str:
     return hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).hexdigest()
 
 
-def _reference(trial: TrialConfig, loaded: Any, max_length: int, say: Say) -> tuple[dict[str, dict], bool]:
-    """task -> {"metrics", "correct"} of the fp32 reference (cached under <cache>/tasks-reference)."""
+def is_reference(trial: TrialConfig) -> bool:
+    """Whether `trial` runs exactly the fp32 reference's configuration (the reference engine's defaults at float32:
+    same engine, attention, KV cache, quantization, precision, no speculation): its own results are the reference."""
+    from .. import engines
+
+    ref = TrialConfig(model=dataclasses.replace(trial.model, dtype="float32"))
+    return trial.engine.backend == engines.REFERENCE and all(
+        getattr(trial, f) == getattr(ref, f) for f in ("model", "attention", "kv_cache", "quant", "speculative"))
+
+
+def _reference(trial: TrialConfig, loaded: Any, max_length: int, say: Say,
+               own: Optional[TaskResult] = None) -> tuple[dict[str, dict], bool]:
+    """task -> {"metrics", "correct"} of the fp32 reference (cached under <cache>/tasks-reference). `own`: the
+    trial's results when the trial is the reference configuration (then nothing is computed twice)."""
     from .. import engines
     from ..engines.logits import LogitsSession
     from ..models import cache_root
@@ -162,12 +175,16 @@ def _reference(trial: TrialConfig, loaded: Any, max_length: int, say: Say) -> tu
             out[task] = json.loads(path.read_text())
         except (OSError, ValueError):
             missing.append(task)
-    if missing:
+    if missing and own is not None:
+        say(f"this trial is the fp32 reference: its results on {', '.join(missing)} are cached as the reference")
+        got = own
+    elif missing:
         say(f"computing the fp32 reference on {', '.join(missing)}")
         ref_engine = engines.get(engines.REFERENCE)
         backend = ref_engine.reference(trial, loaded)
         ref_session = LogitsSession(ref_engine, backend.trial, backend.loaded, backend)
         got = run_lmeval(ref_session, trial, missing, max_length, lambda m: say("reference: " + m))
+    if missing:
         root.mkdir(parents=True, exist_ok=True)
         for task in missing:
             entry = {"metrics": {k: v for k, v in got.metrics.items() if k.split(".")[1] == task},
@@ -183,7 +200,7 @@ def _reference(trial: TrialConfig, loaded: Any, max_length: int, say: Say) -> tu
 def evaluate_tasks(trial: TrialConfig, session: Any, loaded: Any, max_length: int, say: Say) -> TaskResult:
     """The trial's task metrics, with the reference's and the comparison (delta, recovery, gate)."""
     res = run_lmeval(session, trial, list(trial.eval.tasks), max_length, say)
-    ref, cached = _reference(trial, loaded, max_length, say)
+    ref, cached = _reference(trial, loaded, max_length, say, own=res if is_reference(trial) else None)
     res.metrics["task_ref_cached"] = float(cached)
     for task in trial.eval.tasks:
         score, racc = res.metrics[f"task_score.{task}"], ref[task]["metrics"][f"task_score.{task}"]

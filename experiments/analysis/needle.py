@@ -2,13 +2,12 @@
 panel per configuration (e.g. quantization level), one figure per needle task (docs/accuracy.md)."""
 from __future__ import annotations
 
-import re
 from pathlib import Path
 from typing import Optional
 
+from ..tracking.curves import DEPTH_KEY, needle_artifact
 from .results import TrialRow
 
-DEPTH_KEY = re.compile(r"^task_score\.(?P<task>[^.]+)\.d(?P<depth>\d+)$")
 VARIANT_PARAMS = ("engine.backend", "quant.level", "kv_cache.dtype", "model.dtype", "attention.impl", "kv_cache.mode")
 
 
@@ -33,7 +32,7 @@ def needle_heatmaps(rows: list[TrialRow], out: Path) -> list[Path]:
     """One PNG per needle task (`needle_<task>.png`); none where the sweep measured no needle task."""
     paths = []
     for task, by_variant in sorted(needle_cells(rows).items()):
-        p = _heatmap(task, by_variant, out / f"needle_{task}.png")
+        p = _heatmap(task, by_variant, out / needle_artifact(task))
         if p is not None:
             paths.append(p)
     return paths

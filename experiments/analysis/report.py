@@ -109,6 +109,11 @@ SPEEDUPS = (("speedup", "output_tok_s"), ("decode_speedup", "decode_tok_s"), ("p
 # kernels (another engine can beat them) or were measured on a loaded machine (too low).
 ROOFLINE_MISMATCH = ("above the roofline: the probe's peaks do not describe this engine's kernels or were measured "
                      "under load (`infersweep probe --refresh` on a quiet machine) -- not a physical share")
+# eval=fidelity's llama.cpp-style detail beside kl_div_mean and top1_agreement (trials.csv)
+FIDELITY_DETAIL = ("kl_div_mean_stderr", "kl_div_p99", "kl_div_p999", "kl_div_max", "top1_agreement_stderr", "ppl_ratio",
+                   "ppl_ratio_stderr")
+
+
 @dataclass
 class Line:
     """One trial with its comparisons to the baseline of its workload."""
@@ -137,7 +142,8 @@ def lines(rows: list[TrialRow], ax: list[str], baselines: dict[tuple, Optional[T
         v = ln.values
         for k in ("output_tok_s", "decode_tok_s", "prefill_tok_s", "ttft_ms_p50", "tpot_ms_p50", "roofline_tok_s",
                   "roofline_efficiency", "ppl", "kl_div_mean", "top1_agreement", "peak_mem_bytes", "attn_peak_bytes",
-                  "weights_bytes", "decode_bw_util", "decode_compute_util", "prefill_bw_util", "prefill_compute_util"):
+                  "weights_bytes", "decode_bw_util", "decode_compute_util", "prefill_bw_util", "prefill_compute_util",
+                  *FIDELITY_DETAIL):
             v[k] = m.get(k)
         for name, metric in SPEEDUPS:
             v[name] = speedup(b.get(metric), m.get(metric))
@@ -234,7 +240,7 @@ CSV_FIELDS = ["run_id", "hash", "name", "status", UNSTABLE, "workload", "optimiz
               "decode_speedup_lo", "decode_speedup_hi", "decode_speedup_verdict", "prefill_tok_s", "prefill_speedup",
               "prefill_speedup_lo", "prefill_speedup_hi", "prefill_speedup_verdict", "roofline_flag", "ttft_ms_p50",
               "tpot_ms_p50", "roofline_tok_s", "roofline_efficiency", "ppl", "ppl_delta", "ppl_delta_pct",
-              "kl_div_mean", "top1_agreement", "peak_mem_bytes", "attn_peak_bytes", "weights_bytes",
+              "kl_div_mean", "top1_agreement", *FIDELITY_DETAIL, "peak_mem_bytes", "attn_peak_bytes", "weights_bytes",
               "decode_bw_util", "decode_compute_util", "prefill_bw_util", "prefill_compute_util", "regime",
               "regime.phase", "regime.prefill.measured", "regime.decode.measured", "regime.prefill", "regime.decode"]
 

@@ -317,8 +317,11 @@ def _key(override) -> str:
 # An engine variant (conf/engine_variant/) is one engine at one number format: it sets engine.backend,
 # attention.impl, quant.level, model.dtype (and kv_cache.mode) together. Choosing one of those on the command
 # line too (`engine=hf`, `quant=none`, `model.dtype=...`) would be silently lost to the variant or silently
-# win over it, so a different value is an error naming both keys; the same value is harmless.
-BUNDLE_GROUPS = ("engine_variant",)
+# win over it, so a different value is an error naming both keys; the same value is harmless. A server
+# (conf/server/) is likewise one engine with the batching it can schedule (experiment=serving-capacity).
+BUNDLE_GROUPS = ("engine_variant", "server")
+BUNDLE_WHAT = {"engine_variant": "an engine variant sets the engine, attention, quant and dtype itself",
+               "server": "a server sets the engine, its batching and its KV cache itself"}
 
 
 def _flat(node: Any, prefix: str) -> dict[str, Any]:
@@ -383,14 +386,14 @@ def _bundle_problems(conflicts: dict[str, dict[str, str]]) -> list[str]:
     """One message per requested choice, naming every bundle option that contradicts it."""
     out = []
     for req, by_option in conflicts.items():
+        what = BUNDLE_WHAT[next(iter(by_option)).split("=")[0]]
         if len(by_option) == 1:
             ((option, sets),) = by_option.items()
-            out.append(f"{req} conflicts with {option}, which sets {sets}: an engine variant sets the engine, "
-                       f"attention, quant and dtype itself; drop one of the two")
+            out.append(f"{req} conflicts with {option}, which sets {sets}: {what}; drop one of the two")
         else:
             them = ", ".join(f"{o} (sets {s})" for o, s in by_option.items())
-            out.append(f"{req} conflicts with {them}: an engine variant sets the engine, attention, quant and dtype "
-                       f"itself; drop {req} or those variants")
+            out.append(f"{req} conflicts with {them}: {what}; drop {req} or those "
+                       f"{'variants' if what.startswith('an engine variant') else 'options'}")
     return out
 
 
@@ -571,6 +574,9 @@ def validate(config: dict[str, Any], gpu_available: bool | None = None) -> list[
         return out + [str(e)]
     gpu = cl.num_gpus_per_trial > 0 if gpu_available is None else gpu_available
     out += [f"{key}: {msg}" for key, msg in check_trial(trial, gpu_available=gpu)]
+    if cl.interleave and trial.workload.serving and trial.capacity.search:
+        out.append("cluster.interleave: a capacity search runs its own probes one after another; it cannot be "
+                   "interleaved with other trials (drop cluster.interleave or capacity.search)")
     return out
 
 

@@ -91,7 +91,7 @@ def reproduce(prefix: str, tracking: dict, against_all: bool = False) -> Compari
     for k in DETERMINISTIC:
         if k in om or k in outcome.metrics:
             a, b = om.get(k), outcome.metrics.get(k)
-            rows.append((k, _num(a), _num(b), "MATCH" if a == b else "DIFFERS"))
+            rows.append((k, _num(a), _num(b), deterministic_verdict(a, b)))
     rows += task_rows(tracker, orig, om, outcome)
     for k in TIMING:
         if k in om and k in outcome.metrics and om[k]:
@@ -109,6 +109,17 @@ def reproduce(prefix: str, tracking: dict, against_all: bool = False) -> Compari
         cmp.others.append((f"run {other.info.run_id[:8]}{tag}, experiment id {other.info.experiment_id}",
                            {True: "tokens MATCH", False: "tokens DIFFER", None: "tokens not recorded"}[same], judged))
     return cmp
+
+
+NOT_RECORDED = "not recorded originally"
+
+
+def deterministic_verdict(original, new) -> str:
+    """MATCH / DIFFERS; a metric the original run lacks and the re-run logs was added to the code since
+    (e.g. kl_div_p999): nothing to compare, not a difference."""
+    if original is None and new is not None:
+        return NOT_RECORDED
+    return "MATCH" if original == new else "DIFFERS"
 
 
 def task_rows(tracker: Tracker, orig, om: dict, outcome) -> list[tuple[str, str, str, str]]:

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import json
 import time
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 from urllib.parse import urlencode
 
 from engine.measure.noise import UNSTABLE
@@ -24,8 +24,11 @@ KIND = "custom_model_development"
 VIEW_TAG_PREFIX = "mlflow.sharedViewState."
 VIEW_KEY = "infersweep"
 
-# in this order, left to right; a metric no run logged (kl_div_mean without a reference) shows no column
-METRIC_COLUMNS = ("output_tok_s", "ttft_ms_p50", "tpot_ms_p50", "ppl", "kl_div_mean", "peak_mem_bytes")
+# in this order, left to right; a metric no run logged (kl_div_mean without a reference) shows no column.
+# task_gate (eval.tasks: every task within eval.gate of the fp32 reference) is followed by the sweep's
+# task_score.<task> columns (the names depend on the sweep's tasks: `columns(tasks)`)
+METRIC_COLUMNS = ("output_tok_s", "ttft_ms_p50", "tpot_ms_p50", "ppl", "kl_div_mean", "task_gate", "peak_mem_bytes")
+GATE = "task_gate"
 
 
 def column_id(metric: str) -> str:
@@ -42,9 +45,19 @@ def tag_column_id(tag: str) -> str:
     return f"tags.`{tag}`"
 
 
-def view_state() -> dict[str, Any]:
+def columns(tasks: Sequence[str] = ()) -> list[str]:
+    """The view's columns, left to right, for a sweep that evaluates `tasks` (eval.tasks)."""
+    out = []
+    for m in METRIC_COLUMNS:
+        out.append(column_id(m))
+        if m == GATE:
+            out += [column_id(f"task_score.{t}") for t in tasks]
+    return out + [tag_column_id(t) for t in TAG_COLUMNS]
+
+
+def view_state(tasks: Sequence[str] = ()) -> dict[str, Any]:
     """The runs table as it opens: trial runs only (a sweep's parent run has no metrics), fastest first."""
-    cols = [column_id(m) for m in METRIC_COLUMNS] + [tag_column_id(t) for t in TAG_COLUMNS]
+    cols = columns(tasks)
     return {
         "searchFilter": "tags.kind = 'trial'",
         "orderByKey": column_id("output_tok_s"),
@@ -54,25 +67,57 @@ def view_state() -> dict[str, Any]:
     }
 
 
-def view_tag(now_ms: Optional[int] = None) -> tuple[str, str]:
+def view_tag(now_ms: Optional[int] = None, tasks: Sequence[str] = ()) -> tuple[str, str]:
     """(key, value) of the saved-view tag, in the UI's envelope: the state is a JSON string inside JSON."""
     now = int(time.time() * 1000) if now_ms is None else now_ms
-    envelope = {"name": VIEW_KEY, "createdAt": now, "updatedAt": now, "state": json.dumps(view_state())}
+    envelope = {"name": VIEW_KEY, "createdAt": now, "updatedAt": now, "state": json.dumps(view_state(tasks))}
     return VIEW_TAG_PREFIX + VIEW_KEY, json.dumps(envelope)
 
 
-def experiment_tags() -> dict[str, str]:
-    key, value = view_tag()
+def experiment_tags(tasks: Sequence[str] = ()) -> dict[str, str]:
+    key, value = view_tag(tasks=tasks)
     return {KIND_TAG: KIND, key: value}
 
 
-def tag_experiment(client, experiment) -> None:
-    """Add the tags an experiment lacks. An existing saved view is kept: a user may have edited it in
-    the UI ("Overwrite view")."""
+def with_task_columns(value: str, tasks: Sequence[str], now_ms: Optional[int] = None) -> Optional[str]:
+    """The saved view `value` (the tag's JSON) with the gate and `task_score.<task>` columns of `tasks` added
+    in their place, or None: nothing is missing, or the view is not one infersweep wrote (a column of the
+    user's own, or columns reordered in the UI: then it is the user's and stays as it is)."""
+    try:
+        envelope = json.loads(value)
+        state = json.loads(envelope["state"])
+        have = list(state["selectedColumns"])
+    except (ValueError, KeyError, TypeError):
+        return None
+    need = [column_id(GATE)] + [column_id(f"task_score.{t}") for t in tasks]
+    if not tasks or all(c in have for c in need):
+        return None
+    prefix = column_id("task_score.")[:-1]  # metrics.`task_score.<task>`
+    known = [c[len(prefix):-1] for c in have if c.startswith(prefix)]
+    order = columns(sorted(set(known) | set(tasks)))
+    if have != [c for c in order if c in have] or state.get("columnOrder", have) != have:
+        return None
+    cols = [c for c in order if c in have or c in need]
+    now = int(time.time() * 1000) if now_ms is None else now_ms
+    return json.dumps(dict(envelope, updatedAt=now, state=json.dumps(dict(state, selectedColumns=cols, columnOrder=cols))))
+
+
+def tag_experiment(client, experiment, tasks: Sequence[str] = ()) -> None:
+    """Add the tags an experiment lacks. An existing saved view is kept (a user may have edited it in the UI,
+    "Overwrite view"), except that one infersweep wrote gains the gate and task-score columns of `tasks`."""
     have = experiment.tags or {}
-    for key, value in experiment_tags().items():
+    for key, value in experiment_tags(tasks).items():
         if key not in have or (key == KIND_TAG and have[key] != KIND):
             client.set_experiment_tag(experiment.experiment_id, key, value)
+        elif key.startswith(VIEW_TAG_PREFIX) and (grown := with_task_columns(have[key], tasks)) is not None:
+            client.set_experiment_tag(experiment.experiment_id, key, grown)
+
+
+def logged_tasks(client, experiment) -> list[str]:
+    """The eval.tasks the experiment's trial runs logged (`task_score.<task>`; needle depths aside), for
+    experiments recorded before their view had task columns."""
+    runs = client.search_runs([experiment.experiment_id], filter_string="tags.kind = 'trial'", max_results=500)
+    return sorted({k.split(".")[1] for r in runs for k in r.data.metrics if k.startswith("task_score.") and k.count(".") == 1})
 
 
 def runs_url(base_url: str, experiment_id: str) -> str:

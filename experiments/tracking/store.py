@@ -132,8 +132,15 @@ def sweep_record(sweep_name: str, sweep_id: str, specs: list[TrialSpec], command
         "tags": {"sweep_id": sweep_id, "kind": "sweep", "command": redact(command), "driver": driver_id(), **environment_tags()},
         "params": {"trials": str(len(specs)), "axes": ",".join(axes) or "-"},
         "trials_txt": "\n".join(f"{s.short_hash} {s.label}" for s in specs),
+        "tasks": sorted({t for s in specs for t in config_tasks(s.config)}),  # the saved view's task columns
         "start_ms": int(time.time() * 1000),
     }
+
+
+def config_tasks(config: dict[str, Any]) -> list[str]:
+    """The eval.tasks of a resolved trial config ([] without tasks, or with accuracy off)."""
+    ev = config.get("eval") or {}
+    return list(ev.get("tasks") or []) if ev.get("enabled", True) else []
 
 
 def driver_id() -> str:
@@ -165,38 +172,48 @@ class Tracker:
             }
         self.client = _ScopedClient(open_store(self.uri), self.http_env)
         self._exp_ids: dict[str, str] = {}
+        self._exp_tasks: dict[str, set[str]] = {}  # eval.tasks whose columns the experiment's saved view has
         self._exp_lock = threading.Lock()
 
     # --- writing -------------------------------------------------------------------------------------
-    def experiment_id(self, name: str) -> str:
+    def experiment_id(self, name: str, tasks: Iterable[str] = ()) -> str:
+        """The experiment's id, created (with the dashboard's tags) if missing; `tasks` (eval.tasks of what is
+        about to be logged) get their columns in the saved view."""
         with self._exp_lock:  # writer threads: create the experiment once
-            return self._experiment_id(name)
+            return self._experiment_id(name, sorted(set(tasks)))
 
-    def _experiment_id(self, name: str) -> str:
+    def _experiment_id(self, name: str, tasks: list[str]) -> str:
         if name in self._exp_ids:
+            if set(tasks) <= self._exp_tasks[name]:
+                return self._exp_ids[name]
+            exp = self.client.get_experiment(self._exp_ids[name])
+            tag_experiment(self.client, exp, sorted(self._exp_tasks[name] | set(tasks)))
+            self._exp_tasks[name] |= set(tasks)
             return self._exp_ids[name]
         exp = self.client.get_experiment_by_name(name)
         if exp is not None:
             eid = exp.experiment_id
-            tag_experiment(self.client, exp)  # made before these tags existed, or by plain MLflow
+            tag_experiment(self.client, exp, tasks)  # made before these tags existed, or by plain MLflow
         else:
             # through a server, artifacts go where the server proxies them (no shared filesystem)
             location = None if is_http(self.uri) else f"{self.artifact_root}/{name}"
             try:
-                eid = self.client.create_experiment(name, artifact_location=location, tags=experiment_tags())
+                eid = self.client.create_experiment(name, artifact_location=location, tags=experiment_tags(tasks))
             except Exception:
                 exp = self.client.get_experiment_by_name(name)  # another sweep of that name created it meanwhile
                 if exp is None:
                     raise
                 eid = exp.experiment_id
+                tag_experiment(self.client, exp, tasks)
         self._exp_ids[name] = eid
+        self._exp_tasks[name] = set(tasks)
         return eid
 
     def start_sweep(self, sweep_name: str, sweep_id: str, specs: list[TrialSpec], command: str) -> str:
         return self.log_sweep(sweep_record(sweep_name, sweep_id, specs, command))
 
     def log_sweep(self, rec: dict[str, Any]) -> str:
-        exp_id = self.experiment_id(rec["exp_name"])
+        exp_id = self.experiment_id(rec["exp_name"], rec.get("tasks", ()))
         run = self.client.create_run(
             exp_id, run_name=f"sweep-{rec['sweep_id']}", start_time=rec.get("start_ms"), tags=rec["tags"]
         )
@@ -276,7 +293,7 @@ class Tracker:
         KILLED on Ctrl-C) where the store still answers, and the caller spools the result."""
         from mlflow.entities import Metric
 
-        exp_id = self.experiment_id(exp_name)
+        exp_id = self.experiment_id(exp_name, config_tasks(spec.config))
         tags = {
             "config_hash": spec.config_hash,
             "trial_index": str(spec.index),
@@ -312,6 +329,7 @@ class Tracker:
                 self.client.log_text(rid, outcome.sample_text, "sample.txt")
             if outcome.series:
                 _log_curve(self.client, rid, outcome.series)
+            _log_needles(self.client, rid, outcome.metrics, spec.config.get("workload", {}).get("context_len", 0))
             if getattr(outcome, "answers", None):
                 self.client.log_text(rid, json.dumps(outcome.answers), ANSWERS_ARTIFACT)
             if outcome.error:
@@ -419,6 +437,20 @@ def _log_curve(client, rid: str, series: dict[str, list[float]]) -> None:
         path = plot_capacity_curve(series, Path(d) / CURVE_ARTIFACT)
         if path is not None:
             client.log_artifact(rid, str(path))
+
+
+def _log_needles(client, rid: str, metrics: dict[str, float], context_len: int) -> None:
+    """Each needle task's score by depth as a plot artifact (`needle_<task>.png`); none without needle tasks."""
+    from .curves import needle_artifact, needle_depths, plot_needle_depths
+
+    tasks = sorted(needle_depths(metrics))
+    if not tasks:
+        return
+    with tempfile.TemporaryDirectory() as d:
+        for task in tasks:
+            path = plot_needle_depths(task, metrics, int(context_len), Path(d) / needle_artifact(task))
+            if path is not None:
+                client.log_artifact(rid, str(path))
 
 
 def _stored_config(config: dict[str, Any]) -> dict[str, Any]:

@@ -32,10 +32,10 @@ class VLLMEngine(Engine):
     serves = True
     in_process = False  # vLLM's engine-core processes: their CPU time cannot be told from other processes'
     serving_usage = "engine=vllm batching=continuous"
-    serves_conversations_why = ("its worker runs a fixed list of requests; turns that wait for the previous "
-                                "answer are not implemented on vLLM yet")
-    searches_capacity_why = ("its worker runs one job whose arrivals it builds from workload.rate (a new vLLM start per "
-                             "probe); a capacity search on vLLM is not implemented yet")
+    # one vLLM server per trial runs every plan the pipeline hands it (engine.py's VLLMServer): a capacity
+    # search's probes, and conversations whose next turns are built from each answer as it arrives
+    searches_capacity = True
+    serves_conversations = True
     # eval.tasks: continuations scored by vLLM's prompt log-probs, greedy generation; one vLLM start per task phase
     task_requests = ("loglikelihood", "generate_until")
     support = {

@@ -104,13 +104,19 @@ def _req(i: int, prompt, max_new: int, arrival: float = 0.0) -> dict:
     return {"id": int(i), "prompt": [int(t) for t in prompt], "max_new_tokens": int(max_new), "arrival_s": float(arrival)}
 
 
-def trial_args(trial: TrialConfig, total: int) -> dict[str, Any]:
-    """vLLM engine arguments that make it run the trial's configuration (precision, KV cache, compile,
-    speculation), for the timed runs and task evaluation alike."""
-    kv, s = trial.kv_cache, trial.speculative
-    args: dict[str, Any] = dict(dtype=trial.model.dtype, enforce_eager=not trial.engine.compile, max_model_len=total,
-                                enable_prefix_caching=kv.prefix_caching, kv_cache_dtype=kv.dtype, seed=trial.seed,
-                                max_logprobs=max(20, trial.eval.topk), kv_cache_memory_bytes=None)
+def engine_args(trial: TrialConfig) -> dict[str, Any]:
+    """vLLM's engine arguments for `trial` (the worker sizes the KV pool from them when it is None)."""
+    wl, b, kv, s = trial.workload, trial.batching, trial.kv_cache, trial.speculative
+    total = max_model_len(trial)
+    if wl.serving:
+        args = dict(max_num_seqs=b.max_batch_size, max_num_batched_tokens=b.max_batch_tokens,
+                    enable_chunked_prefill=b.chunked_prefill)
+    else:  # a static batch is one batch: every prompt admitted at once and prefilled in one step
+        args = dict(max_num_seqs=wl.batch_size, max_num_batched_tokens=max(wl.batch_size * wl.context_len, total),
+                    enable_chunked_prefill=False)
+    args.update(dtype=trial.model.dtype, enforce_eager=not trial.engine.compile, max_model_len=total,
+                enable_prefix_caching=kv.prefix_caching, kv_cache_dtype=kv.dtype, seed=trial.seed,
+                max_logprobs=max(20, trial.eval.topk), kv_cache_memory_bytes=None)
     if s.method == "prompt-lookup":
         args["speculative_config"] = {"method": "ngram", "num_speculative_tokens": s.k,
                                       "prompt_lookup_min": s.prompt_lookup_min, "prompt_lookup_max": s.prompt_lookup_max}
@@ -131,53 +137,58 @@ TASK_POOL_TOKENS = 16384
 def task_job(trial: TrialConfig, model_dir: str, score: list[dict], generate: list[dict]) -> dict[str, Any]:
     """A worker job for lm-evaluation-harness requests (engine/tasks): `score` = [{"prompt": context +
     continuation, "start": len(context)}], `generate` = [{"prompt", "max_new_tokens"}], all run on one vLLM start
-    with the trial's configuration; vLLM holds the longest request (the model's own limit applies)."""
+    with the trial's configuration (`engine_args`: precision, KV cache, compile, speculation); vLLM holds the
+    longest request (the model's own limit applies)."""
     need = max([len(r["prompt"]) + 1 for r in score] + [len(r["prompt"]) + r["max_new_tokens"] for r in generate])
     seqs = max(1, min(TASK_MAX_SEQS, TASK_POOL_TOKENS // need))
-    args = dict(trial_args(trial, need), max_num_seqs=seqs, max_num_batched_tokens=max(need, 2048),
-                enable_chunked_prefill=False, logprobs_mode="raw_logprobs")
+    args = dict(engine_args(trial), max_model_len=need, max_num_seqs=seqs, max_num_batched_tokens=max(need, 2048),
+                enable_chunked_prefill=False, logprobs_mode="raw_logprobs", kv_cache_memory_bytes=None)
     if not generate:  # scoring is one prefill per request: speculation has nothing to draft (and is not loaded)
         args.pop("speculative_config", None)
     return {"model": model_dir, "engine_args": args, "task": {"score": score, "generate": generate}}
 
 
+def _sampling(trial: TrialConfig) -> dict[str, Any]:
+    sp = trial.workload.sampling
+    return {"temperature": sp.temperature, "top_k": sp.top_k, "top_p": sp.top_p, "seed": trial.seed}
+
+
 def build_job(trial: TrialConfig, model_dir: str, tokenizer, eval_out: Optional[str]) -> dict[str, Any]:
-    """The worker's whole input: prompts as token ids, engine arguments, warm-up and repeats."""
+    """The worker's whole input for a static batch: prompts as token ids, engine arguments, warm-up and
+    repeats, the evaluation windows. (Serving runs on a `VLLMServer`: `server_job`, `serving_command`.)"""
     from ...prompts import corpus_ids, windows, workload_prompts
 
-    wl, b, s = trial.workload, trial.batching, trial.speculative
-    total = max_model_len(trial)
+    wl, s = trial.workload, trial.speculative
     if wl.serving:
-        from ...serving.requests import make_requests, warmup_requests
-
-        reqs = make_requests(wl, corpus_ids(tokenizer, wl.text), trial.seed)
-        requests = [_req(r.id, r.prompt, r.max_new_tokens, r.arrival_s) for r in reqs]
-        warm = [_req(r.id, r.prompt, r.max_new_tokens, r.arrival_s) for r in warmup_requests(reqs)]
-        args = dict(max_num_seqs=b.max_batch_size, max_num_batched_tokens=b.max_batch_tokens,
-                    enable_chunked_prefill=b.chunked_prefill)
-        concurrency = wl.max_concurrency
-    else:
-        prompts = workload_prompts(tokenizer, wl).tolist()
-        requests = [_req(i, p, wl.max_new_tokens) for i, p in enumerate(prompts)]
-        # the full prefill plus a couple of decode steps (speculative: one full verification), as our runner
-        warm_new = min(wl.max_new_tokens, 2 if not s.enabled else s.k + 2)
-        warm = [_req(i, p, warm_new) for i, p in enumerate(prompts)]
-        # a static batch is one batch: every prompt admitted at once and prefilled in one step
-        args = dict(max_num_seqs=wl.batch_size, max_num_batched_tokens=max(wl.batch_size * wl.context_len, total),
-                    enable_chunked_prefill=False)
-        concurrency = 0
-    args.update(trial_args(trial, total))
+        raise EngineError("a serving workload runs on the vLLM server (server_job), not as one job")
+    prompts = workload_prompts(tokenizer, wl).tolist()
+    requests = [_req(i, p, wl.max_new_tokens) for i, p in enumerate(prompts)]
+    # the full prefill plus a couple of decode steps (speculative: one full verification), as our runner
+    warm_new = min(wl.max_new_tokens, 2 if not s.enabled else s.k + 2)
+    warm = [_req(i, p, warm_new) for i, p in enumerate(prompts)]
     job: dict[str, Any] = {
-        "model": model_dir, "engine_args": args, "requests": requests,
-        "warmup": [warm] * wl.warmup, "repeats": max(1, wl.repeats), "max_concurrency": concurrency,
-        "sampling": {"temperature": wl.sampling.temperature, "top_k": wl.sampling.top_k, "top_p": wl.sampling.top_p,
-                     "seed": trial.seed},
-        "eval": None,
+        "model": model_dir, "engine_args": engine_args(trial), "requests": requests,
+        "warmup": [warm] * wl.warmup, "repeats": max(1, wl.repeats), "max_concurrency": 0,
+        "sampling": _sampling(trial), "eval": None,
     }
     if eval_out is not None and trial.eval.enabled and trial.eval.num_windows > 0:
         evw = windows(corpus_ids(tokenizer, trial.eval.text), wl.context_len, trial.eval.num_windows)
         job["eval"] = {"windows": evw.tolist(), "topk": trial.eval.topk if trial.eval.fidelity else 1, "out": eval_out}
     return job
+
+
+def server_job(trial: TrialConfig, model_dir: str) -> dict[str, Any]:
+    """What a `VLLMServer` starts vLLM with; the requests come later, one `serving_command` per plan."""
+    return {"model": model_dir, "engine_args": engine_args(trial), "sampling": _sampling(trial)}
+
+
+def serving_command(plan) -> dict[str, Any]:
+    """The server's `run` command for a `ServingPlan` (its requests, arrivals and concurrency as planned:
+    a capacity probe's or a conversation's first turns; `follow`: ask for the request each one leads to)."""
+    return {"cmd": "run", "requests": [_req(r.id, r.prompt, r.max_new_tokens, r.arrival_s) for r in plan.requests],
+            "warmup_requests": [_req(r.id, r.prompt, r.max_new_tokens, r.arrival_s) for r in plan.warmup_requests],
+            "warmup": int(plan.warmup), "repeats": max(1, int(plan.repeats)),
+            "max_concurrency": int(plan.max_concurrency), "follow": plan.follow_up is not None}
 
 
 # ------------------------------------------------------------------------------------------ the subprocess
@@ -253,6 +264,148 @@ def call_worker(job: dict[str, Any], workdir: Path, threads: int, python: Option
         raise EngineError(f"the vLLM worker wrote an unreadable result ({e})") from e
 
 
+class VLLMServer:
+    """One vLLM engine kept for a whole trial: the worker's `--serve` mode (see worker.py), driven here over
+    JSON lines (commands on its stdin, replies on a pipe of their own: vLLM prints to stdout). The pipeline
+    can then run several serving plans -- a capacity search's probes -- at the cost of one vLLM start, and a
+    multi-turn plan's next turns are built here, by `ServingPlan.follow_up`, from each answer as it arrives.
+    A crash, or no reply within the timeout, is an EngineError with the log's tail; `close()` (also when the
+    object is collected or the interpreter exits) ends vLLM's processes."""
+
+    def __init__(self, job: dict[str, Any], threads: int, python: Optional[Path] = None,
+                 timeout_s: Optional[float] = None):
+        import shutil
+        import weakref
+
+        self.python = python or vllm_python()
+        self.timeout_s = timeout_s or float(os.environ.get(VLLM_TIMEOUT_ENV) or DEFAULT_TIMEOUT_S)
+        self.dir = Path(tempfile.mkdtemp(prefix="infersweep-vllm-"))
+        self.log_path = self.dir / "worker.log"
+        job_path = self.dir / "job.json"
+        job_path.write_text(json.dumps(job))
+        r, w = os.pipe()
+        with open(self.log_path, "wb") as logf:
+            self.proc = subprocess.Popen(
+                [str(self.python), "-P", str(worker_script()), "--serve", str(job_path), str(w)],
+                stdin=subprocess.PIPE, stdout=logf, stderr=subprocess.STDOUT, env=worker_env(threads),
+                cwd=str(self.dir), start_new_session=True, pass_fds=(w,))
+        os.close(w)
+        self._fd, self._buf = r, b""
+        self._finalizer = weakref.finalize(self, VLLMServer._stop, self.proc, r, str(self.dir), shutil.rmtree)
+        self.info = self._expect("ready", "start")["info"]
+
+    @staticmethod
+    def _stop(proc, fd, folder, rmtree) -> None:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+        proc.wait()
+        for f in (proc.stdin,):
+            try:
+                f.close()
+            except OSError:
+                pass
+        try:
+            os.close(fd)
+        except OSError:
+            pass
+        rmtree(folder, ignore_errors=True)
+
+    def _fail(self, what: str, wait_s: float = 0.0) -> EngineError:
+        try:  # the pipe closes as the process exits: give it a moment to say its exit code
+            rc = self.proc.wait(timeout=wait_s) if wait_s else self.proc.poll()
+        except subprocess.TimeoutExpired:
+            rc = None
+        tail, kept = _stderr_tail(self.log_path), _keep_log(self.log_path)
+        self._finalizer()
+        state = f"exit code {rc}" if rc is not None else "no reply"
+        return EngineError(f"the vLLM server ({self.python}) failed during {what} ({state}; full log: {kept}); "
+                           f"its output ends with:\n{tail}")
+
+    def _send(self, msg: dict[str, Any], what: str) -> None:
+        try:
+            self.proc.stdin.write((json.dumps(msg) + "\n").encode())
+            self.proc.stdin.flush()
+        except (BrokenPipeError, ValueError, OSError):
+            raise self._fail(what) from None
+
+    def _read(self, what: str, deadline: float) -> dict[str, Any]:
+        import select
+
+        while b"\n" not in self._buf:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise self._fail(f"{what}: nothing within {self.timeout_s:.0f} s (${VLLM_TIMEOUT_ENV})")
+            ready, _, _ = select.select([self._fd], [], [], min(left, 5.0))
+            if ready:
+                chunk = os.read(self._fd, 1 << 20)
+                if not chunk:
+                    raise self._fail(what, wait_s=10.0)
+                self._buf += chunk
+        line, self._buf = self._buf.split(b"\n", 1)
+        return json.loads(line)
+
+    def _expect(self, event: str, what: str, on=None) -> dict[str, Any]:
+        """Read replies until `event` (`on(msg)` answers the others, e.g. a finished request's follow-up)."""
+        deadline = time.monotonic() + self.timeout_s
+        while True:
+            msg = self._read(what, deadline)
+            if msg.get("event") == event:
+                return msg
+            if on is None:
+                raise self._fail(f"{what}: unexpected reply {str(msg)[:200]}")
+            on(msg)
+
+    def run(self, plan) -> dict[str, Any]:
+        """Run a `ServingPlan`: {"runs": [...], "peak_mem_bytes": ...} as the worker reports them; every
+        request the runs served (follow-ups included) is checked for its full length."""
+        by_id = {r.id: r for r in plan.requests}
+
+        def on(msg):
+            if msg.get("event") != "finished" or plan.follow_up is None:
+                raise self._fail(f"a serving run: unexpected reply {str(msg)[:200]}")
+            nxt = plan.follow_up(by_id[msg["id"]], list(msg["output"]), float(msg["t"]))
+            if nxt is not None:
+                by_id[nxt.id] = nxt
+            self._send({"next_for": msg["id"],
+                        "request": None if nxt is None else _req(nxt.id, nxt.prompt, nxt.max_new_tokens, nxt.arrival_s)},
+                       "a serving run")
+
+        self._send(serving_command(plan), "a serving run")
+        res = self._expect("runs", "a serving run", on)
+        for run in res["runs"]:
+            _check_run(run, [_req(r["id"], by_id[r["id"]].prompt, by_id[r["id"]].max_new_tokens) for r in run["requests"]])
+            for r in run["requests"]:
+                if r["prompt_len"] != by_id[r["id"]].prompt_len:
+                    raise EngineError(f"vLLM served request {r['id']} with {r['prompt_len']} prompt tokens, "
+                                      f"expected {by_id[r['id']].prompt_len}")
+        return res
+
+    def score(self, windows: list[list[int]], topk: int):
+        from ...measure.fidelity import TopkScores
+
+        out = str(self.dir / f"eval-{time.monotonic_ns()}.pt")
+        self._send({"cmd": "score", "windows": windows, "topk": int(topk), "out": out}, "scoring windows")
+        self._expect("scored", "scoring windows")
+        import torch
+
+        sc = torch.load(out, weights_only=True)
+        return TopkScores(sc["topk_idx"], sc["topk_logp"], sc["target_logp"])
+
+    def close(self) -> None:
+        """Ask vLLM to shut down (a few seconds), then end whatever of its processes is left."""
+        if not self._finalizer.alive:
+            return
+        try:
+            self.proc.stdin.write(b'{"cmd": "quit"}\n')
+            self.proc.stdin.close()
+            self.proc.wait(timeout=30)
+        except (OSError, ValueError, subprocess.TimeoutExpired):
+            pass
+        self._finalizer()
+
+
 # ------------------------------------------------------------------------------------------ results -> metrics
 
 def _weights_bytes(model_dir: str, dtype: str) -> int:
@@ -326,7 +479,8 @@ def serving_run_trace(run: dict, pool_bytes: int):
     (prefix_hit_rate = vLLM's prefix-cache hit tokens / queried tokens)."""
     from ...serving.requests import RequestRecord
 
-    recs = tuple(RequestRecord(r["id"], r["prompt_len"], tuple(r["output"]), r["sent_s"], tuple(r["token_times_s"]), 0)
+    recs = tuple(RequestRecord(r["id"], r["prompt_len"], tuple(r["output"]), r["sent_s"], tuple(r["token_times_s"]), 0,
+                               r.get("cached_tokens"))
                  for r in run["requests"])
     st = run["stats"]
     m = {"prefix_hit_rate": st["prefix_hits"] / st["prefix_queries"] if st["prefix_queries"] else 0.0,
@@ -338,8 +492,12 @@ def serving_run_trace(run: dict, pool_bytes: int):
 
 
 class VLLMSession:
-    """The trial contract on vLLM: one worker call runs the warm-up, the timed repeats and the scoring of the
-    evaluation windows (vLLM's start-up costs seconds, paid once); the pipeline reads its results."""
+    """The trial contract on vLLM (its start-up costs tens of seconds, paid once per trial):
+    - a static batch: one worker call runs the warm-up, the timed repeats and the scoring of the evaluation
+      windows; the pipeline reads its results;
+    - serving: a `VLLMServer` started when the session opens runs every plan of the trial (a capacity search's
+      probes, multi-turn conversations whose next turns `ServingPlan.follow_up` builds) and scores the
+      evaluation windows; `close()` ends it (the pipeline calls it after the trial; so does collection)."""
 
     def __init__(self, trial: TrialConfig, say):
         import torch
@@ -352,12 +510,19 @@ class VLLMSession:
         self.model_dir, self.tokenizer = checkpoint(trial.model)
         self.device = torch.device("cpu")
         self.load_s = 0.0
-        self._result: Optional[dict] = None
+        self._info: dict[str, Any] = {}
         self._scores = None
         self._windows = None
         self._worker_s = 0.0
         self._task_s = 0.0  # task evaluation's worker calls (engine/tasks), each a vLLM start
         self._task_calls = 0
+        self._server: Optional[VLLMServer] = None
+        if trial.workload.serving:  # started now, so a capacity search's first probe does not pay vLLM's start
+            self.server(say)
+
+    def _pool_bytes(self) -> int:
+        i = self._info
+        return int(i["num_blocks"]) * int(i["block_size"]) * int(i["kv_token_bytes"])
 
     def _run(self, plan_prompts: list[list[int]], say):
         import torch
@@ -379,10 +544,9 @@ class VLLMSession:
                 self._windows = job["eval"]["windows"]
         for run in result["runs"]:
             _check_run(run, job["requests"])
-        info = result["info"]
-        self.load_s = float(info["startup_s"])
-        self._result = result
-        return result, int(info["num_blocks"]) * int(info["block_size"]) * int(info["kv_token_bytes"])
+        self._info = result["info"]
+        self.load_s = float(self._info["startup_s"])
+        return result, self._pool_bytes()
 
     def run_static(self, plan, say):
         from ..base import Runs
@@ -391,14 +555,32 @@ class VLLMSession:
         traces, extra = zip(*(static_run_trace(run, self.trial, pool) for run in result["runs"]))
         return Runs(list(traces), list(extra), int(result["peak_mem_bytes"]))
 
+    def server(self, say) -> VLLMServer:
+        """The trial's vLLM server (started at the first call)."""
+        if self._server is None:
+            say(f"starting vLLM for {self.trial.model.name} ({self.python})")
+            t0 = time.perf_counter()
+            self._server = VLLMServer(server_job(self.trial, self.model_dir), self.trial.engine.threads, self.python)
+            self._worker_s += time.perf_counter() - t0
+            self._info = self._server.info
+            self.load_s = float(self._info["startup_s"])
+        return self._server
+
     def run_serving(self, plan, say):
         from ..base import Runs
 
-        result, pool = self._run([list(r.prompt) for r in plan.requests], say)
-        traces, extra = zip(*(serving_run_trace(run, pool) for run in result["runs"]))
+        server = self.server(say)
+        say(f"serving {len(plan.requests)} {'conversations' if plan.follow_up else 'requests'} on vLLM "
+            f"({plan.warmup} warm-up, {plan.repeats} run(s))")
+        t0 = time.perf_counter()
+        result = server.run(plan)
+        self._worker_s += time.perf_counter() - t0
+        traces, extra = zip(*(serving_run_trace(run, self._pool_bytes()) for run in result["runs"]))
         return Runs(list(traces), list(extra), int(result["peak_mem_bytes"]))
 
     def score_windows(self, windows, topk: int, say):
+        if self._server is not None:
+            return self._server.score(windows.tolist(), topk)
         if self._scores is None or windows.tolist() != self._windows:
             raise EngineError("engine=vllm scores the evaluation windows in the same worker call as the runs; "
                               "these windows were not part of it")
@@ -440,6 +622,11 @@ class VLLMSession:
     def generate_greedy(self, prompt: list[int], max_new_tokens: int, stop: list[str], say) -> list[int]:
         return self.generate_greedy_many([(prompt, max_new_tokens, stop)], say)[0]
 
+    def close(self) -> None:
+        if self._server is not None:
+            self._server.close()
+            self._server = None
+
     def weights_bytes(self) -> int:
         return _weights_bytes(self.model_dir, self.trial.model.dtype)
 
@@ -447,7 +634,7 @@ class VLLMSession:
         return {}
 
     def info(self) -> dict[str, str]:
-        info = self._result["info"] if self._result else {}
+        info = self._info
         env = worker_env(self.trial.engine.threads)
         return {"engine": "vllm", "vllm": str(info.get("vllm")), "vllm_block_size": str(info.get("block_size")),
                 "vllm_num_blocks": str(info.get("num_blocks")), "vllm_cpus": env["VLLM_CPU_OMP_THREADS_BIND"],

