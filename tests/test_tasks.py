@@ -215,13 +215,17 @@ def test_validation_refuses_tasks_when_data_is_not_prepared(tmp_path, monkeypatc
     assert "task data is not prepared" in msg and "infersweep prepare --data" in msg
 
 
-def test_validation_refuses_a_request_type_the_engine_does_not_serve(cache):
-    lacking = [e for e in engines.all_engines() if "generate_until" not in e.task_requests]
-    assert lacking, "every engine serves generation: nothing to refuse"
-    trial = replace(make_trial(TINY, backend=lacking[0].name), "eval", EvalConfig(tasks=["niah_single"]))
+def test_validation_refuses_a_request_type_the_engine_does_not_serve(cache, monkeypatch):
+    # every shipped engine serves both request types: an engine declaring only loglikelihood (as a new engine
+    # may) must have generation tasks refused before launch, with its reason and the engines that serve them
+    eng = engines.get("native")
+    monkeypatch.setattr(eng, "task_requests", ("loglikelihood",))
+    monkeypatch.setattr(eng, "task_why", "no decode loop here")
+    trial = replace(make_trial(TINY, backend=eng.name), "eval", EvalConfig(tasks=["niah_single", MC_TASK]))
     problems = task_problems(trial, 2048)
-    assert any(k == "eval.tasks" and f"need generate_until, which engine={lacking[0].name} does not serve" in v
-               for k, v in problems), problems
+    msgs = [v for k, v in problems if k == "eval.tasks"]
+    assert msgs == ["niah_single need generate_until, which engine=native does not serve: no decode loop here; "
+                    "engines that do: hf, llamacpp, vllm"], problems
 
 
 def _all_runs(client) -> int:

@@ -96,8 +96,12 @@ class TrialSession(Protocol):
 
     def generate_greedy(self, prompt: list[int], max_new_tokens: int, stop: list[str], say: Say) -> list[int]:
         """Greedy tokens after `prompt`, ending after EOS, `max_new_tokens`, or the token that completes one of
-        the `stop` strings in the decoded output ("generate_until")."""
+        the `stop` strings in the decoded output ("generate_until"; `ends_generation` says where)."""
         ...
+
+    # optional: `generate_greedy_many(requests, say)`, every (prompt, max_new_tokens, stop) of a task at once, each
+    # answer as `generate_greedy` gives it -- for an engine whose start costs much (one start for all requests).
+    # Callers use the module function `generate_greedy_many`, which falls back to one `generate_greedy` each.
 
     def weights_bytes(self) -> int: ...
 
@@ -111,6 +115,36 @@ class TrialSession(Protocol):
 
     # Optional: `close()` ends what the session holds outside this process (vLLM's server); the pipeline
     # calls it once the trial is measured and evaluated (engine/pipeline.py `close_session`).
+
+
+GreedyRequest = tuple[list[int], int, list[str]]  # (prompt ids, max_new_tokens, stop strings)
+
+
+def ends_generation(out: list[int], tokenizer: Any, stop: list[str]) -> bool:
+    """Whether greedy generation ends after `out`: its last token is EOS, or its decoded text holds a stop string
+    (every engine cuts its answers here, so they compare token for token)."""
+    return bool(out) and (out[-1] == tokenizer.eos_token_id or any(s and s in tokenizer.decode(out) for s in stop))
+
+
+def cut_generation(out: list[int], tokenizer: Any, stop: list[str]) -> list[int]:
+    """`out` (greedy tokens generated past the end) cut after the token where `ends_generation` first holds."""
+    for n in range(1, len(out) + 1):
+        if ends_generation(out[:n], tokenizer, stop):
+            return out[:n]
+    return out
+
+
+def generate_greedy_many(session: TrialSession, requests: list[GreedyRequest], say: Say) -> list[list[int]]:
+    """Every request's greedy answer: the session's own `generate_greedy_many` where it has one (all at once),
+    else `generate_greedy` per request."""
+    many = getattr(session, "generate_greedy_many", None)
+    if many is not None:
+        return many(requests, say)
+    out = []
+    for i, (prompt, max_new, stop) in enumerate(requests):
+        say(f"generating {i + 1}/{len(requests)} ({len(prompt)} prompt tokens)")
+        out.append(session.generate_greedy(prompt, max_new, stop, say))
+    return out
 
 
 class Engine:

