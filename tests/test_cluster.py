@@ -217,14 +217,19 @@ def test_ctrl_c_then_resume_skips_finished_and_force_reruns(two_node, mlflow_ser
             "workload.repeats=8"]  # ~8x longer trials: on a quiet machine the sweep must still be mid-way at SIGINT
     env = dict(os.environ, PYTHONPATH=str(PROJECT_ROOT))
     proc = subprocess.Popen(args, cwd=PROJECT_ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    # interrupt once the sweep's own progress line counts 2 trials done (its MLflow records can lag behind on a
+    # loaded machine: polling the server let the whole sweep finish before the signal)
+    seen: list[str] = []
+    reader = threading.Thread(target=lambda: seen.extend(iter(lambda: proc.stdout.read(1), "")), daemon=True)
+    reader.start()
     deadline = time.monotonic() + 120
-    while time.monotonic() < deadline:
-        if sum(r.info.status == "FINISHED" for r in _trial_runs(server_client, "t-resume")) >= 2:
-            break
-        assert proc.poll() is None, proc.stdout.read()
-        time.sleep(0.3)
+    while time.monotonic() < deadline and "done=2" not in "".join(seen):
+        assert proc.poll() is None, "".join(seen)
+        time.sleep(0.05)
     proc.send_signal(signal.SIGINT)
-    out, _ = proc.communicate(timeout=60)
+    proc.wait(timeout=60)
+    reader.join(timeout=10)
+    out = "".join(seen)
     assert proc.returncode == 130, out
     runs = _runs(server_client, "t-resume")
     assert runs and not [r for r in runs if r.info.status == "RUNNING"], "a run was left RUNNING"
