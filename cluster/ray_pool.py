@@ -21,6 +21,8 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
+import threading
 from typing import Any, Callable, Mapping, Optional, Sequence
 
 from .config import ClusterConfig
@@ -36,6 +38,8 @@ def ensure_ray(cluster: ClusterConfig | Mapping[str, Any]) -> dict[str, float]:
 
     cluster = ClusterConfig.from_dict(cluster)
     if not ray.is_initialized():
+        main = threading.current_thread() is threading.main_thread()
+        term = signal.getsignal(signal.SIGTERM) if main else None
         address = cluster.address
         kwargs: dict[str, Any] = dict(
             include_dashboard=False,
@@ -51,6 +55,8 @@ def ensure_ray(cluster: ClusterConfig | Mapping[str, Any]) -> dict[str, float]:
             if cluster.local_num_gpus is not None:
                 kwargs["num_gpus"] = cluster.local_num_gpus
             ray.init(**kwargs)
+        if callable(term):  # ray.init installs a handler that aborts the process: keep the caller's own
+            signal.signal(signal.SIGTERM, term)
     return dict(ray.cluster_resources())
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 import logging
 import signal
+import threading
 import sys
 import textwrap
 from pathlib import Path
@@ -343,8 +344,14 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _terminated(signum, _frame):
+    raise KeyboardInterrupt  # `kill` (SIGTERM) ends a sweep as Ctrl-C does: runs marked KILLED, results flushed
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, _terminated)
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     try:
         return args.fn(args)

@@ -254,6 +254,36 @@ def test_ctrl_c_then_resume_skips_finished_and_force_reruns(two_node, mlflow_ser
     assert len(fin) == 12 and len(set(fin)) == 6
 
 
+@pytest.mark.slow  # a real multi-process cluster: the slow tier (CI runs it)
+def test_sigterm_ends_a_sweep_like_ctrl_c(two_node, tmp_path):
+    """`kill PID` of a sweep: exit 130, the sweep run KILLED, no run left RUNNING, finished trials kept (Ray's
+    own SIGTERM handler, installed when the driver connects, used to abort the process and leave runs RUNNING)."""
+    from mlflow.tracking import MlflowClient
+
+    c, _ = two_node
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    args = [sys.executable, "-m", "experiments.cli", "sweep", *TINY, *SLOW, f"tracking.uri={uri}",
+            f"tracking.spool_dir={tmp_path}/spool", f"cluster.address={c.address}", "+cluster.resources.pool=1",
+            "sweep_name=t-sigterm", "seed=range(0,6)", "workload.repeats=8"]
+    proc = subprocess.Popen(args, cwd=PROJECT_ROOT, env=dict(os.environ, PYTHONPATH=str(PROJECT_ROOT)),
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    seen: list[str] = []
+    reader = threading.Thread(target=lambda: seen.extend(iter(lambda: proc.stdout.read(1), "")), daemon=True)
+    reader.start()
+    deadline = time.monotonic() + 180
+    while time.monotonic() < deadline and "done=1" not in "".join(seen):
+        assert proc.poll() is None, "".join(seen)
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGTERM)
+    proc.wait(timeout=120)
+    reader.join(timeout=10)
+    assert proc.returncode == 130, "".join(seen)
+    runs = _runs(MlflowClient(uri), "t-sigterm")
+    assert runs and not [r for r in runs if r.info.status == "RUNNING"], "a run was left RUNNING"
+    assert [r.info.status for r in runs if r.data.tags.get("kind") == "sweep"] == ["KILLED"]
+    assert 1 <= sum(r.info.status == "FINISHED" for r in runs if r.data.tags.get("kind") == "trial") < 6
+
+
 def test_run_on_ray_generic_function_and_unplaceable(ray_local):
     """The placement layer alone (no engine): results in, and a demand no node has fails fast."""
     results = {}
