@@ -317,7 +317,7 @@ def build_parser() -> argparse.ArgumentParser:
                      help="KEY=VALUE,... (e.g. kv_cache=off,attention=eager) or a config hash; default: the "
                           "least-optimized trial of each workload")
     rep.add_argument("--out", default=None, help="output folder (default: reports/<SWEEP>/)")
-    rep.add_argument("--claims", action="store_true", help="add the seed-claims table (automatic for seed-claims)")
+    rep.add_argument("--claims", action="store_true", help="add the seed-claims table (automatic for seed-claims, serving-capacity and quant-accuracy)")
     rep.add_argument("--no-log", action="store_true", help="do not log the report to the sweep's parent run")
     rep.add_argument("--all", action="store_true",
                      help="every configuration ever run in the experiment (default: the latest sweep's trials)")

@@ -404,7 +404,8 @@ def test_needle_trial_logs_its_depth_plot_and_the_report_logs_the_heatmap_to_the
     from experiments.tracking.store import PARENT_TAG
 
     task = "niah_single"
-    res = run_sweep(tiny_overrides + ["sweep_name=t-needle-art", "seed=921", "eval=tasks", f"eval.tasks=[{task}]",
+    # named as experiment=quant-accuracy's sweep, whose report carries the accuracy claims without --claims
+    res = run_sweep(tiny_overrides + ["sweep_name=quant-accuracy", "seed=921", "eval=tasks", f"eval.tasks=[{task}]",
                                       "eval.limit=1", "eval.depths=[0.2,0.8]", "workload.context_len=700,800"],
                     in_process=True, echo=lambda *_: None)  # two trials: a sweep with a parent run
     row = res.rows[0]
@@ -422,8 +423,9 @@ def test_needle_trial_logs_its_depth_plot_and_the_report_logs_the_heatmap_to_the
     assert needle_artifact(task) in {a.path for a in mlflow_client.list_artifacts(run.info.run_id)}
     valid_png(run.info.run_id, needle_artifact(task))
 
-    rep = build("t-needle-art", tracking, out_dir=tmp_path / "report", progress=False)
+    rep = build("quant-accuracy", tracking, out_dir=tmp_path / "report", progress=False)
     assert rep.logged_to == run.data.tags[PARENT_TAG]
+    assert rep.claims is not None and {"acc-int8-weight", "acc-long-context"} <= {c.name for c in rep.claims}
     logged = {a.path for a in mlflow_client.list_artifacts(rep.logged_to, ARTIFACT_DIR)}
     assert f"{ARTIFACT_DIR}/{needle_artifact(task)}" in logged
     valid_png(rep.logged_to, f"{ARTIFACT_DIR}/{needle_artifact(task)}")
