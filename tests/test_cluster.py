@@ -208,6 +208,25 @@ def test_killed_node_trials_move_to_another_node(two_node, server_overrides, ser
     assert all(r.data.tags["attempts"] == "1" for r in runs if r is not moved)
 
 
+def _signal_sweep_after(args: list[str], done: int, sig: int) -> tuple[int, str]:
+    """Run the sweep command `args` and send it `sig` once its own progress line counts `done` trials done (its
+    MLflow records can lag behind on a loaded machine: polling the store let a whole sweep finish before the
+    signal). (exit code, output)."""
+    proc = subprocess.Popen(args, cwd=PROJECT_ROOT, env=dict(os.environ, PYTHONPATH=str(PROJECT_ROOT)),
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    seen: list[str] = []
+    reader = threading.Thread(target=lambda: seen.extend(iter(lambda: proc.stdout.read(1), "")), daemon=True)
+    reader.start()
+    deadline = time.monotonic() + 180
+    while time.monotonic() < deadline and f"done={done}" not in "".join(seen):
+        assert proc.poll() is None, "".join(seen)
+        time.sleep(0.05)
+    proc.send_signal(sig)
+    proc.wait(timeout=120)
+    reader.join(timeout=10)
+    return proc.returncode, "".join(seen)
+
+
 @pytest.mark.slow  # a real multi-process cluster/server or a full re-probe: the slow tier (CI runs it)
 def test_ctrl_c_then_resume_skips_finished_and_force_reruns(two_node, mlflow_server, server_client, tmp_path, capsys):
     c, _ = two_node
@@ -215,22 +234,8 @@ def test_ctrl_c_then_resume_skips_finished_and_force_reruns(two_node, mlflow_ser
             f"tracking.spool_dir={tmp_path}", f"cluster.address={c.address}", "+cluster.resources.pool=1",
             "sweep_name=t-resume", "seed=range(0,6)",
             "workload.repeats=8"]  # ~8x longer trials: on a quiet machine the sweep must still be mid-way at SIGINT
-    env = dict(os.environ, PYTHONPATH=str(PROJECT_ROOT))
-    proc = subprocess.Popen(args, cwd=PROJECT_ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    # interrupt once the sweep's own progress line counts 2 trials done (its MLflow records can lag behind on a
-    # loaded machine: polling the server let the whole sweep finish before the signal)
-    seen: list[str] = []
-    reader = threading.Thread(target=lambda: seen.extend(iter(lambda: proc.stdout.read(1), "")), daemon=True)
-    reader.start()
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline and "done=2" not in "".join(seen):
-        assert proc.poll() is None, "".join(seen)
-        time.sleep(0.05)
-    proc.send_signal(signal.SIGINT)
-    proc.wait(timeout=60)
-    reader.join(timeout=10)
-    out = "".join(seen)
-    assert proc.returncode == 130, out
+    rc, out = _signal_sweep_after(args, 2, signal.SIGINT)
+    assert rc == 130, out
     runs = _runs(server_client, "t-resume")
     assert runs and not [r for r in runs if r.info.status == "RUNNING"], "a run was left RUNNING"
     finished = {r.data.tags["config_hash"] for r in _trial_runs(server_client, "t-resume") if r.info.status == "FINISHED"}
@@ -265,19 +270,8 @@ def test_sigterm_ends_a_sweep_like_ctrl_c(two_node, tmp_path):
     args = [sys.executable, "-m", "experiments.cli", "sweep", *TINY, *SLOW, f"tracking.uri={uri}",
             f"tracking.spool_dir={tmp_path}/spool", f"cluster.address={c.address}", "+cluster.resources.pool=1",
             "sweep_name=t-sigterm", "seed=range(0,6)", "workload.repeats=8"]
-    proc = subprocess.Popen(args, cwd=PROJECT_ROOT, env=dict(os.environ, PYTHONPATH=str(PROJECT_ROOT)),
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    seen: list[str] = []
-    reader = threading.Thread(target=lambda: seen.extend(iter(lambda: proc.stdout.read(1), "")), daemon=True)
-    reader.start()
-    deadline = time.monotonic() + 180
-    while time.monotonic() < deadline and "done=1" not in "".join(seen):
-        assert proc.poll() is None, "".join(seen)
-        time.sleep(0.05)
-    proc.send_signal(signal.SIGTERM)
-    proc.wait(timeout=120)
-    reader.join(timeout=10)
-    assert proc.returncode == 130, "".join(seen)
+    rc, out = _signal_sweep_after(args, 1, signal.SIGTERM)
+    assert rc == 130, out
     runs = _runs(MlflowClient(uri), "t-sigterm")
     assert runs and not [r for r in runs if r.info.status == "RUNNING"], "a run was left RUNNING"
     assert [r.info.status for r in runs if r.data.tags.get("kind") == "sweep"] == ["KILLED"]
