@@ -388,6 +388,18 @@ def test_an_accuracy_claim_judges_every_level_the_sweep_ran():
     assert got["acc-int4"].holds == NOISE
     got = {r.name: r for r in evaluate([row("none", 0, 0), row("int8-dynamic", -0.01, 0.0005)], CLAIMS)}
     assert got["acc-w8a8"].holds == YES and "int8-dynamic" in got["acc-w8a8"].measured
+    # the same needle drop at long and short context does not "exceed" it, however exact
+    from experiments.analysis.accuracy_claims import long_context_drop
+
+    def needle(ctx, delta):
+        return TrialRow(run_id=f"n{ctx}", name="", status="FINISHED", tags={},
+                        params={"quant.level": "gguf-q8_0", "workload.context_len": str(ctx), "model.dtype": "float32"},
+                        metrics={"task_delta.niah_single": delta, "task_delta_stderr.niah_single": 0.0,
+                                 "task_ref.niah_single": 1.0})
+
+    class T:
+        rows = [needle(1024, 0.0), needle(8000, 0.0)]
+    assert long_context_drop(T)[1] == NO
 
 
 def test_needle_trial_logs_its_depth_plot_and_the_report_logs_the_heatmap_to_the_sweep(cache, tiny_overrides, tracking,

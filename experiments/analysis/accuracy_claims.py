@@ -95,7 +95,7 @@ def long_context_drop(t):
         lo, hi = min(drops), max(drops)
         diff = drops[hi][0] - drops[lo][0]
         se = math.hypot(drops[hi][1], drops[lo][1])
-        v = verdict(diff, se, 0.0, math.inf)
+        v = verdict(diff, se, math.ulp(0.0), math.inf)  # exceeds: strictly more (an equal drop, 0 +- 0, is no)
         parts.append(f"{lv}: needle drop {drops[lo][0]:+.1f}% at context {lo}, {drops[hi][0]:+.1f}% at {hi} "
                      f"(difference {diff:+.1f}% +- {Z * se:.1f}%: {v})")
         verdicts.append(v)
