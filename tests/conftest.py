@@ -30,12 +30,43 @@ def require_engine(name: str, available: bool, reason: str) -> pytest.MarkDecora
     return pytest.mark.needs_engine(name, available=available, reason=reason)
 
 
+def require_installed(name: str) -> pytest.MarkDecorator:
+    """`require_engine` for the registry's engine `name` (engine/engines/): available where its own `missing()`
+    finds nothing wrong, the reason in its own words (what to run to install it) otherwise."""
+    from engine import engines
+
+    why = engines.get(name).missing()
+    return require_engine(name, why is None, why or "")
+
+
 def engine_missing(name: str, reason: str) -> None:
     """Skip the running test, or fail it under CI=true, because engine `name` is not installed."""
     msg = f"engine {name} is not available: {reason}"
     if in_ci():
         pytest.fail(f"{msg} (CI=true: a skipped engine fails the run)", pytrace=False)
     pytest.skip(msg)
+
+
+def expand_with_engines_absent(overrides: list[str], **kw):
+    """`expand(overrides)` on a machine that may lack the optional engines (llama.cpp, vLLM): (specs, {engine:
+    why it is missing}). A sweep that names an absent engine must be refused for that reason alone -- any
+    other problem still raises -- and its trials are then expanded as where the engine is installed, so the
+    rest of the grid (every other check, the trial count) is validated on any machine."""
+    from engine import engines
+    from experiments.config.compose import SweepError, expand
+
+    absent = {n: why for n in engines.NAMES if (why := engines.get(n).missing())}
+    try:
+        return expand(overrides, **kw), {}
+    except SweepError as e:
+        named = {n: why for n, why in absent.items() if any(p.startswith(f"engine.backend: {why}") for p in e.problems)}
+        if not named or any(not p.startswith(tuple(f"engine.backend: {why}" for why in named.values()))
+                            for p in e.problems):
+            raise
+    with pytest.MonkeyPatch.context() as mp:  # validation's install check only: nothing runs on the engine
+        for n in named:
+            mp.setattr(engines.get(n), "missing", lambda: None)
+        return expand(overrides, **kw), named
 
 
 def need_task_data() -> None:

@@ -10,7 +10,6 @@ whatever the K/V type (llama.cpp's flash path computes in f16). Greedy tokens ma
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 
 import pytest
 import torch
@@ -26,11 +25,10 @@ from engine.config import (
     replace,
 )
 from experiments.config.compose import SweepError, expand
-from conftest import require_engine
+from conftest import expand_with_engines_absent, require_installed
 from support import make_trial
 
-HAVE_LLAMA_CPP = importlib.util.find_spec("llama_cpp") is not None
-needs_llamacpp = require_engine("llamacpp", HAVE_LLAMA_CPP, "llama-cpp-python is not installed (make setup-llamacpp)")
+needs_llamacpp = require_installed("llamacpp")
 TINY = ModelConfig(name="tiny-llama", path="tiny://llama")
 # quantized K/V packs blocks of 32 values along the head dimension: the default tiny's heads are 16 wide
 TINY32 = ModelConfig(name="tiny-llama-hd32", path="tiny://llama",
@@ -76,13 +74,10 @@ def test_gguf_levels_and_kv_dtype_belong_to_llamacpp():
 
 
 def test_llamacpp_accepts_flash_on_cpu_and_gguf_levels():
-    if not HAVE_LLAMA_CPP:
-        assert "needs llama-cpp-python" in _problems(["engine=llamacpp"])
-        return
-    specs = expand(["model=tiny-llama", "model.tiny.hidden_size=128", "engine=llamacpp", "attention=flash",
-                    "kv_cache.dtype=q8_0,q4_0",
-                    "quant=none,gguf-q8_0,gguf-q4_0,gguf-q4_k_m", "speculative=off,prompt-lookup"], gpu_available=False)
-    assert len(specs) == 16
+    specs, absent = expand_with_engines_absent(
+        ["model=tiny-llama", "model.tiny.hidden_size=128", "engine=llamacpp", "attention=flash", "kv_cache.dtype=q8_0,q4_0",
+         "quant=none,gguf-q8_0,gguf-q4_0,gguf-q4_k_m", "speculative=off,prompt-lookup"], gpu_available=False)
+    assert len(specs) == 16 and set(absent) <= {"llamacpp"}
 
 
 # --- the backend on the tiny random Llama ----------------------------------------------------------------

@@ -7,6 +7,7 @@ from there in seconds afterwards.
 """
 from __future__ import annotations
 
+import functools
 import importlib.util
 from typing import Any, Optional
 
@@ -41,6 +42,10 @@ class LlamaCppEngine(LogitsEngine):
     def missing(self) -> Optional[str]:
         if importlib.util.find_spec("llama_cpp") is None:
             return f"{ENGINE_LABEL} needs llama-cpp-python, which is not installed: run `make setup-llamacpp`"
+        broken = _import_problem()
+        if broken:
+            return (f"{ENGINE_LABEL} needs llama-cpp-python, which is installed but does not import ({broken}): "
+                    "run `make setup-llamacpp` to reinstall it")
         return None
 
     def check(self, trial: TrialConfig, facts, gpu_available: bool):
@@ -82,6 +87,18 @@ class LlamaCppEngine(LogitsEngine):
         from .backend import LlamaCppBackend
 
         return LlamaCppBackend(loaded, trial)
+
+
+@functools.lru_cache(maxsize=1)
+def _import_problem() -> Optional[str]:
+    """Why `import llama_cpp` fails here, or None. Importing loads libllama: a build for another CPU or a
+    half-installed package fails here, before launch, instead of in every trial."""
+    try:
+        import llama_cpp  # noqa: F401
+    except Exception as e:  # ImportError, OSError from ctypes, RuntimeError from llama_cpp's loader
+        first = str(e).strip().splitlines()
+        return f"{type(e).__name__}: {first[0]}" if first else type(e).__name__
+    return None
 
 
 ENGINE = LlamaCppEngine()
