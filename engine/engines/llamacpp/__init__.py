@@ -11,6 +11,8 @@ import functools
 import importlib.util
 from typing import Any, Optional
 
+import torch
+
 from ...config import TrialConfig
 from ..base import Support
 from ..logits import LogitsEngine
@@ -77,6 +79,19 @@ class LlamaCppEngine(LogitsEngine):
 
     def kv_element_bytes(self, trial: TrialConfig) -> Optional[float]:
         return KV_TYPE_BYTES.get(kv_type(trial.kv_cache.dtype))
+
+    def compute_dtype(self, trial: TrialConfig, device) -> str:
+        """ggml's CPU matmuls run F16 weights widened to f32 with F16C, quantized weights as integer block dot
+        products and BF16 as f32 too unless the CPU has bf16 dot products (avx512_bf16): every path but that one
+        runs at f32 rate and is bandwidth-bound at decode (measured: llama.cpp f16 decoded x1.77 faster than its
+        f32 on a CPU without fp16 units, where torch's fp16 runs 8-10x slower than fp32)."""
+        from ...measure.hardware import cpu_bf16_support
+
+        if torch.device(device).type != "cpu":
+            return trial.model.dtype
+        if trial.quant.level == "none" and trial.model.dtype == "bfloat16" and cpu_bf16_support():
+            return "bfloat16"
+        return "float32"
 
     def load(self, trial: TrialConfig, say) -> Any:
         from .backend import load_gguf_model
