@@ -89,10 +89,10 @@ def hf_tiny():
     return load_model(TINY, attention="sdpa", device="cpu")
 
 
-def _gguf(level: str = "none"):
+def _gguf(level: str = "none", spec: ModelConfig = TINY):
     from engine.engines.llamacpp.backend import load_gguf_model
 
-    return load_gguf_model(TINY, QuantConfig(level=level), threads=2)
+    return load_gguf_model(spec, QuantConfig(level=level), threads=2)
 
 
 @pytest.fixture(scope="module")
@@ -132,6 +132,36 @@ def test_converted_gguf_logits_match_transformers(hf_tiny, tiny_f32):
     for attention in ("sdpa", "flash"):
         got = _backend(tiny_f32, attention=attention).score(ids)  # kv auto = f16
         assert torch.allclose(got, ref, atol=F16_ATOL, rtol=0), (attention, float((got - ref).abs().max()))
+
+
+# llama.cpp against transformers at the same model.dtype (f32 K/V, no flash): both round the same weights;
+# 16-bit runs differ by where each rounds activations (llama.cpp converts each matmul's input to the weight
+# type, torch keeps them in the model's dtype between layers), so the bound is the 16-bit format's own error
+# on logits of this size. A wrong layout or type (the old BF16 header) is off by O(1) or does not load.
+DTYPE_ATOL = {"float32": EXACT_ATOL, "float16": 2e-2, "bfloat16": 1e-1}
+
+
+@pytest.mark.llamacpp
+@needs_llamacpp
+@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
+def test_every_float_gguf_loads_and_matches_transformers_at_its_dtype(dtype):
+    """Each model.dtype the validation accepts is written as its GGUF type (F32 / F16 / BF16), loads in
+    llama.cpp (BF16 did not: its header gave every row half its length) and gives transformers' logits at the
+    same dtype; its greedy argmax agrees on (nearly) every position."""
+    from engine.engines.llamacpp.gguf_export import FLOAT_TYPES
+    from engine.models import load_model
+
+    spec = dataclasses.replace(TINY, dtype=dtype)
+    ids = _ids(1, 48)
+    hf = load_model(spec, attention="sdpa", device="cpu")
+    with torch.inference_mode():
+        ref = hf.model(input_ids=ids).logits.float()
+    gg = _gguf(spec=spec)
+    assert gg.path.name == f"model-{FLOAT_TYPES[dtype]}.gguf"
+    got = _backend(gg, kv_cache_dtype="f32").score(ids)
+    err = float((got - ref).abs().max())
+    agree = float((got.argmax(-1) == ref.argmax(-1)).float().mean())
+    assert err <= DTYPE_ATOL[dtype] and agree >= 0.95, (dtype, err, agree)
 
 
 @pytest.mark.llamacpp
@@ -249,6 +279,25 @@ def test_sweep_engine_llamacpp_end_to_end(ray_local, tiny_overrides, mlflow_clie
         assert {"output_tok_s", "ttft_ms_p50", "weights_bytes", "ppl"} <= set(run.data.metrics)
     sizes = {run.data.params["quant.level"]: run.data.metrics["weights_bytes"] for run in runs}
     assert sizes["gguf-q8_0"] < sizes["none"]
+
+
+@pytest.mark.llamacpp
+@needs_llamacpp
+def test_sweep_engine_llamacpp_at_16_bit_dtypes_finishes_without_a_slow_dtype_note(ray_local, tiny_overrides, mlflow_client):
+    """model.dtype=auto is bfloat16 on a CPU with bf16 units: every llama.cpp trial failed there (the BF16
+    GGUF did not load). f16 and bf16 both finish, and neither carries torch's "expect ~8-10x slower" note:
+    llama.cpp widens those weights and multiplies in f32 (Engine.compute_dtype)."""
+    from experiments.run.sweep import run_sweep
+
+    res = run_sweep(tiny_overrides + ["sweep_name=t-llamacpp-dtypes", "engine=llamacpp", "model.dtype=float16,bfloat16"],
+                    echo=lambda *_: None)
+    assert [r["status"] for r in res.rows] == ["FINISHED"] * 2, res.rows
+    exp_id = mlflow_client.get_run(res.parent_run_id).info.experiment_id
+    runs = mlflow_client.search_runs([exp_id], filter_string=f"tags.mlflow.parentRunId = '{res.parent_run_id}'")
+    assert sorted(r.data.params["model.dtype"] for r in runs) == ["bfloat16", "float16"]
+    for run in runs:
+        assert "env.dtype_note" not in run.data.tags, run.data.tags["env.dtype_note"]
+        assert run.data.metrics["ppl"] > 0 and run.data.metrics["output_tok_s"] > 0
 
 
 # --- the real model (slow tier) ---------------------------------------------------------------------------
