@@ -134,34 +134,30 @@ def test_converted_gguf_logits_match_transformers(hf_tiny, tiny_f32):
         assert torch.allclose(got, ref, atol=F16_ATOL, rtol=0), (attention, float((got - ref).abs().max()))
 
 
-# llama.cpp against transformers at the same model.dtype (f32 K/V, no flash): both round the same weights;
-# 16-bit runs differ by where each rounds activations (llama.cpp converts each matmul's input to the weight
-# type, torch keeps them in the model's dtype between layers), so the bound is the 16-bit format's own error
-# on logits of this size. A wrong layout or type (the old BF16 header) is off by O(1) or does not load.
-DTYPE_ATOL = {"float32": EXACT_ATOL, "float16": 2e-2, "bfloat16": 1e-1}
-
-
 @pytest.mark.llamacpp
 @needs_llamacpp
 @pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
-def test_every_float_gguf_loads_and_matches_transformers_at_its_dtype(dtype):
+def test_every_float_gguf_loads_and_matches_transformers_at_its_dtype(hf_tiny, dtype):
     """Each model.dtype the validation accepts is written as its GGUF type (F32 / F16 / BF16), loads in
-    llama.cpp (BF16 did not: its header gave every row half its length) and gives transformers' logits at the
-    same dtype; its greedy argmax agrees on (nearly) every position."""
+    llama.cpp (BF16 did not: its header gave every row half its length, so the next tensor sat at twice its
+    offset) and gives transformers' logits at the same dtype (flash off, f32 K/V). Tolerance: F32 exact (1e-4);
+    a 16-bit run may differ from transformers' at that dtype by twice what that dtype's own rounding moves
+    transformers' logits from float32 (the two round activations at different places). Measured on the tiny
+    model: F16 0.013 vs a rounding error of 0.012, BF16 0.087 vs 0.149; a wrong layout is off by O(1) (the
+    logits' spread is ~1.2)."""
     from engine.engines.llamacpp.gguf_export import FLOAT_TYPES
     from engine.models import load_model
 
     spec = dataclasses.replace(TINY, dtype=dtype)
     ids = _ids(1, 48)
-    hf = load_model(spec, attention="sdpa", device="cpu")
     with torch.inference_mode():
-        ref = hf.model(input_ids=ids).logits.float()
+        f32 = hf_tiny.model(input_ids=ids).logits.float()
+        ref = load_model(spec, attention="sdpa", device="cpu").model(input_ids=ids).logits.float()
     gg = _gguf(spec=spec)
     assert gg.path.name == f"model-{FLOAT_TYPES[dtype]}.gguf"
     got = _backend(gg, kv_cache_dtype="f32").score(ids)
-    err = float((got - ref).abs().max())
-    agree = float((got.argmax(-1) == ref.argmax(-1)).float().mean())
-    assert err <= DTYPE_ATOL[dtype] and agree >= 0.95, (dtype, err, agree)
+    err, rounding = float((got - ref).abs().max()), float((ref - f32).abs().max())
+    assert err <= max(EXACT_ATOL, 2 * rounding), (dtype, err, rounding)
 
 
 @pytest.mark.llamacpp
@@ -224,9 +220,9 @@ def test_rollback_makes_prompt_lookup_equal_plain_greedy(tiny_f32):
 @pytest.mark.llamacpp
 @needs_llamacpp
 def test_q8_0_runs_close_to_f32_and_is_smaller(tiny_f32):
-    q8, q4 = _gguf("gguf-q8_0"), _gguf("gguf-q4_0")
+    q8, q4, q4km = _gguf("gguf-q8_0"), _gguf("gguf-q4_0"), _gguf("gguf-q4_k_m")
     assert q8.path.name.startswith("model-Q8_0") and q8.path.parent == tiny_f32.path.parent
-    assert q4.weights_bytes() < q8.weights_bytes() < 0.4 * tiny_f32.weights_bytes()
+    assert q4.weights_bytes() < q4km.weights_bytes() < q8.weights_bytes() < 0.4 * tiny_f32.weights_bytes()
     ids = _ids(1, 32, seed=3)
     ref = torch.log_softmax(_backend(tiny_f32, attention="flash").score(ids), -1)
 
@@ -234,8 +230,10 @@ def test_q8_0_runs_close_to_f32_and_is_smaller(tiny_f32):
         got = torch.log_softmax(_backend(loaded, attention="flash").score(ids), -1)
         return float((ref.exp() * (ref - got)).sum(-1).mean())
 
-    kl8, kl4 = kl(q8), kl(q4)
+    kl8, kl4, kl4km = kl(q8), kl(q4), kl(q4km)
     assert kl8 < 1e-3 and kl8 < kl4 / 4, (kl8, kl4)  # 8-bit blocks sit far closer to F32 than 4-bit ones
+    # Q4_K_M mixes in 6-bit types (and, for the tiny model's 64-wide rows, Q4_K's fallback): between the two
+    assert kl8 < kl4km < kl4, (kl8, kl4km, kl4)
 
 
 @pytest.mark.llamacpp
