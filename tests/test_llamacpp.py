@@ -73,6 +73,25 @@ def test_gguf_levels_and_kv_dtype_belong_to_llamacpp():
     assert "kv_cache.dtype: engine=hf cannot honour kv_cache.dtype=q8_0: K/V stay in model.dtype" in msg
 
 
+def test_an_installed_llama_cpp_that_does_not_import_is_missing(tmp_path):
+    """A llama_cpp package that fails to import (a wheel built for another CPU, a lost libllama.so) is found
+    by find_spec but would fail every trial: the engine reports it missing, with the import error."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    (tmp_path / "llama_cpp.py").write_text("raise OSError('libllama.so: cannot open shared object file')\n")
+    root = Path(__file__).resolve().parents[1]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tmp_path), str(root)]))
+    p = subprocess.run([sys.executable, "-c", "from engine.engines import get; print(get('llamacpp').missing())"],
+                       env=env, capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr
+    assert p.stdout.strip() == ("engine=llamacpp needs llama-cpp-python, which is installed but does not import "
+                                "(OSError: libllama.so: cannot open shared object file): run `make setup-llamacpp` "
+                                "to reinstall it")
+
+
 def test_llamacpp_accepts_flash_on_cpu_and_gguf_levels():
     specs, absent = expand_with_engines_absent(
         ["model=tiny-llama", "model.tiny.hidden_size=128", "engine=llamacpp", "attention=flash", "kv_cache.dtype=q8_0,q4_0",
