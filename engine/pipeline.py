@@ -243,12 +243,20 @@ def roofline(trial: TrialConfig, engine: Engine, device: torch.device, metrics: 
         return {"costmodel": "unavailable: the model's shape is unknown"}
     try:
         a = assess_trial(trial, facts.shape, device, metrics, materialize_scores=engine.materializes_scores(trial),
-                         kv_elt_bytes=engine.kv_element_bytes(trial))
+                         kv_elt_bytes=engine.kv_element_bytes(trial), compute_dtype=engine.compute_dtype(trial, device))
     except EngineError as e:
         log.warning("cost model skipped: %s", e)
         return {"costmodel": f"unavailable: {e}"}
     metrics.update(a.metrics)
     return a.labels
+
+
+def dtype_note(trial: TrialConfig, engine: Engine, device: torch.device) -> Optional[str]:
+    """The hardware note for the dtype `engine` computes the trial in on `device` (its own fast paths: llama.cpp
+    widens f16 weights to f32, torch runs them in fp16), or None."""
+    from .measure.hardware import slow_dtype_note
+
+    return slow_dtype_note(engine.compute_dtype(trial, device), device)
 
 
 def _reference(trial: TrialConfig, loaded: Any, windows: torch.Tensor):
@@ -334,9 +342,7 @@ class Measurement:
         evaluate(trial, session, self.loaded, metrics, self.say)
         answers = evaluate_tasks(trial, session, self.loaded, metrics, self.say)
         info = dict(device_info(session.device), **session.info(), repeats_stop=stop)
-        from .measure.hardware import slow_dtype_note
-
-        note = slow_dtype_note(trial.model.dtype, session.device)
+        note = dtype_note(trial, engine, session.device)
         if note:  # not an error: the user may want to see it, but should know why the numbers look so
             info["dtype_note"] = note
         samples = {k: [float(r[k]) for r in per_run] for k in TIMINGS if k in per_run[0]}

@@ -130,6 +130,73 @@ def test_cost_model_uses_the_trial_dtype_numbers(tmp_path, monkeypatch):
     assert node_peaks(device, "bfloat16", threads).source == "cache"  # read, never re-probed
 
 
+# --- the engine's own fast paths: each engine says which dtype its matmuls run in --------------------------
+def _tiny(backend: str, dtype: str, quant: str = "none") -> TrialConfig:
+    from engine.config import EngineConfig, QuantConfig
+
+    return TrialConfig(model=ModelConfig(name="tiny", path="tiny://llama", dtype=dtype),
+                       engine=EngineConfig(backend=backend), quant=QuantConfig(level=quant))
+
+
+@pytest.mark.parametrize("bf16", ["0", "1"])
+def test_engines_declare_the_dtype_their_matmuls_run_in(monkeypatch, bf16):
+    """torch (hf, native) computes in the model's dtype; llama.cpp widens f16 weights to f32 (F16C), runs
+    quantized blocks as integer dot products and bf16 with bf16 dot products only where the CPU has them."""
+    from engine import engines
+
+    monkeypatch.setenv(CPU_BF16_ENV, bf16)
+    cpu = torch.device("cpu")
+    for name in ("hf", "native"):
+        for dtype in ("float32", "bfloat16", "float16"):
+            assert engines.get(name).compute_dtype(_tiny(name, dtype), cpu) == dtype
+    cpp = engines.get("llamacpp")
+    assert cpp.compute_dtype(_tiny("llamacpp", "float16"), cpu) == "float32"
+    assert cpp.compute_dtype(_tiny("llamacpp", "float32"), cpu) == "float32"
+    assert cpp.compute_dtype(_tiny("llamacpp", "bfloat16"), cpu) == ("bfloat16" if bf16 == "1" else "float32")
+    for level in ("gguf-q8_0", "gguf-q4_0", "gguf-q4_k_m"):  # quantized from the F32 file, whatever model.dtype
+        assert cpp.compute_dtype(_tiny("llamacpp", "bfloat16", level), cpu) == "float32"
+
+
+@pytest.mark.parametrize("bf16", ["0", "1"])
+def test_dtype_note_is_the_engines(monkeypatch, bf16):
+    """llama.cpp f16 (and bf16 without bf16 units) runs at f32 speed: no "expect ~8-10x slower" note, which a
+    torch trial at the same dtype still gets where this CPU lacks the units."""
+    from engine import engines
+    from engine.measure.hardware import cpu_fp16_support
+    from engine.pipeline import dtype_note
+
+    monkeypatch.setenv(CPU_BF16_ENV, bf16)
+    cpu = torch.device("cpu")
+    for dtype in ("float32", "float16", "bfloat16"):
+        assert dtype_note(_tiny("llamacpp", dtype), engines.get("llamacpp"), cpu) is None
+    hf16 = dtype_note(_tiny("hf", "float16"), engines.get("hf"), cpu)
+    assert (hf16 is None) is cpu_fp16_support()
+    hf_bf16 = dtype_note(_tiny("hf", "bfloat16"), engines.get("hf"), cpu)
+    assert (hf_bf16 is None) is (bf16 == "1")
+
+
+def test_roofline_uses_the_peaks_of_the_dtype_the_engine_computes_in(tmp_path, monkeypatch):
+    """A cached probe where fp16 matmuls crawl (0.2 GFLOP/s, torch on a CPU without fp16 units): hf's fp16
+    trial is judged with those roofs, llama.cpp's with f32's (its f16 trial decoded x1.77 faster than its f32
+    one on such a CPU, and read `>100 (!279)` of an fp16 roofline)."""
+    from engine import engines
+    from engine.pipeline import roofline
+
+    monkeypatch.setenv("INFERSWEEP_CACHE", str(tmp_path))
+    device, threads = torch.device("cpu"), torch.get_num_threads()
+    path = cache_path()
+    path.parent.mkdir(parents=True)
+    path.write_text(json.dumps({probe_key(device_name(device), device, threads): PROBE.to_json()}))
+    measured = {"output_tok_s": 10.0, "prefill_tok_s": 100.0, "decode_tok_s": 10.0}
+    seen = {}
+    for name in ("hf", "llamacpp"):
+        m = dict(measured)
+        labels = roofline(_tiny(name, "float16"), engines.get(name), device, m)
+        assert labels["hw.source"] == "cache"
+        seen[name] = (m["hw_flops"], m["hw_gemv_bw"])
+    assert seen == {"hf": (0.2e9, 0.15e9), "llamacpp": (158e9, 11e9)}
+
+
 def test_matmul_probe_skips_a_size_its_budget_cannot_pay_for():
     """An emulated dtype (100x slower) must not run a size whose predicted cost (n^3 scaling of the last
     one, warm-up included) overruns the budget. Timings are injected through the probe's clock and timer

@@ -133,11 +133,11 @@ def test_needs_an_installed_engine():
 '''
 
 
-def _run_engine_tests(tmp_path: Path, ci: str | None) -> subprocess.CompletedProcess:
-    """The repository's conftest with two engine-marked tests, in a pytest of their own."""
+def _run_engine_tests(tmp_path: Path, ci: str | None, source: str = ENGINE_TESTS) -> subprocess.CompletedProcess:
+    """The repository's conftest with `source` (two engine-marked tests), in a pytest of their own."""
     (tmp_path / "pytest.ini").write_text("[pytest]\n")
     shutil.copy(ROOT / "tests" / "conftest.py", tmp_path / "conftest.py")
-    (tmp_path / "test_engines.py").write_text(ENGINE_TESTS)
+    (tmp_path / "test_engines.py").write_text(source)
     env = {k: v for k, v in os.environ.items() if k != "CI"}
     if ci is not None:
         env["CI"] = ci
@@ -155,6 +155,40 @@ def test_missing_engine_skips_outside_ci_and_fails_under_ci(tmp_path):
     # failed in its set-up (pytest counts it as an error): before any fixture could load the missing engine
     assert "1 passed, 1 error in" in p.stdout and "SKIPPED" not in p.stdout
     assert "engine ghost is not available: ghost is not installed (make setup-ghost) (CI=true" in p.stdout
+
+
+SKIPPING_TESTS = '''
+import pytest
+
+
+def test_gpu_only():
+    pytest.skip("no CUDA device")
+
+
+@pytest.mark.skipif(True, reason="selenium is not installed")
+def test_needs_a_package():
+    pass
+
+
+@pytest.mark.xfail(reason="a known bug", strict=False)
+def test_known_bug():
+    assert False
+
+
+def test_runs():
+    pass
+'''
+
+
+def test_under_ci_a_skip_fails_the_run_unless_its_reason_is_expected(tmp_path):
+    p = _run_engine_tests(tmp_path, None, SKIPPING_TESTS)
+    assert p.returncode == 0 and "1 passed, 2 skipped, 1 xfailed" in p.stdout, p.stdout
+    assert "unexpected skips" not in p.stdout
+    p = _run_engine_tests(tmp_path, "true", SKIPPING_TESTS)
+    assert p.returncode == 1 and "1 passed, 2 skipped, 1 xfailed" in p.stdout, p.stdout
+    section = p.stdout[p.stdout.index("unexpected skips (CI=true: each fails the run)"):]
+    assert "test_engines.py::test_needs_a_package: selenium is not installed" in section
+    assert "test_gpu_only" not in section and "test_known_bug" not in section  # expected reason; an xfail is no skip
 
 
 def test_ci_flag_is_read_when_the_test_runs(monkeypatch):
@@ -186,3 +220,15 @@ def test_ci_script_fails_on_an_engine_install_failure_only_under_ci(tmp_path):
             assert "after" not in p.stdout
         else:
             assert "warning: make setup-llamacpp failed; its tests will skip" in p.stdout and "after" in p.stdout
+
+
+def test_ci_runs_the_readme_test_command_without_the_engines_before_installing_them():
+    """.ci/run proves the newcomer's path (`make test` with llama.cpp and vLLM absent, CI unset so their tests
+    skip) before it installs them and runs every tier under the caller's CI=true."""
+    lines = [ln.strip() for ln in (ROOT / ".ci" / "run").read_text().splitlines() if not ln.lstrip().startswith("#")]
+    order = [next(i for i, ln in enumerate(lines) if ln.startswith(cmd)) for cmd in
+             ("make setup", "env -u CI INFERSWEEP_VLLM_PYTHON=/nonexistent", "setup_engine setup-llamacpp",
+              "setup_engine setup-vllm", "make test-all")]
+    assert order == sorted(order)
+    fast = lines[order[1]]
+    assert "make test " in fast and "uninstall -q -y llama-cpp-python" in lines[order[1] - 1]

@@ -10,7 +10,6 @@ whatever the K/V type (llama.cpp's flash path computes in f16). Greedy tokens ma
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 
 import pytest
 import torch
@@ -26,11 +25,10 @@ from engine.config import (
     replace,
 )
 from experiments.config.compose import SweepError, expand
-from conftest import require_engine
+from conftest import expand_with_engines_absent, require_installed
 from support import make_trial
 
-HAVE_LLAMA_CPP = importlib.util.find_spec("llama_cpp") is not None
-needs_llamacpp = require_engine("llamacpp", HAVE_LLAMA_CPP, "llama-cpp-python is not installed (make setup-llamacpp)")
+needs_llamacpp = require_installed("llamacpp")
 TINY = ModelConfig(name="tiny-llama", path="tiny://llama")
 # quantized K/V packs blocks of 32 values along the head dimension: the default tiny's heads are 16 wide
 TINY32 = ModelConfig(name="tiny-llama-hd32", path="tiny://llama",
@@ -75,14 +73,30 @@ def test_gguf_levels_and_kv_dtype_belong_to_llamacpp():
     assert "kv_cache.dtype: engine=hf cannot honour kv_cache.dtype=q8_0: K/V stay in model.dtype" in msg
 
 
+def test_an_installed_llama_cpp_that_does_not_import_is_missing(tmp_path):
+    """A llama_cpp package that fails to import (a wheel built for another CPU, a lost libllama.so) is found
+    by find_spec but would fail every trial: the engine reports it missing, with the import error."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    (tmp_path / "llama_cpp.py").write_text("raise OSError('libllama.so: cannot open shared object file')\n")
+    root = Path(__file__).resolve().parents[1]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tmp_path), str(root)]))
+    p = subprocess.run([sys.executable, "-c", "from engine.engines import get; print(get('llamacpp').missing())"],
+                       env=env, capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr
+    assert p.stdout.strip() == ("engine=llamacpp needs llama-cpp-python, which is installed but does not import "
+                                "(OSError: libllama.so: cannot open shared object file): run `make setup-llamacpp` "
+                                "to reinstall it")
+
+
 def test_llamacpp_accepts_flash_on_cpu_and_gguf_levels():
-    if not HAVE_LLAMA_CPP:
-        assert "needs llama-cpp-python" in _problems(["engine=llamacpp"])
-        return
-    specs = expand(["model=tiny-llama", "model.tiny.hidden_size=128", "engine=llamacpp", "attention=flash",
-                    "kv_cache.dtype=q8_0,q4_0",
-                    "quant=none,gguf-q8_0,gguf-q4_0,gguf-q4_k_m", "speculative=off,prompt-lookup"], gpu_available=False)
-    assert len(specs) == 16
+    specs, absent = expand_with_engines_absent(
+        ["model=tiny-llama", "model.tiny.hidden_size=128", "engine=llamacpp", "attention=flash", "kv_cache.dtype=q8_0,q4_0",
+         "quant=none,gguf-q8_0,gguf-q4_0,gguf-q4_k_m", "speculative=off,prompt-lookup"], gpu_available=False)
+    assert len(specs) == 16 and set(absent) <= {"llamacpp"}
 
 
 # --- the backend on the tiny random Llama ----------------------------------------------------------------
@@ -94,10 +108,10 @@ def hf_tiny():
     return load_model(TINY, attention="sdpa", device="cpu")
 
 
-def _gguf(level: str = "none"):
+def _gguf(level: str = "none", spec: ModelConfig = TINY):
     from engine.engines.llamacpp.backend import load_gguf_model
 
-    return load_gguf_model(TINY, QuantConfig(level=level), threads=2)
+    return load_gguf_model(spec, QuantConfig(level=level), threads=2)
 
 
 @pytest.fixture(scope="module")
@@ -137,6 +151,32 @@ def test_converted_gguf_logits_match_transformers(hf_tiny, tiny_f32):
     for attention in ("sdpa", "flash"):
         got = _backend(tiny_f32, attention=attention).score(ids)  # kv auto = f16
         assert torch.allclose(got, ref, atol=F16_ATOL, rtol=0), (attention, float((got - ref).abs().max()))
+
+
+@pytest.mark.llamacpp
+@needs_llamacpp
+@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
+def test_every_float_gguf_loads_and_matches_transformers_at_its_dtype(hf_tiny, dtype):
+    """Each model.dtype the validation accepts is written as its GGUF type (F32 / F16 / BF16), loads in
+    llama.cpp (BF16 did not: its header gave every row half its length, so the next tensor sat at twice its
+    offset) and gives transformers' logits at the same dtype (flash off, f32 K/V). Tolerance: F32 exact (1e-4);
+    a 16-bit run may differ from transformers' at that dtype by twice what that dtype's own rounding moves
+    transformers' logits from float32 (the two round activations at different places). Measured on the tiny
+    model: F16 0.013 vs a rounding error of 0.012, BF16 0.087 vs 0.149; a wrong layout is off by O(1) (the
+    logits' spread is ~1.2)."""
+    from engine.engines.llamacpp.gguf_export import FLOAT_TYPES
+    from engine.models import load_model
+
+    spec = dataclasses.replace(TINY, dtype=dtype)
+    ids = _ids(1, 48)
+    with torch.inference_mode():
+        f32 = hf_tiny.model(input_ids=ids).logits.float()
+        ref = load_model(spec, attention="sdpa", device="cpu").model(input_ids=ids).logits.float()
+    gg = _gguf(spec=spec)
+    assert gg.path.name == f"model-{FLOAT_TYPES[dtype]}.gguf"
+    got = _backend(gg, kv_cache_dtype="f32").score(ids)
+    err, rounding = float((got - ref).abs().max()), float((ref - f32).abs().max())
+    assert err <= max(EXACT_ATOL, 2 * rounding), (dtype, err, rounding)
 
 
 @pytest.mark.llamacpp
@@ -199,9 +239,9 @@ def test_rollback_makes_prompt_lookup_equal_plain_greedy(tiny_f32):
 @pytest.mark.llamacpp
 @needs_llamacpp
 def test_q8_0_runs_close_to_f32_and_is_smaller(tiny_f32):
-    q8, q4 = _gguf("gguf-q8_0"), _gguf("gguf-q4_0")
+    q8, q4, q4km = _gguf("gguf-q8_0"), _gguf("gguf-q4_0"), _gguf("gguf-q4_k_m")
     assert q8.path.name.startswith("model-Q8_0") and q8.path.parent == tiny_f32.path.parent
-    assert q4.weights_bytes() < q8.weights_bytes() < 0.4 * tiny_f32.weights_bytes()
+    assert q4.weights_bytes() < q4km.weights_bytes() < q8.weights_bytes() < 0.4 * tiny_f32.weights_bytes()
     ids = _ids(1, 32, seed=3)
     ref = torch.log_softmax(_backend(tiny_f32, attention="flash").score(ids), -1)
 
@@ -209,8 +249,10 @@ def test_q8_0_runs_close_to_f32_and_is_smaller(tiny_f32):
         got = torch.log_softmax(_backend(loaded, attention="flash").score(ids), -1)
         return float((ref.exp() * (ref - got)).sum(-1).mean())
 
-    kl8, kl4 = kl(q8), kl(q4)
+    kl8, kl4, kl4km = kl(q8), kl(q4), kl(q4km)
     assert kl8 < 1e-3 and kl8 < kl4 / 4, (kl8, kl4)  # 8-bit blocks sit far closer to F32 than 4-bit ones
+    # Q4_K_M mixes in 6-bit types (and, for the tiny model's 64-wide rows, Q4_K's fallback): between the two
+    assert kl8 < kl4km < kl4, (kl8, kl4km, kl4)
 
 
 @pytest.mark.llamacpp
@@ -254,6 +296,25 @@ def test_sweep_engine_llamacpp_end_to_end(ray_local, tiny_overrides, mlflow_clie
         assert {"output_tok_s", "ttft_ms_p50", "weights_bytes", "ppl"} <= set(run.data.metrics)
     sizes = {run.data.params["quant.level"]: run.data.metrics["weights_bytes"] for run in runs}
     assert sizes["gguf-q8_0"] < sizes["none"]
+
+
+@pytest.mark.llamacpp
+@needs_llamacpp
+def test_sweep_engine_llamacpp_at_16_bit_dtypes_finishes_without_a_slow_dtype_note(ray_local, tiny_overrides, mlflow_client):
+    """model.dtype=auto is bfloat16 on a CPU with bf16 units: every llama.cpp trial failed there (the BF16
+    GGUF did not load). f16 and bf16 both finish, and neither carries torch's "expect ~8-10x slower" note:
+    llama.cpp widens those weights and multiplies in f32 (Engine.compute_dtype)."""
+    from experiments.run.sweep import run_sweep
+
+    res = run_sweep(tiny_overrides + ["sweep_name=t-llamacpp-dtypes", "engine=llamacpp", "model.dtype=float16,bfloat16"],
+                    echo=lambda *_: None)
+    assert [r["status"] for r in res.rows] == ["FINISHED"] * 2, res.rows
+    exp_id = mlflow_client.get_run(res.parent_run_id).info.experiment_id
+    runs = mlflow_client.search_runs([exp_id], filter_string=f"tags.mlflow.parentRunId = '{res.parent_run_id}'")
+    assert sorted(r.data.params["model.dtype"] for r in runs) == ["bfloat16", "float16"]
+    for run in runs:
+        assert "env.dtype_note" not in run.data.tags, run.data.tags["env.dtype_note"]
+        assert run.data.metrics["ppl"] > 0 and run.data.metrics["output_tok_s"] > 0
 
 
 # --- the real model (slow tier) ---------------------------------------------------------------------------

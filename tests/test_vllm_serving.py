@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from conftest import require_engine
+from conftest import expand_with_engines_absent, require_installed
 from support import make_trial
 from engine.config import (BatchingConfig, CapacityConfig, EngineError, EvalConfig, LengthConfig, ModelConfig,
                            SLOConfig, TinyModelConfig, WorkloadConfig)
@@ -24,15 +24,7 @@ from engine.tokenizer import ByteTokenizer
 TINY32 = ModelConfig(name="tiny", path="tiny://llama", tiny=TinyModelConfig(num_heads=2, num_kv_heads=1))
 
 
-def _available() -> bool:
-    try:
-        vllm_runner.vllm_python()
-        return True
-    except EngineError:
-        return False
-
-
-needs_vllm = require_engine("vllm", _available(), "the vLLM venv is missing: run `make setup-vllm`")
+needs_vllm = require_installed("vllm")
 
 
 def chat(**kw) -> WorkloadConfig:
@@ -73,15 +65,13 @@ def test_a_server_that_dies_is_an_engine_error_with_its_output(monkeypatch):
     assert "vLLM server" in msg and "exit code 1" in msg and "No module named 'vllm'" in msg
 
 
-@needs_vllm
 def test_capacity_search_and_multi_turn_on_vllm_validate_and_the_sweep_has_no_vllm_static_point():
-    from experiments.config.compose import expand
-
     tiny = ["model=tiny-llama", "model.tiny.num_heads=2", "model.tiny.num_kv_heads=1", "engine=vllm",
             "batching=continuous"]
-    assert len(expand(tiny + ["workload=serving-multiturn", "kv_cache.prefix_caching=false,true",
-                              "capacity.search=false,true"])) == 4
-    specs = expand(["experiment=serving-capacity"])
+    specs, absent = expand_with_engines_absent(tiny + ["workload=serving-multiturn", "kv_cache.prefix_caching=false,true",
+                                                       "capacity.search=false,true"])
+    assert len(specs) == 4 and set(absent) <= {"vllm"}
+    specs, _ = expand_with_engines_absent(["experiment=serving-capacity"])
     points = {(s.trial.engine.backend, s.trial.batching.mode) for s in specs}
     assert points == {("native", "static"), ("native", "continuous"), ("vllm", "continuous")} and len(specs) == 12
 

@@ -188,6 +188,13 @@ class Engine:
         """Bytes per K/V element at `kv_cache.dtype`; None: the model's dtype."""
         return None
 
+    def compute_dtype(self, trial: TrialConfig, device: torch.device) -> str:
+        """The number format whose arithmetic units run the trial's matmuls on `device`: the roofline's peaks
+        (engine/measure/hardware.py `node_peaks`) and the slow-dtype note are judged at it, so each engine says
+        which dtype paths it runs fast here. Default (torch): the model's dtype -- on a CPU bf16 is fast only
+        with avx512_bf16/amx_bf16 units and fp16 is slow without avx512_fp16/amx_fp16."""
+        return trial.model.dtype
+
     def load(self, trial: TrialConfig, say: Say) -> Any:
         """The model in this process, reusable by the next trial with the same model key (a warm worker
         keeps it); None where the engine holds nothing here (it loads in its own process)."""

@@ -310,10 +310,11 @@ def assess(pred: Prediction, measured: dict[str, float]) -> Assessment:
 
 
 def assess_trial(trial, shape: ModelShape, device, measured: dict[str, float], *, materialize_scores: bool,
-                 kv_elt_bytes: Optional[float] = None) -> Assessment:
+                 kv_elt_bytes: Optional[float] = None, compute_dtype: Optional[str] = None) -> Assessment:
     """The cost model of a `TrialConfig` run on `device` (peaks from the table, the cache or a probe).
     What depends on the engine -- whether its attention materializes scores, the K/V element size at
-    `kv_cache.dtype` -- comes from the engine's declaration (engine/engines/), passed in by the caller."""
+    `kv_cache.dtype`, the dtype whose arithmetic runs its matmuls (`compute_dtype`, default model.dtype) --
+    comes from the engine's declaration (engine/engines/), passed in by the caller."""
     import torch
 
     from .hardware import node_peaks
@@ -332,6 +333,7 @@ def assess_trial(trial, shape: ModelShape, device, measured: dict[str, float], *
         materialize_scores=materialize_scores,
     )
     threads = torch.get_num_threads() if device.type == "cpu" else None
-    # the roofs of the trial's own dtype: a CPU without bf16 units runs bf16 matmuls 100x+ slower than fp32
-    peaks = node_peaks(device, trial.model.dtype, threads)
+    # the roofs of the dtype the engine computes in: torch on a CPU without bf16 units runs bf16 matmuls 100x+
+    # slower than fp32, llama.cpp widens f16/bf16 weights and runs at the f32 rate
+    peaks = node_peaks(device, compute_dtype or trial.model.dtype, threads)
     return assess(predict(shape, prec, workload, peaks), measured)

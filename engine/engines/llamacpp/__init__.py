@@ -7,8 +7,11 @@ from there in seconds afterwards.
 """
 from __future__ import annotations
 
+import functools
 import importlib.util
 from typing import Any, Optional
+
+import torch
 
 from ...config import TrialConfig
 from ..base import Support
@@ -41,6 +44,10 @@ class LlamaCppEngine(LogitsEngine):
     def missing(self) -> Optional[str]:
         if importlib.util.find_spec("llama_cpp") is None:
             return f"{ENGINE_LABEL} needs llama-cpp-python, which is not installed: run `make setup-llamacpp`"
+        broken = _import_problem()
+        if broken:
+            return (f"{ENGINE_LABEL} needs llama-cpp-python, which is installed but does not import ({broken}): "
+                    "run `make setup-llamacpp` to reinstall it")
         return None
 
     def check(self, trial: TrialConfig, facts, gpu_available: bool):
@@ -73,6 +80,19 @@ class LlamaCppEngine(LogitsEngine):
     def kv_element_bytes(self, trial: TrialConfig) -> Optional[float]:
         return KV_TYPE_BYTES.get(kv_type(trial.kv_cache.dtype))
 
+    def compute_dtype(self, trial: TrialConfig, device) -> str:
+        """ggml's CPU matmuls run F16 weights widened to f32 with F16C, quantized weights as integer block dot
+        products and BF16 as f32 too unless the CPU has bf16 dot products (avx512_bf16): every path but that one
+        runs at f32 rate and is bandwidth-bound at decode (measured: llama.cpp f16 decoded x1.77 faster than its
+        f32 on a CPU without fp16 units, where torch's fp16 runs 8-10x slower than fp32)."""
+        from ...measure.hardware import cpu_bf16_support
+
+        if torch.device(device).type != "cpu":
+            return trial.model.dtype
+        if trial.quant.level == "none" and trial.model.dtype == "bfloat16" and cpu_bf16_support():
+            return "bfloat16"
+        return "float32"
+
     def load(self, trial: TrialConfig, say) -> Any:
         from .backend import load_gguf_model
 
@@ -82,6 +102,18 @@ class LlamaCppEngine(LogitsEngine):
         from .backend import LlamaCppBackend
 
         return LlamaCppBackend(loaded, trial)
+
+
+@functools.lru_cache(maxsize=1)
+def _import_problem() -> Optional[str]:
+    """Why `import llama_cpp` fails here, or None. Importing loads libllama: a build for another CPU or a
+    half-installed package fails here, before launch, instead of in every trial."""
+    try:
+        import llama_cpp  # noqa: F401
+    except Exception as e:  # ImportError, OSError from ctypes, RuntimeError from llama_cpp's loader
+        first = str(e).strip().splitlines()
+        return f"{type(e).__name__}: {first[0]}" if first else type(e).__name__
+    return None
 
 
 ENGINE = LlamaCppEngine()

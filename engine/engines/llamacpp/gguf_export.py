@@ -46,7 +46,7 @@ from ...models import (
 
 log = logging.getLogger(__name__)
 
-EXPORT_VERSION = 1  # bump when the written file changes for the same source
+EXPORT_VERSION = 2  # bump when the written file changes for the same source (2: BF16 tensors had half their shape)
 # quant level -> (llama_ftype name in llama_cpp, file suffix)
 GGUF_QUANT_FTYPES = {
     "gguf-q8_0": ("LLAMA_FTYPE_MOSTLY_Q8_0", "Q8_0"),
@@ -244,8 +244,10 @@ def convert(src: Source, ftype: str, out: Path) -> None:
             w.add_tensor(name, a)
         elif ftype == "F16":
             w.add_tensor(name, a.astype(np.float16))
-        else:
-            w.add_tensor(name, gguf.quants.quantize(a, gguf.GGMLQuantizationType.BF16), raw_shape=a.shape,
+        else:  # gguf-py packs BF16 as raw bytes (uint8, two per weight) and derives the shape from their byte
+            # shape: passing the weights' own shape as raw_shape halved each row in the header (llama.cpp then
+            # found every later tensor at twice its expected offset)
+            w.add_tensor(name, gguf.quants.quantize(a, gguf.GGMLQuantizationType.BF16),
                          raw_dtype=gguf.GGMLQuantizationType.BF16)
 
     def get(name: str) -> torch.Tensor:
