@@ -203,3 +203,29 @@ def test_measurement_never_imports_an_engine():
     for mod, deps in graph.items():
         if mod.startswith("engine.measure"):
             assert not any(d.startswith("engine.engines") for d in deps), (mod, deps)
+
+
+def test_the_contract_declares_what_callers_use():
+    """`make_backend`, `reference`, `close` and `generate_greedy_many` are the contract's, each with its default:
+    callers call them, never probe for them."""
+    from engine.config import EngineError
+    from engine.engines.base import Engine, TrialSession
+
+    with pytest.raises(EngineError, match="no logits-level backend"):
+        engines.make_backend(None, _trial("vllm"))
+    with pytest.raises(EngineError, match="no fp32 reference"):
+        Engine().reference(_trial("hf"), None)
+    assert type(engines.get(engines.REFERENCE)).reference is not Engine.reference
+
+    class Echo(TrialSession):  # the default batch of greedy requests: one generate_greedy each, in order
+        def generate_greedy(self, prompt, max_new_tokens, stop, say):
+            return prompt[:max_new_tokens]
+
+    said = []
+    assert Echo().generate_greedy_many([([1, 2, 3], 2, []), ([4], 5, [])], said.append) == [[1, 2], [4]]
+    assert said == ["generating 1/2 (3 prompt tokens)", "generating 2/2 (1 prompt tokens)"]
+    assert Echo().close() is None
+    probe = re.compile(r"""(hasattr|getattr)\((session|engine|self\.session|ref_engine)\b""")
+    for top in ("engine", "experiments", "cluster"):
+        for p in (ROOT / top).rglob("*.py"):
+            assert not probe.search(p.read_text()), p

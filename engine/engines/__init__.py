@@ -105,11 +105,5 @@ __all__ = ["NAMES", "REFERENCE", "Engine", "Support", "all_engines", "canonical"
 
 def make_backend(loaded: Any, trial) -> Any:
     """The logits-level backend (engine/engines/logits.py) of `trial`'s engine over a model from its
-    `load`: what tests, benchmarks and notebooks drive token by token."""
-    engine = get(trial.engine.backend)
-    if not hasattr(engine, "make_backend"):
-        from ..config import EngineError
-
-        raise EngineError(f"engine={engine.name} runs whole trials (engine.pipeline.run_engine_trial); it has no "
-                          "logits-level backend in this process")
-    return engine.make_backend(loaded, trial)
+    `load`: what tests, benchmarks and notebooks drive token by token (`Engine.make_backend`)."""
+    return get(trial.engine.backend).make_backend(loaded, trial)

@@ -12,7 +12,7 @@ from typing import Any, Protocol
 import torch
 
 from ..config import EngineError, TrialConfig
-from .base import Engine, Problems, Runs, Say, ServingPlan, StaticPlan, WindowScores, ends_generation
+from .base import Engine, Problems, Runs, Say, ServingPlan, StaticPlan, TrialSession, WindowScores, ends_generation
 
 
 class DecodeSession(Protocol):
@@ -77,7 +77,7 @@ def torch_checks(trial: TrialConfig, gpu_available: bool) -> Problems:
     return []
 
 
-class LogitsSession:
+class LogitsSession(TrialSession):
     """The trial contract over a logits-level backend: warm-up and timed repeats of the static batch
     (plain or speculative decoding), peak memory of the timed region, and window scoring by full logits."""
 
