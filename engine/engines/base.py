@@ -17,6 +17,7 @@ import torch
 
 from ..config import EngineError, TrialConfig
 from ..measure.fidelity import WindowScores
+from ..traces import Trace
 
 Problems = list[tuple[str, str]]  # (config key, message): validation's currency
 Say = Callable[[str], None]
@@ -66,11 +67,11 @@ class ServingPlan:
 
 @dataclass
 class Runs:
-    """What a session measured: one trace per timed repeat (a GenerationTrace for a static batch, a
-    ServingTrace-like record for serving), each repeat's engine-specific metrics (speculative statistics,
+    """What a session measured: one trace per timed repeat (engine/traces.py: a GenerationTrace for a static
+    batch, a ServedRun for serving), each repeat's engine-specific metrics (speculative statistics,
     vLLM's scheduler counters), and the peak memory of the timed region."""
 
-    traces: list
+    traces: list[Trace]
     extra: list[dict[str, float]]
     peak_mem_bytes: int
 

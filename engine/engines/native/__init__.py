@@ -107,7 +107,6 @@ class NativeTrialSession(LogitsSession):
 
     def run_serving(self, plan: ServingPlan, say) -> Runs:
         from ...measure.memory import PeakMemory
-        from ...measure.metrics import scheduler_metrics
         from .serving.serve import ServingSetup
 
         setup = ServingSetup(self.trial, self.backend)
@@ -121,7 +120,7 @@ class NativeTrialSession(LogitsSession):
                 say(f"serving run {i + 1}/{plan.repeats}: {len(plan.requests)} requests, "
                     f"{self.trial.batching.mode} batching")
                 traces.append(setup.run(plan.requests, plan.follow_up, plan.max_concurrency))
-        return Runs(traces, [scheduler_metrics(t) for t in traces], mem.peak_bytes)
+        return Runs(traces, [t.scheduler_metrics() for t in traces], mem.peak_bytes)
 
     def reset_peaks(self) -> None:
         self.backend.kernel.reset_peak()

@@ -436,7 +436,7 @@ def static_run_trace(run: dict, trial: TrialConfig, pool_bytes: int):
     every sequence has it (our decode loop's definition); prefill = time to that first token."""
     import torch
 
-    from ...generate import GenerationTrace
+    from ...traces import GenerationTrace
     from ...measure.metrics import expected_tokens_per_step
 
     recs, wl = run["requests"], trial.workload
