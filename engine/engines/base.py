@@ -169,6 +169,9 @@ class Engine:
     # multiple choice and rolling), "generate_until" (greedy); task_why: why the others are not (for messages)
     task_requests: tuple[str, ...] = ()
     task_why: str = ""
+    # runs the draft of speculative.method=self-draft (the target's first layers) over the in-process model a torch
+    # engine loaded, whatever engine runs the target (engine/speculative/self_draft.py asks the registry for it)
+    runs_self_draft: bool = False
 
     def missing(self) -> Optional[str]:
         """Why this engine cannot run on this machine (not installed), or None."""
@@ -200,6 +203,16 @@ class Engine:
         benchmarks, notebooks and the speculative drafters drive token by token. Default: none in this process."""
         raise EngineError(f"engine={self.name} runs whole trials (engine.pipeline.run_engine_trial); it has no "
                           "logits-level backend in this process")
+
+    def self_draft_backend(self, loaded: Any, trial: TrialConfig, num_layers: int) -> Any:
+        """Where `runs_self_draft`: a logits-level backend over the first `num_layers` decoder blocks of `loaded`
+        (weights shared with the target), the draft of `trial`'s self-draft."""
+        raise EngineError(f"engine={self.name} does not run self-draft drafts")
+
+    def self_draft_problem(self, facts, num_tokens: int) -> Optional[str]:
+        """Where `runs_self_draft`: why it cannot run the draft of a model with these facts
+        (engine.model_facts.ModelFacts) over `num_tokens` positions; None when it can."""
+        return None
 
     def reference(self, trial: TrialConfig, loaded: Any) -> Any:
         """The unoptimized reference of `trial`'s model (a logits-level `Backend`: float32, the engine's default
