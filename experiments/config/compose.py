@@ -569,7 +569,7 @@ def validate(config: dict[str, Any], gpu_available: bool | None = None) -> list[
     cl = ClusterConfig.from_dict(config["cluster"])
     out = cl.problems() + _tracking_problems(config["tracking"])
     try:
-        trial = build_trial(config)
+        trial = build_trial(config, cl)
     except (TypeError, ValueError, EngineError) as e:
         return out + [str(e)]
     gpu = cl.num_gpus_per_trial > 0 if gpu_available is None else gpu_available
