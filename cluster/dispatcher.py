@@ -359,27 +359,37 @@ def _show(bar, d: Dispatcher) -> None:
         bar.update(p.done + p.failed - bar.n)
 
 
-def run_pool(
-    pool: WorkerPool,
-    items: Sequence[Any],
-    placement_for: Callable[[Any], Placement],
-    on_result: Callable[[Any, Any, dict[str, Any]], bool],
-    key_for: Callable[[Any], Any] = lambda item: None,
-    desc: str = "trials",
-    placement_timeout_s: float = ClusterConfig.placement_timeout_s,
-    on_start: Optional[Callable[[Any, dict[str, Any]], None]] = None,
-    progress: bool = True,
-) -> None:
-    """Dispatch `items` on `pool` until each has its final result: `on_result(item, result, meta)` exactly once
-    per item, `result` being what the worker returned or a `TaskFailure`; `meta` = {attempts, errors, **the
-    worker's start info}; it returns True for a success (progress bar). `on_start(item, meta)` is called as
-    an item is handed to a worker. Ctrl-C reports the running items as `TaskFailure(kind=CANCELLED)`,
-    retires every worker and re-raises."""
+def _no_key(item: Any) -> Any:
+    return None
+
+
+@dataclass(frozen=True)
+class Job:
+    """What a pool runs, whichever pool (`run_pool`, `run_in_process`, `run_on_ray`): the items, where each may
+    run (`placement_for(item)`), which share a worker's warm state (`key_for(item)`: equal keys prefer one
+    worker; None never shares), and the callbacks. `on_result(item, result, meta)` is called exactly once per
+    item, `result` being what the worker returned or a `TaskFailure`, `meta` = {attempts, errors, **the worker's
+    start info}; it returns True for a success (progress bar). `on_start(item, meta)` is called as an item is
+    handed to a worker."""
+
+    items: Sequence[Any]
+    placement_for: Callable[[Any], Placement]
+    on_result: Callable[[Any, Any, dict[str, Any]], bool]
+    key_for: Callable[[Any], Any] = _no_key
+    desc: str = "trials"  # the progress bar's label
+    placement_timeout_s: float = ClusterConfig.placement_timeout_s
+    on_start: Optional[Callable[[Any, dict[str, Any]], None]] = None
+
+
+def run_pool(pool: WorkerPool, job: Job, progress: bool = True) -> None:
+    """Dispatch `job.items` on `pool` until each has its final result (`Job` says what is called when). Ctrl-C
+    reports the running items as `TaskFailure(kind=CANCELLED)`, retires every worker and re-raises."""
     from tqdm.auto import tqdm
 
-    d = Dispatcher(items, placement_for, key_for, pool, on_result, on_start=on_start,
-                   placement_timeout_s=placement_timeout_s, clock=time.monotonic)
-    bar = tqdm(total=len(items), desc=desc, unit="trial", dynamic_ncols=True, disable=not progress)
+    items = job.items
+    d = Dispatcher(items, job.placement_for, job.key_for, pool, job.on_result, on_start=job.on_start,
+                   placement_timeout_s=job.placement_timeout_s, clock=time.monotonic)
+    bar = tqdm(total=len(items), desc=job.desc, unit="trial", dynamic_ncols=True, disable=not progress)
     try:
         d.start()
         while not d.finished:

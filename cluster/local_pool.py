@@ -17,13 +17,13 @@ What one process cannot give, and how it differs:
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 import traceback
 from collections import deque
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, Optional
 
-from .config import ClusterConfig
-from .dispatcher import FAILED, FINISHED, START_FAILED, STARTED, Worker, WorkerEvent, run_pool
+from .dispatcher import FAILED, FINISHED, START_FAILED, STARTED, Job, Worker, WorkerEvent, run_pool
 from .placement import Placement
 
 LOCAL_NODE = "in-process"  # the node_id an in-process worker reports (it is no Ray node)
@@ -82,19 +82,9 @@ class LocalPool:
         return WorkerEvent(worker, FINISHED, result)
 
 
-def run_in_process(
-    fn: Callable[..., Any],
-    items: Sequence[Any],
-    placement_for: Callable[[Any], Placement],
-    on_result: Callable[[Any, Any, dict[str, Any]], bool],
-    key_for: Callable[[Any], Any] = lambda item: None,
-    desc: str = "trials",
-    placement_timeout_s: float = ClusterConfig.placement_timeout_s,
-    on_start: Optional[Callable[[Any, dict[str, Any]], None]] = None,
-    worker_state: Optional[Callable[[], Any]] = None,
-) -> None:
+def run_in_process(fn: Callable[..., Any], job: Job, worker_state: Optional[Callable[[], Any]] = None) -> None:
     """`run_on_ray`'s contract, on one worker in this process (see the module's notes for what differs);
     `meta` = {attempts, errors, node_id ("in-process"), worker_pid}. A single item shows no progress bar."""
-    run_pool(LocalPool(fn, worker_state), items, lambda it: _one_slot(placement_for(it)), on_result,
-             key_for=key_for, desc=desc, placement_timeout_s=placement_timeout_s, on_start=on_start,
-             progress=len(items) > 1)
+    placement_for = job.placement_for
+    run_pool(LocalPool(fn, worker_state), dataclasses.replace(job, placement_for=lambda it: _one_slot(placement_for(it))),
+             progress=len(job.items) > 1)

@@ -23,10 +23,10 @@ import logging
 import os
 import signal
 import threading
-from typing import Any, Callable, Mapping, Optional, Sequence
+from typing import Any, Callable, Mapping, Optional
 
 from .config import ClusterConfig
-from .dispatcher import FAILED, FINISHED, START_FAILED, STARTED, Worker, WorkerEvent, run_pool
+from .dispatcher import FAILED, FINISHED, START_FAILED, STARTED, Job, Worker, WorkerEvent, run_pool
 from .placement import Placement
 
 log = logging.getLogger(__name__)
@@ -168,20 +168,9 @@ class RayPool:
         return WorkerEvent(worker, STARTED if is_start else FINISHED, value)
 
 
-def run_on_ray(
-    fn: Callable[..., Any],
-    items: Sequence[Any],
-    placement_for: Callable[[Any], Placement],
-    on_result: Callable[[Any, Any, dict[str, Any]], bool],
-    key_for: Callable[[Any], Any] = lambda item: None,
-    desc: str = "trials",
-    placement_timeout_s: float = ClusterConfig.placement_timeout_s,
-    on_start: Optional[Callable[[Any, dict[str, Any]], None]] = None,
-    worker_state: Optional[Callable[[], Any]] = None,
-) -> None:
+def run_on_ray(fn: Callable[..., Any], job: Job, worker_state: Optional[Callable[[], Any]] = None) -> None:
     """Run `fn(item)` for every item on warm actors (`run_pool`'s contract for `on_result` and `on_start`);
     `meta` = {attempts, errors, node_id, worker_pid, gpu_ids, cuda_visible_devices}. With `worker_state`,
     each actor calls `fn(item, state)` with its own `state = worker_state()`, which dies with the actor. Ctrl-C
     kills the actors, reports the running items as `TaskFailure(kind=CANCELLED)` and re-raises."""
-    run_pool(RayPool(fn, worker_state), items, placement_for, on_result, key_for=key_for, desc=desc,
-             placement_timeout_s=placement_timeout_s, on_start=on_start)
+    run_pool(RayPool(fn, worker_state), job)

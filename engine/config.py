@@ -20,11 +20,11 @@ from typing import Any, Optional
 ATTENTION_IMPLS = ("eager", "sdpa", "flash")
 KV_CACHE_MODES = ("off", "contiguous", "paged")
 DTYPES = ("float32", "bfloat16", "float16")
-# gguf-*: GGUF weight types written by llama.cpp's quantizer (engine=llamacpp only; engine/engines/llamacpp/gguf_export.py)
-GGUF_QUANT_LEVELS = ("gguf-q8_0", "gguf-q4_0", "gguf-q4_k_m")
-QUANT_LEVELS = ("none", "int8-weight", "int8-dynamic", "bnb-int8", "bnb-nf4", "bnb-fp4") + GGUF_QUANT_LEVELS
-# KV cache element type (engine=llamacpp); auto = the engine's default (llama.cpp: f16)
-KV_CACHE_DTYPES = ("auto", "f32", "f16", "q8_0", "q4_0", "fp8")  # fp8 (e4m3): vLLM's
+# the levels engine/quant.py implements (the torch engines'); an engine adds its own through its support table
+# (llama.cpp's gguf-* weight types): validation accepts `engine.engines.values("quant.level")`, every engine's
+QUANT_LEVELS = ("none", "int8-weight", "int8-dynamic", "bnb-int8", "bnb-nf4", "bnb-fp4")
+# kv_cache.dtype (the K/V element type) has no engine-independent values but `auto` (the engine's default): each
+# engine declares its own (engine/engines/<name>), and validation accepts `engine.engines.values("kv_cache.dtype")`
 # int8-weight matmul: dequant = cast the int8 weight to the activation dtype per call, then a float GEMM;
 # int8pack = torch._weight_int8pack_mm (gpt-fast's op; CPU/MPS only; unvectorized in some CPU builds)
 INT8_KERNELS = ("dequant", "int8pack")
@@ -103,7 +103,7 @@ class KVCacheConfig:
     block_size: int = 16  # tokens per block (paged)
     prefix_caching: bool = False  # serving: reuse computed full blocks of a shared prompt prefix (paged)
     num_blocks: int = 0  # serving: blocks in the shared pool; 0 = max_batch_size x the longest request
-    # K/V element type, one of KV_CACHE_DTYPES (engine=llamacpp, vllm); added after the first schema
+    # K/V element type, one its engine declares (engine.engines.values); added after the first schema
     dtype: str = field(default="auto", metadata=added("auto"))
 
 

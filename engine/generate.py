@@ -8,16 +8,13 @@ configuration does the same work and throughput compares like with like.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
-from typing import Callable, Iterator, TYPE_CHECKING
+from typing import Callable, Iterator
 
 import torch
 
 from .config import SamplingConfig
 from .sampling import sample
-
-if TYPE_CHECKING:  # the protocol of the logits-level engines (engine/engines/logits.py): a type only
-    from .engines.logits import DecodeSession
+from .traces import DecodeSession, GenerationTrace  # noqa: F401 (GenerationTrace: what `generate` returns)
 
 
 def device_synchronizer(device: torch.device) -> Callable[[], None]:
@@ -25,26 +22,6 @@ def device_synchronizer(device: torch.device) -> Callable[[], None]:
     if device.type == "cuda":
         return lambda: torch.cuda.synchronize(device)
     return lambda: None
-
-
-@dataclass
-class GenerationTrace:
-    tokens: torch.Tensor  # [B, N] generated ids
-    token_times_s: list[float]  # [N] seconds since the request arrived when each step's token was ready
-    prefill_s: float
-    prompt_len: int
-    batch_size: int
-    kv_cache_allocated: int = 0
-    kv_cache_used: int = 0
-    extra: dict = field(default_factory=dict)
-
-    @property
-    def e2e_s(self) -> float:
-        return self.token_times_s[-1]
-
-    @property
-    def decode_s(self) -> float:
-        return self.token_times_s[-1] - self.token_times_s[0]
 
 
 def stream(

@@ -15,12 +15,9 @@ from .config import (
     ATTENTION_IMPLS,
     BATCHING_MODES,
     DTYPES,
-    GGUF_QUANT_LEVELS,
     INT8_KERNELS,
-    KV_CACHE_DTYPES,
     KV_CACHE_MODES,
     LENGTH_DISTS,
-    QUANT_LEVELS,
     EngineError,
     TrialConfig,
     TEXT_KINDS,
@@ -105,13 +102,13 @@ def check_trial(trial: TrialConfig, gpu_available: bool) -> list[tuple[str, str]
     p += _choice("engine.backend", trial.engine.backend, engines.NAMES)
     p += _choice("attention.impl", trial.attention.impl, ATTENTION_IMPLS)
     p += _choice("kv_cache.mode", trial.kv_cache.mode, KV_CACHE_MODES)
-    p += _choice("kv_cache.dtype", trial.kv_cache.dtype, KV_CACHE_DTYPES)
+    p += _choice("kv_cache.dtype", trial.kv_cache.dtype, engines.values("kv_cache.dtype"))
     p += _choice("workload.kind", w.kind, WORKLOAD_KINDS)
     facts, why = _facts(m)
     if why:
         p.append(("model.path", why))
     q = trial.quant
-    p += _choice("quant.level", q.level, QUANT_LEVELS)
+    p += _choice("quant.level", q.level, engines.values("quant.level"))
     p += _choice("quant.compute_dtype", q.compute_dtype, DTYPES)
     p += _choice("quant.kernel", q.kernel, INT8_KERNELS)
     if q.level == "int8-weight" and q.kernel == "int8pack":
@@ -185,9 +182,9 @@ def _facts(m) -> tuple[ModelFacts | None, str | None]:
 
 # --- checks that read the model's own files (config.json, tokenizer), never its weights ---------------------
 def _self_draft_support(trial: TrialConfig, facts) -> list[tuple[str, str]]:
-    """A self-draft runs its draft (the target's first layers) on the native runtime whatever the engine:
-    a model that runtime cannot run (engine/speculative/self_draft.py) is refused here."""
-    from .speculative.self_draft import model_problem
+    """A self-draft runs its draft (the target's first layers) on one runtime whatever the engine
+    (engine/speculative/self_draft.py): a model that runtime cannot run is refused here."""
+    from .speculative.self_draft import model_problem, runtime_name
 
     m = trial.model
     if trial.speculative.method != "self-draft" or m.path.startswith(TINY_SCHEME):
@@ -195,8 +192,8 @@ def _self_draft_support(trial: TrialConfig, facts) -> list[tuple[str, str]]:
     why = model_problem(facts, trial.workload.context_len + trial.workload.max_new_tokens)  # static only
     if why is None:
         return []
-    return [("speculative.method", f"self-draft runs its draft (the target's first layers) on the native runtime "
-                                   f"whatever the engine, and that runtime cannot run {m.path}: {why}; use "
+    return [("speculative.method", f"self-draft runs its draft (the target's first layers) on the {runtime_name()} "
+                                   f"runtime whatever the engine, and that runtime cannot run {m.path}: {why}; use "
                                    "speculative=draft or speculative=prompt-lookup")]
 
 

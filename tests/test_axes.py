@@ -8,7 +8,6 @@ from engine.config import (
     BATCHING_MODES,
     DTYPES,
     KV_CACHE_MODES,
-    QUANT_LEVELS,
     SPECULATIVE_METHODS,
     ModelConfig,
     TrialConfig,
@@ -16,7 +15,7 @@ from engine.config import (
 from engine.engines import _get
 
 ALLOWED = {axes.KV_CACHE.key: KV_CACHE_MODES, axes.BATCHING.key: BATCHING_MODES, axes.ATTENTION.key: ATTENTION_IMPLS,
-           axes.QUANT.key: QUANT_LEVELS, axes.SPECULATIVE.key: SPECULATIVE_METHODS, axes.BACKEND.key: engines.NAMES,
+           axes.QUANT.key: engines.values(axes.QUANT.key), axes.SPECULATIVE.key: SPECULATIVE_METHODS, axes.BACKEND.key: engines.NAMES,
            axes.PRECISION.key: DTYPES}
 
 

@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-from cluster import Placement, TaskFailure, capacity, placement, run_on_ray
+from cluster import Job, Placement, TaskFailure, capacity, placement, run_on_ray
 from cluster.ray_pool import classify
 from experiments.config.compose import PROJECT_ROOT
 from experiments.run.sweep import run_sweep, run_specs
@@ -286,10 +286,10 @@ def test_run_on_ray_generic_function_and_unplaceable(ray_local):
         results[item] = (res, meta)
         return not isinstance(res, TaskFailure)
 
-    run_on_ray(abs, [-1, -2, -3], lambda i: Placement(num_cpus=0.5), on_result, desc="abs")
+    run_on_ray(abs, Job([-1, -2, -3], lambda i: Placement(num_cpus=0.5), on_result, desc="abs"))
     assert {k: v[0] for k, v in results.items()} == {-1: 1, -2: 2, -3: 3}
     results.clear()
-    run_on_ray(abs, [-4], lambda i: Placement(num_cpus=0.5, resources=(("nowhere", 1.0),)), on_result,
-               placement_timeout_s=2)
+    run_on_ray(abs, Job([-4], lambda i: Placement(num_cpus=0.5, resources=(("nowhere", 1.0),)), on_result,
+                        placement_timeout_s=2))
     res, _ = results[-4]
     assert isinstance(res, TaskFailure) and res.kind == "unplaceable"

@@ -18,6 +18,36 @@ def test_comma_lists_expand_to_the_cartesian_product():
     assert len({s.config_hash for s in specs}) == 8
 
 
+def test_a_trial_carries_its_cluster_section_parsed_once():
+    import pickle
+
+    from cluster import ClusterConfig
+
+    (spec,) = expand(["model=tiny-llama", "cluster.num_cpus_per_trial=1", "cluster.warm_workers=false"])
+    assert spec.cluster is spec.cluster and spec.cluster == ClusterConfig.from_dict(spec.config["cluster"])
+    assert spec.trial.engine.threads == 1 and not spec.cluster.warm_workers
+    shipped = pickle.loads(pickle.dumps(spec))  # to a worker: the parsed section travels with the spec
+    assert "cluster" in shipped.__dict__ and shipped.cluster == spec.cluster
+
+
+def test_value_overrides_after_the_cached_compose_follow_hydras_rules():
+    """compose_fast applies `key=value`, `+key=value`, `++key=value` to a cached composition with OmegaConf's public
+    API: the same config as Hydra's full compose; what it leaves to Hydra (a deletion, a bad key) still composes or
+    fails exactly as Hydra does."""
+    from experiments.config.compose import Composer
+
+    with Composer() as c:
+        for extra in (["seed=3", "workload.context_len=48"], ["quant.skip_modules=[lm_head,x]"], ["++seed=5"],
+                      ["model.path=tiny\\://llama"]):
+            assert c.compose_fast(["model=tiny-llama"], extra) == c.compose(["model=tiny-llama"] + extra), extra
+        for bad in (["+seed=3"], ["nokey=1"]):
+            with pytest.raises(Exception) as fast:
+                c.compose_fast(["model=tiny-llama"], bad)
+            with pytest.raises(Exception) as full:
+                c.compose(["model=tiny-llama"] + bad)
+            assert str(fast.value) == str(full.value)
+
+
 def test_experiment_file_params_expand_and_command_line_wins():
     import torch
 

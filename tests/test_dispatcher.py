@@ -394,7 +394,7 @@ class State:
 
 
 def _local(items, fn, key_for=lambda it: None, placement_for=lambda it: Placement(), make_state=State):
-    from cluster import run_in_process
+    from cluster import Job, run_in_process
 
     State.made = []
     results, starts = [], []
@@ -403,8 +403,8 @@ def _local(items, fn, key_for=lambda it: None, placement_for=lambda it: Placemen
         results.append((item, res, meta))
         return not isinstance(res, TaskFailure)
 
-    run_in_process(fn, items, placement_for, on_result, key_for=key_for,
-                   on_start=lambda item, meta: starts.append((item, meta)), worker_state=make_state)
+    run_in_process(fn, Job(items, placement_for, on_result, key_for=key_for,
+                           on_start=lambda item, meta: starts.append((item, meta))), worker_state=make_state)
     return results, starts
 
 
@@ -453,12 +453,12 @@ def test_in_process_ctrl_c_reports_the_running_item_cancelled_and_releases_the_s
             raise KeyboardInterrupt
         return _remember(item, state)
 
-    from cluster import run_in_process
+    from cluster import Job, run_in_process
 
     State.made, results = [], []
     with pytest.raises(KeyboardInterrupt):
-        run_in_process(fn, [0, 1, 2], lambda it: Placement(),
-                       lambda item, res, meta: results.append((item, res, meta)) or True, worker_state=State)
+        run_in_process(fn, Job([0, 1, 2], lambda it: Placement(),
+                               lambda item, res, meta: results.append((item, res, meta)) or True), worker_state=State)
     assert [(it, getattr(res, "kind", None)) for it, res, _ in results] == [(0, None), (1, CANCELLED)]
     assert results[1][2]["errors"] == ["interrupted"]  # item 2 never started: no result at all
     (state,) = State.made

@@ -1,6 +1,6 @@
 """The engine contract (engine/engines/): every engine declares what it honours, aliases fold to one
 config hash, the cost model asks the engine, no central file names an engine, and the packages import
-without cycles."""
+without cycles (counting type-only imports: a cycle through a type is still a cycle of concepts)."""
 from __future__ import annotations
 
 import ast
@@ -10,14 +10,16 @@ from pathlib import Path
 import pytest
 
 from engine import engines
-from engine.config import (ATTENTION_IMPLS, BATCHING_MODES, KV_CACHE_DTYPES, KV_CACHE_MODES, QUANT_LEVELS,
-                           SPECULATIVE_METHODS, KVCacheConfig, AttentionConfig, EngineConfig, ModelConfig, TrialConfig)
+from engine.config import (ATTENTION_IMPLS, BATCHING_MODES, KV_CACHE_MODES, QUANT_LEVELS, SPECULATIVE_METHODS,
+                           KVCacheConfig, AttentionConfig, EngineConfig, ModelConfig, TrialConfig)
+from engine.config import replace
 from engine.engines import _get
 from experiments.config.spec import fold_aliases
 
 ROOT = Path(__file__).resolve().parents[1]
 ALLOWED = {"kv_cache.mode": KV_CACHE_MODES, "batching.mode": BATCHING_MODES, "attention.impl": ATTENTION_IMPLS,
-           "quant.level": QUANT_LEVELS, "speculative.method": SPECULATIVE_METHODS, "kv_cache.dtype": KV_CACHE_DTYPES,
+           "quant.level": engines.values("quant.level"), "speculative.method": SPECULATIVE_METHODS,
+           "kv_cache.dtype": engines.values("kv_cache.dtype"),
            "engine.compile": ("True", "False")}
 
 
@@ -39,6 +41,22 @@ def test_every_engine_declares_real_keys_values_and_aliases():
             assert s.why
             for alias, target in s.aliases.items():  # an alias runs as a value the engine honours
                 assert alias in ALLOWED[key] and target in s.values and alias not in s.values, (e.name, key, alias)
+
+
+def test_engines_contribute_their_own_axis_values():
+    """An axis value that belongs to one engine (llama.cpp's GGUF levels and K/V types, vLLM's fp8 K/V) is in that
+    engine's support table only; validation accepts the registry's union, in the registry's order."""
+    assert engines.values("quant.level") == QUANT_LEVELS + ("gguf-q8_0", "gguf-q4_0", "gguf-q4_k_m")
+    assert engines.values("kv_cache.dtype") == ("auto", "f32", "f16", "q8_0", "q4_0", "fp8")
+    assert not any(v.startswith("gguf-") for v in QUANT_LEVELS)
+    from engine.validation import check_trial
+
+    for key, value in (("quant.level", "gguf-q8_0"), ("kv_cache.dtype", "fp8")):  # known, on its engine only
+        probs = dict(check_trial(replace(_trial("hf"), key, value), gpu_available=False))
+        assert "not allowed" not in probs.get(key, "") and "engine=hf cannot honour" in probs[key]
+    msgs = [m for k, m in check_trial(replace(_trial("hf"), "kv_cache.dtype", "q5_1"), gpu_available=False)
+            if k == "kv_cache.dtype"]
+    assert msgs[0] == "'q5_1' is not allowed; choose one of auto, f32, f16, q8_0, q4_0, fp8"
 
 
 def test_unsupported_names_engine_key_and_alternatives():
@@ -95,33 +113,68 @@ def test_kv_dtype_changes_the_predicted_decode_bytes():
     assert q8.weight_bytes == f32.weight_bytes
 
 
-CENTRAL = ["engine/pipeline.py", "engine/validation.py", "engine/axes.py", "experiments/run/trial.py"]
+# (file, engine name) -> why a module outside engine/engines/ may spell that engine's name as a value
+NAME_ALLOWED = {
+    # EngineConfig.backend's default: the schema must name its default engine, and the registry's REFERENCE is read
+    # from it (engine/config.py cannot ask the registry, which imports the config)
+    ("engine/config.py", "hf"): "the default engine",
+}
 
 
-@pytest.mark.parametrize("path", CENTRAL)
-def test_no_central_file_spells_an_engine_name(path):
-    text = (ROOT / path).read_text()
-    code = "\n".join(ln for ln in text.splitlines() if not ln.lstrip().startswith("#"))
-    for name in engines.NAMES:
-        if name == "hf":  # "hf" is also a word in identifiers (hf_config): look for it as a value or engine
-            assert not re.search(r"""['"]hf['"]|engine=hf|backend == """, code), path
-            continue
-        assert not re.search(rf"""['"]{name}['"]|engine={name}\b|\.{name}\b""", code), (path, name)
+def _non_engine_modules():
+    for top in ("engine", "experiments", "cluster"):
+        for p in sorted((ROOT / top).rglob("*.py")):
+            if not p.relative_to(ROOT).as_posix().startswith("engine/engines/"):
+                yield p
+
+
+def _engine_names_spelled(path: Path) -> list[tuple[int, str, str]]:
+    """(line, engine name, literal) for each string literal of `path` (f-string parts included) that is an engine's
+    name or chooses one (`engine=NAME`, `backend=NAME`), and each import of an engine's package."""
+    tree = ast.parse(path.read_text())
+    docs = {id(n.body[0].value) for n in ast.walk(tree)  # docstrings are prose
+            if isinstance(n, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)) and n.body
+            and isinstance(n.body[0], ast.Expr) and isinstance(n.body[0].value, ast.Constant)}
+    out = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in docs:
+            for name in engines.NAMES:
+                if node.value.strip() == name or re.search(rf"\b(engine|backend)\s*=\s*{name}\b", node.value):
+                    out.append((node.lineno, name, node.value))
+        elif isinstance(node, (ast.Import, ast.ImportFrom)):
+            mods = [a.name for a in node.names] if isinstance(node, ast.Import) else \
+                [f"{node.module or ''}.{a.name}" for a in node.names]
+            for name in engines.NAMES:
+                if any(re.search(rf"(^|\.)engines\.{name}(\.|$)", m) for m in mods):
+                    out.append((node.lineno, name, ast.unparse(node)))
+    return out
+
+
+def test_no_module_outside_the_engine_packages_spells_an_engine_name():
+    """Validation, the pipeline, measurement, the speculative drafters, analysis and placement ask the registry
+    (engine/engines/__init__.py); only an engine's own package spells its name as a value (prose is free)."""
+    found = [f"{p.relative_to(ROOT)}:{line}: {lit!r}" for p in _non_engine_modules()
+             for line, name, lit in _engine_names_spelled(p) if (p.relative_to(ROOT).as_posix(), name) not in NAME_ALLOWED]
+    assert not found, "engine names outside engine/engines/ (ask the registry instead):\n" + "\n".join(found)
+    # the check sees what it looks for: the config's default, and a choice spelled in a message
+    assert [(n, lit) for _, n, lit in _engine_names_spelled(ROOT / "engine/config.py")] == [("hf", "hf")]
+    assert len(list(_non_engine_modules())) > 50
+
+
+def test_the_engine_name_check_finds_names(tmp_path):
+    p = tmp_path / "m.py"
+    p.write_text('"""a docstring may say engine=hf"""\nfrom engine.engines.native.support import x\nif b == "llamacpp":\n'
+                 '    msg = f"use engine=vllm, not {b}"\n')
+    assert sorted((n, line) for line, n, _ in _engine_names_spelled(p)) == [("llamacpp", 3), ("native", 2), ("vllm", 4)]
 
 
 def _imports(path: Path, module: str) -> set[str]:
-    """Modules of this repo that `module` (at `path`) imports, at module level or inside functions,
-    `if TYPE_CHECKING:` blocks excepted (they never run)."""
+    """Modules of this repo that `module` (at `path`) imports: at module level, inside functions and in
+    `if TYPE_CHECKING:` blocks (a type-only import still ties the two modules' concepts together)."""
     tree = ast.parse(path.read_text())
-    skip: set[int] = set()
-    for node in ast.walk(tree):
-        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
-            skip.update(id(n) for b in node.body for n in ast.walk(b))
     pkg = module.split(".") if path.name == "__init__.py" else module.split(".")[:-1]
     out = set()
     for node in ast.walk(tree):
-        if id(node) in skip:
-            continue
         if isinstance(node, ast.Import):
             out.update(a.name for a in node.names)
         elif isinstance(node, ast.ImportFrom):
@@ -190,12 +243,51 @@ def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
     return out
 
 
+def _cycle_path(graph: dict[str, set[str]], component: list[str]) -> list[str]:
+    """One import cycle through the strongly connected `component`, as a path a -> b -> ... -> a."""
+    inside = set(component)
+    start = component[0]
+    path, seen = [start], {start}
+
+    def walk(v):
+        for w in sorted(graph.get(v, ()) & inside):
+            if w == start and len(path) > 1:
+                return path + [start]
+            if w not in seen:
+                seen.add(w)
+                path.append(w)
+                found = walk(w)
+                if found:
+                    return found
+                path.pop()
+        return None
+
+    return walk(start) or component
+
+
 def test_no_import_cycles_among_engine_experiments_cluster():
-    assert _cycles(_graph()) == []
+    graph = _graph()
+    cycles = [" -> ".join(_cycle_path(graph, c)) for c in _cycles(graph)]
+    assert not cycles, f"{len(cycles)} import cycle(s): " + "; ".join(cycles)
 
 
 def test_the_cycle_finder_finds_a_cycle():
-    assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+    graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}
+    assert _cycles(graph) == [["a", "b", "c"]]
+    assert _cycle_path(graph, ["a", "b", "c"]) == ["a", "b", "c", "a"]
+    # imports inside functions, relative ones and type-only ones all count
+    tree = {"pkg.a": "from . import b\n", "pkg.b": "def f():\n    from .c import x\n",
+            "pkg.c": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from pkg.a import y\n"}
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as d:
+        deps = {}
+        for mod, text in tree.items():
+            p = Path(d) / (mod.split(".")[1] + ".py")
+            p.write_text(text)
+            deps[mod] = {i for i in _imports(p, mod) if i in tree}
+    assert deps == {"pkg.a": {"pkg.b"}, "pkg.b": {"pkg.c"}, "pkg.c": {"pkg.a"}}
+    assert _cycles(deps) == [["pkg.a", "pkg.b", "pkg.c"]]
 
 
 def test_measurement_never_imports_an_engine():
@@ -203,3 +295,29 @@ def test_measurement_never_imports_an_engine():
     for mod, deps in graph.items():
         if mod.startswith("engine.measure"):
             assert not any(d.startswith("engine.engines") for d in deps), (mod, deps)
+
+
+def test_the_contract_declares_what_callers_use():
+    """`make_backend`, `reference`, `close` and `generate_greedy_many` are the contract's, each with its default:
+    callers call them, never probe for them."""
+    from engine.config import EngineError
+    from engine.engines.base import Engine, TrialSession
+
+    with pytest.raises(EngineError, match="no logits-level backend"):
+        engines.make_backend(None, _trial("vllm"))
+    with pytest.raises(EngineError, match="no fp32 reference"):
+        Engine().reference(_trial("hf"), None)
+    assert type(engines.get(engines.REFERENCE)).reference is not Engine.reference
+
+    class Echo(TrialSession):  # the default batch of greedy requests: one generate_greedy each, in order
+        def generate_greedy(self, prompt, max_new_tokens, stop, say):
+            return prompt[:max_new_tokens]
+
+    said = []
+    assert Echo().generate_greedy_many([([1, 2, 3], 2, []), ([4], 5, [])], said.append) == [[1, 2], [4]]
+    assert said == ["generating 1/2 (3 prompt tokens)", "generating 2/2 (1 prompt tokens)"]
+    assert Echo().close() is None
+    probe = re.compile(r"""(hasattr|getattr)\((session|engine|self\.session|ref_engine)\b""")
+    for top in ("engine", "experiments", "cluster"):
+        for p in (ROOT / top).rglob("*.py"):
+            assert not probe.search(p.read_text()), p

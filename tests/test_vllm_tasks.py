@@ -16,7 +16,7 @@ import pytest
 
 from engine import engines
 from engine.config import EvalConfig, ModelConfig, SpeculativeConfig, TinyModelConfig, WorkloadConfig, replace
-from engine.engines.base import cut_generation, generate_greedy_many
+from engine.engines.base import cut_generation
 from engine.engines.vllm import engine as vllm_runner
 from engine.models import tiny_checkpoint
 from engine.tasks.lmeval import SessionLM
@@ -79,7 +79,7 @@ def test_the_cut_rule_vllm_applies_is_where_the_decode_loop_stops():
     assert len(stopped) < 24 and cut_generation(free, s.tokenizer, [stop]) == stopped
     assert cut_generation(free, s.tokenizer, []) == free
     # the batched path of the contract falls back to one generate_greedy per request on the logits engines
-    assert generate_greedy_many(s, [(prompt, 24, [stop]), (prompt, 24, [])], SAY) == [stopped, free]
+    assert s.generate_greedy_many([(prompt, 24, [stop]), (prompt, 24, [])], SAY) == [stopped, free]
 
 
 def test_validation_lets_tasks_run_on_vllm(cache):

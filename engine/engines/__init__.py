@@ -33,6 +33,16 @@ def all_engines() -> list[Engine]:
     return [get(n) for n in NAMES]
 
 
+def self_draft_runtime() -> Engine:
+    """The engine that runs speculative.method=self-draft's draft (`Engine.runs_self_draft`)."""
+    for e in all_engines():
+        if e.runs_self_draft:
+            return e
+    from ..config import EngineError
+
+    raise EngineError("speculative.method=self-draft: no engine runs self-draft drafts")
+
+
 def support_keys() -> tuple[str, ...]:
     """Every config key some engine restricts, in first-declared order."""
     from .. import axes
@@ -42,6 +52,20 @@ def support_keys() -> tuple[str, ...]:
         keys.update(dict.fromkeys(e.support))
     chain = [a.key for a in axes.CHAIN if a.key in keys]  # the seed's chain order first, then the rest
     return tuple(chain + [k for k in keys if k not in chain])
+
+
+def values(key: str) -> tuple[str, ...]:
+    """Every value of `key` some engine honours (its values, then the aliases it runs as another), in the
+    registry's order: what validation accepts for a key the engines restrict (quant.level, kv_cache.dtype), each
+    engine contributing its own (llama.cpp's GGUF levels, vLLM's fp8 K/V); `unsupported` then says which engine
+    honours which. A key no engine restricts has none here."""
+    out: dict[str, None] = {}
+    for e in all_engines():
+        s = e.support.get(key)
+        if s is not None:
+            out.update(dict.fromkeys(s.values))
+            out.update(dict.fromkeys(s.aliases))
+    return tuple(out)
 
 
 def _get(obj: Any, key: str) -> Any:
@@ -99,17 +123,11 @@ def support_markdown(keys: tuple[str, ...] | None = None) -> str:
     return "\n".join(rows)
 
 
-__all__ = ["NAMES", "REFERENCE", "Engine", "Support", "all_engines", "canonical", "get", "make_backend", "problems",
-           "support_keys", "support_markdown", "unsupported"]
+__all__ = ["NAMES", "REFERENCE", "Engine", "Support", "all_engines", "canonical", "get", "make_backend", "problems", "self_draft_runtime",
+           "support_keys", "support_markdown", "unsupported", "values"]
 
 
 def make_backend(loaded: Any, trial) -> Any:
     """The logits-level backend (engine/engines/logits.py) of `trial`'s engine over a model from its
-    `load`: what tests, benchmarks and notebooks drive token by token."""
-    engine = get(trial.engine.backend)
-    if not hasattr(engine, "make_backend"):
-        from ..config import EngineError
-
-        raise EngineError(f"engine={engine.name} runs whole trials (engine.pipeline.run_engine_trial); it has no "
-                          "logits-level backend in this process")
-    return engine.make_backend(loaded, trial)
+    `load`: what tests, benchmarks and notebooks drive token by token (`Engine.make_backend`)."""
+    return get(trial.engine.backend).make_backend(loaded, trial)

@@ -11,12 +11,13 @@ what is its own: loading, running the plan, scoring windows, its bytes and its e
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping, Optional, Protocol, Union
+from typing import Any, Callable, Mapping, Optional
 
 import torch
 
-from ..config import TrialConfig
+from ..config import EngineError, TrialConfig
 from ..measure.fidelity import WindowScores
+from ..traces import Trace
 
 Problems = list[tuple[str, str]]  # (config key, message): validation's currency
 Say = Callable[[str], None]
@@ -66,58 +67,69 @@ class ServingPlan:
 
 @dataclass
 class Runs:
-    """What a session measured: one trace per timed repeat (a GenerationTrace for a static batch, a
-    ServingTrace-like record for serving), each repeat's engine-specific metrics (speculative statistics,
+    """What a session measured: one trace per timed repeat (engine/traces.py: a GenerationTrace for a static
+    batch, a ServedRun for serving), each repeat's engine-specific metrics (speculative statistics,
     vLLM's scheduler counters), and the peak memory of the timed region."""
 
-    traces: list
+    traces: list[Trace]
     extra: list[dict[str, float]]
     peak_mem_bytes: int
 
 
-class TrialSession(Protocol):
-    """One trial's model on one engine, ready to run. Made by `Engine.open`; the pipeline drives it."""
+GreedyRequest = tuple[list[int], int, list[str]]  # (prompt ids, max_new_tokens, stop strings)
+
+
+class TrialSession:
+    """One trial's model on one engine, ready to run. Made by `Engine.open`; the pipeline drives it. Every
+    member the pipeline and the task evaluation call is declared here; the optional ones have their default."""
 
     tokenizer: Any  # engine/tokenizer.py Tokenizer: prompts and evaluation windows are built with it
     device: torch.device
     load_s: float  # seconds the model took to load / start (0 when a warm worker reused it)
 
-    def run_static(self, plan: StaticPlan, say: Say) -> Runs: ...
+    def run_static(self, plan: StaticPlan, say: Say) -> Runs:
+        raise NotImplementedError
 
-    def run_serving(self, plan: ServingPlan, say: Say) -> Runs: ...
+    def run_serving(self, plan: ServingPlan, say: Say) -> Runs:
+        raise NotImplementedError
 
-    def score_windows(self, windows: torch.Tensor, topk: int, say: Say) -> WindowScores: ...
+    def score_windows(self, windows: torch.Tensor, topk: int, say: Say) -> WindowScores:
+        raise NotImplementedError
 
     # Task evaluation (engine/tasks: lm-evaluation-harness requests), where `Engine.task_requests` lists them:
     def loglikelihood(self, pairs: list[tuple[list[int], list[int]]], say: Say) -> list[tuple[float, bool]]:
         """For each (context ids, continuation ids): the sum of log p(continuation token | everything before
         it) and whether every continuation token was the model's argmax ("loglikelihood")."""
-        ...
+        raise NotImplementedError
 
     def generate_greedy(self, prompt: list[int], max_new_tokens: int, stop: list[str], say: Say) -> list[int]:
         """Greedy tokens after `prompt`, ending after EOS, `max_new_tokens`, or the token that completes one of
         the `stop` strings in the decoded output ("generate_until"; `ends_generation` says where)."""
-        ...
+        raise NotImplementedError
 
-    # optional: `generate_greedy_many(requests, say)`, every (prompt, max_new_tokens, stop) of a task at once, each
-    # answer as `generate_greedy` gives it -- for an engine whose start costs much (one start for all requests).
-    # Callers use the module function `generate_greedy_many`, which falls back to one `generate_greedy` each.
+    def generate_greedy_many(self, requests: list[GreedyRequest], say: Say) -> list[list[int]]:
+        """Every (prompt, max_new_tokens, stop) of a task, each answer as `generate_greedy` gives it. Default: one
+        `generate_greedy` per request; an engine whose start costs much answers them all at once (one start)."""
+        out = []
+        for i, (prompt, max_new, stop) in enumerate(requests):
+            say(f"generating {i + 1}/{len(requests)} ({len(prompt)} prompt tokens)")
+            out.append(self.generate_greedy(prompt, max_new, stop, say))
+        return out
 
-    def weights_bytes(self) -> int: ...
+    def weights_bytes(self) -> int:
+        raise NotImplementedError
 
     def metrics(self) -> dict[str, float]:
         """Engine-specific metrics of the timed runs as a whole (native: attention's transient peak)."""
-        ...
+        return {}
 
     def info(self) -> dict[str, str]:
         """Where and how it ran, for the run's tags (versions, thread binding)."""
-        ...
+        return {}
 
-    # Optional: `close()` ends what the session holds outside this process (vLLM's server); the pipeline
-    # calls it once the trial is measured and evaluated (engine/pipeline.py `close_session`).
-
-
-GreedyRequest = tuple[list[int], int, list[str]]  # (prompt ids, max_new_tokens, stop strings)
+    def close(self) -> None:
+        """End what the session holds outside this process (vLLM's server); the pipeline calls it once the trial
+        is measured and evaluated (engine/pipeline.py `close_session`). Default: nothing to end."""
 
 
 def ends_generation(out: list[int], tokenizer: Any, stop: list[str]) -> bool:
@@ -131,19 +143,6 @@ def cut_generation(out: list[int], tokenizer: Any, stop: list[str]) -> list[int]
     for n in range(1, len(out) + 1):
         if ends_generation(out[:n], tokenizer, stop):
             return out[:n]
-    return out
-
-
-def generate_greedy_many(session: TrialSession, requests: list[GreedyRequest], say: Say) -> list[list[int]]:
-    """Every request's greedy answer: the session's own `generate_greedy_many` where it has one (all at once),
-    else `generate_greedy` per request."""
-    many = getattr(session, "generate_greedy_many", None)
-    if many is not None:
-        return many(requests, say)
-    out = []
-    for i, (prompt, max_new, stop) in enumerate(requests):
-        say(f"generating {i + 1}/{len(requests)} ({len(prompt)} prompt tokens)")
-        out.append(session.generate_greedy(prompt, max_new, stop, say))
     return out
 
 
@@ -170,6 +169,9 @@ class Engine:
     # multiple choice and rolling), "generate_until" (greedy); task_why: why the others are not (for messages)
     task_requests: tuple[str, ...] = ()
     task_why: str = ""
+    # runs the draft of speculative.method=self-draft (the target's first layers) over the in-process model a torch
+    # engine loaded, whatever engine runs the target (engine/speculative/self_draft.py asks the registry for it)
+    runs_self_draft: bool = False
 
     def missing(self) -> Optional[str]:
         """Why this engine cannot run on this machine (not installed), or None."""
@@ -202,3 +204,25 @@ class Engine:
 
     def open(self, trial: TrialConfig, loaded: Any, say: Say) -> TrialSession:
         raise NotImplementedError
+
+    def make_backend(self, loaded: Any, trial: TrialConfig) -> Any:
+        """The logits-level backend (engine/engines/logits.py `Backend`) over a model from `load`: what tests,
+        benchmarks, notebooks and the speculative drafters drive token by token. Default: none in this process."""
+        raise EngineError(f"engine={self.name} runs whole trials (engine.pipeline.run_engine_trial); it has no "
+                          "logits-level backend in this process")
+
+    def self_draft_backend(self, loaded: Any, trial: TrialConfig, num_layers: int) -> Any:
+        """Where `runs_self_draft`: a logits-level backend over the first `num_layers` decoder blocks of `loaded`
+        (weights shared with the target), the draft of `trial`'s self-draft."""
+        raise EngineError(f"engine={self.name} does not run self-draft drafts")
+
+    def self_draft_problem(self, facts, num_tokens: int) -> Optional[str]:
+        """Where `runs_self_draft`: why it cannot run the draft of a model with these facts
+        (engine.model_facts.ModelFacts) over `num_tokens` positions; None when it can."""
+        return None
+
+    def reference(self, trial: TrialConfig, loaded: Any) -> Any:
+        """The unoptimized reference of `trial`'s model (a logits-level `Backend`: float32, the engine's default
+        attention, no quantization) that fidelity and task accuracy compare against; asked of the registry's
+        `REFERENCE` engine. `loaded`: the trial's own model, reused where it already is the reference."""
+        raise EngineError(f"engine={self.name} has no fp32 reference backend; the reference engine is the default one")

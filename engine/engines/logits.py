@@ -1,7 +1,7 @@
 """Logits-level engines (hf, native, llama.cpp): a `Backend` turns token ids into logits, and one adapter
 (`LogitsEngine` / `LogitsSession`) turns any such backend into the trial contract (engine/engines/base.py):
 the decode loop (engine/generate.py), speculative decoding (engine/speculative/) and window scoring are
-written once here, on top of `Backend.new_session` / `DecodeSession.forward` / `Backend.score`.
+written once here, on top of `Backend.new_session` / `DecodeSession.forward` (engine/traces.py) / `Backend.score`.
 
 Shapes: B = batch, T = new tokens in this call, V = vocabulary.
 """
@@ -12,28 +12,8 @@ from typing import Any, Protocol
 import torch
 
 from ..config import EngineError, TrialConfig
-from .base import Engine, Problems, Runs, Say, ServingPlan, StaticPlan, WindowScores, ends_generation
-
-
-class DecodeSession(Protocol):
-    """One batch of sequences being generated, owning its KV cache (if any)."""
-
-    @property
-    def length(self) -> int:
-        """Tokens currently held per sequence (prompt + generated)."""
-        ...
-
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        """Append tokens [B, T] to every sequence and return their logits [B, T, V] (float32)."""
-        ...
-
-    def rollback(self, num_tokens: int) -> None:
-        """Forget the last `num_tokens` positions (rejected speculative tokens)."""
-        ...
-
-    def kv_cache_bytes(self) -> tuple[int, int]:
-        """(allocated, used) bytes of the KV cache; (0, 0) when caching is off."""
-        ...
+from ..traces import DecodeSession
+from .base import Engine, Problems, Runs, Say, ServingPlan, StaticPlan, TrialSession, WindowScores, ends_generation
 
 
 class Backend(Protocol):
@@ -77,7 +57,7 @@ def torch_checks(trial: TrialConfig, gpu_available: bool) -> Problems:
     return []
 
 
-class LogitsSession:
+class LogitsSession(TrialSession):
     """The trial contract over a logits-level backend: warm-up and timed repeats of the static batch
     (plain or speculative decoding), peak memory of the timed region, and window scoring by full logits."""
 

@@ -11,13 +11,10 @@ import torch
 
 from ..config import SLOConfig
 from .noise import UNSTABLE  # noqa: F401 -- the label's home is the noise module (torch-free); LABELS documents it
-from ..generate import GenerationTrace
+from ..traces import GenerationTrace
 
 if TYPE_CHECKING:
     from ..speculative.decode import SpeculativeStats
-
-if TYPE_CHECKING:  # no import at run time: the serving package imports the backends
-    from ..engines.native.serving.llm_engine import ServingTrace
 
 # name -> definition; anything logged as a metric is listed here.
 METRICS: dict[str, str] = {
@@ -292,22 +289,6 @@ def turn_metrics(runs: list, turns: int) -> tuple[dict[str, float], dict[str, li
     if known:
         m["prefill_tokens_last_turn"] = curve["turn_prefill_tokens"][-1]
     return m, curve
-
-
-def scheduler_metrics(trace: "ServingTrace") -> dict[str, float]:
-    """What engine=native's scheduler and KV pool did in one serving run."""
-    return {
-        "prefix_hit_rate": trace.stats.prefix_hit_rate,
-        "preemptions": float(trace.stats.preemptions),
-        "mean_batch_size": trace.step_seqs / trace.steps,
-        "kv_cache_bytes": float(trace.kv_pool_bytes),
-        "kv_peak_bytes": float(trace.kv_peak_bytes),
-    }
-
-
-def serving_metrics(trace: "ServingTrace", slo: SLOConfig) -> dict[str, float]:
-    """Metrics of one native serving run: `request_metrics` plus what the scheduler and KV pool did."""
-    return dict(request_metrics(trace.requests, trace.duration_s, slo), **scheduler_metrics(trace))
 
 
 CURVE = ("probe_rate", "probe_ttft_ms_p50", "probe_ttft_ms_p99", "probe_tpot_ms_p50", "probe_tpot_ms_p99",

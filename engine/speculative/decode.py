@@ -13,18 +13,15 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Callable, TYPE_CHECKING
+from typing import Callable
 
 import torch
 
 from ..config import SamplingConfig
-from ..generate import GenerationTrace
 from ..sampling import sample
+from ..traces import DecodeSession, GenerationTrace
 from .drafter import Drafter, Proposal
 from .verify import Verdict, verify
-
-if TYPE_CHECKING:  # the protocol of the logits-level engines (engine/engines/logits.py): a type only
-    from ..engines.logits import DecodeSession
 
 
 @dataclass

@@ -2,7 +2,7 @@
 the trial's own session (its quantization, KV cache, attention and precision applied), through the two task
 capabilities an engine declares (`Engine.task_requests`): `TrialSession.loglikelihood` (sum of log p of a
 continuation's tokens after a context, and whether each was the argmax) and `TrialSession.generate_greedy`
-(greedy tokens until a stop string; all of a task's requests at once through `generate_greedy_many`).
+(greedy tokens until a stop string; all of a task's requests at once through the session's `generate_greedy_many`).
 lm-eval itself builds the requests, picks answers and aggregates metrics.
 """
 from __future__ import annotations
@@ -69,10 +69,8 @@ class SessionLM(TemplateLM):
         return results
 
     def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
-        """Every request at once through `generate_greedy_many` (an engine that starts a process per call starts
-        it once); the answer is cut before the first stop string (lm-eval's convention)."""
-        from ..engines.base import generate_greedy_many
-
+        """Every request at once through the session's `generate_greedy_many` (an engine that starts a process per
+        call starts it once); the answer is cut before the first stop string (lm-eval's convention)."""
         todo = []
         for context, gen_kwargs in (r.args for r in requests):
             kw = dict(gen_kwargs or {})
@@ -80,7 +78,7 @@ class SessionLM(TemplateLM):
             until = [until] if isinstance(until, str) else list(until)
             max_new = int(kw.get("max_gen_toks", self.max_gen_toks))
             todo.append((self.tok_encode(context)[-(self._max_length - max_new):], max_new, until))
-        answers = generate_greedy_many(self.session, todo, self.say)
+        answers = self.session.generate_greedy_many(todo, self.say)
         out = []
         for (context, gen_kwargs), (_, _, until), ids in zip((r.args for r in requests), todo, answers):
             text = self.tok_decode(ids)

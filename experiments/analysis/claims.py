@@ -162,17 +162,19 @@ def flash_memory(t: Trials) -> Optional[Finding]:
     ctx = max([c for c in t.contexts() if c >= 1024], default=None)
     if not ctx:
         return None
-    # the attention scratch itself (native records it), and the whole process's peak (hf)
+    # the attention scratch itself (from an engine that records it), and the whole process's peak: rows of an
+    # engine that records the scratch first, then the reference engine's, then the others'
     attn, peak = None, None
-    for backend in ("native", "hf"):
-        for a in t.find(**{CONTEXT: ctx, ATTENTION.key: ATTENTION.off, BACKEND.key: backend}):
-            b = counterpart(t.rows, a, {ATTENTION.key: lambda v: v in ("sdpa", "flash")}, t.ax)
-            if b is None:
-                continue
-            if attn is None and a.num("attn_peak_bytes") and b.num("attn_peak_bytes"):
-                attn = (a, b)
-            if peak is None and a.num("peak_mem_bytes") and b.num("peak_mem_bytes"):
-                peak = (a, b)
+    cands = t.find(**{CONTEXT: ctx, ATTENTION.key: ATTENTION.off})
+    cands.sort(key=lambda r: (not r.num("attn_peak_bytes"), r.params.get(BACKEND.key) != BACKEND.off))
+    for a in cands:
+        b = counterpart(t.rows, a, {ATTENTION.key: lambda v: v in ("sdpa", "flash")}, t.ax)
+        if b is None:
+            continue
+        if attn is None and a.num("attn_peak_bytes") and b.num("attn_peak_bytes"):
+            attn = (a, b)
+        if peak is None and a.num("peak_mem_bytes") and b.num("peak_mem_bytes"):
+            peak = (a, b)
     if attn is None and peak is None:
         return None
     parts, used, holds = [], [], NO

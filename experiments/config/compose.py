@@ -187,8 +187,10 @@ class Composer:
         group = key.lstrip("+").split("@")[0]
         if key.startswith("~") or not isinstance(value, str) or value == "null":
             return None
+        # hydra.compose has no way to list a group's options; GlobalHydra's config loader (hydra.core, the
+        # interface hydra's own plugins use) does, through its public ConfigLoader methods
         loader = GlobalHydra.instance().config_loader()
-        if not loader.repository.group_exists(group):
+        if not _group_exists(loader, group):
             return None
         options = loader.get_group_options(group, ObjectType.CONFIG)
         return None if value in options else unknown_option(label or group, options)
@@ -219,7 +221,7 @@ class Composer:
             group, old, new = m.group(1), "+", ""
         else:
             return None
-        if not GlobalHydra.instance().config_loader().repository.group_exists(group):
+        if not _group_exists(GlobalHydra.instance().config_loader(), group):
             return None
         for i, line in enumerate(overrides):
             if line.startswith(f"{old}{group}="):
@@ -260,8 +262,6 @@ class Composer:
         that cached composition with Hydra's own override logic, as Hydra applies them after composing.
         A 1,000-value axis thus costs one compose, not 1,000 (~0.15 s each). Any failure falls back to
         the full compose, so errors read exactly as before."""
-        from hydra._internal.config_loader_impl import ConfigLoaderImpl
-
         groups = [o for o in extra if not _is_value_override(o)]
         values = [o for o in extra if _is_value_override(o)]
         if not values:
@@ -275,12 +275,36 @@ class Composer:
         try:
             base = self.composition(fixed + groups)
             cfg = base.copy()
-            ConfigLoaderImpl._apply_overrides_to_config(_parse(values), cfg)
+            _apply_value_overrides(_parse(values), cfg)
             data = OmegaConf.to_container(cfg, resolve=True)
         except Exception:
             return self.compose(fixed + extra)
         done[key] = (data, base.params)
         return copy.deepcopy(data), dict(base.params)
+
+
+def _group_exists(loader, group: str) -> bool:
+    """Whether `group` (`a/b` when nested) is a config group, through the config loader's public interface."""
+    parent, _, name = group.rpartition("/")
+    return name in loader.list_groups(parent)
+
+
+def _apply_value_overrides(overrides, cfg) -> None:
+    """Hydra's rules for value overrides applied to a composed `cfg`: `key=value` changes a key the config has,
+    `+key=value` adds one it lacks, `++key=value` adds or changes. Hydra has no public call for this step (its
+    own is the private `ConfigLoaderImpl._apply_overrides_to_config`), so its rules are written out here on
+    OmegaConf's public `update`; a deletion (`~key`) or a package raises, and `compose_fast` leaves that
+    override to Hydra's full compose."""
+    for o in overrides:
+        if o.package is not None or o.is_delete():
+            raise ValueError(f"{o.input_line}: left to Hydra's full compose")
+        key, value = o.key_or_group, o.value()
+        if o.is_add():
+            if OmegaConf.select(cfg, key, throw_on_missing=False) is not None and not isinstance(value, (dict, list)):
+                raise ValueError(f"{o.input_line}: {key} is already in the config")
+            OmegaConf.update(cfg, key, value, merge=True, force_add=True)
+        else:
+            OmegaConf.update(cfg, key, value, merge=True, force_add=o.is_force_add())
 
 
 def _is_value_override(line: str) -> bool:
@@ -398,8 +422,26 @@ def _bundle_problems(conflicts: dict[str, dict[str, str]]) -> list[str]:
 
 
 def expand(overrides: list[str], gpu_available: bool | None = None) -> list[TrialSpec]:
-    """Expand CLI overrides (+ the chosen experiment's `hydra.sweeper.params`) into validated trials."""
+    """Expand CLI overrides (+ the chosen experiment's `hydra.sweeper.params`) into validated trials. Each step
+    adds what it finds to one list of problems and drops what it found bad, so the later steps still run and
+    the `SweepError` reports everything at once."""
     problems: list[str] = []
+    fixed, sweeps = _split_overrides(overrides, problems)
+    with Composer() as c:
+        fixed = _known_options(c, fixed, problems)
+        fixed, params = _compose_fixed(c, fixed, problems)
+        fixed_strs = [o.input_line for o in fixed]
+        axes = _sweep_axes(c, fixed, fixed_strs, params, sweeps, problems)
+        specs, conflicts = _trials(c, fixed, fixed_strs, axes, gpu_available, problems)
+    problems += _bundle_problems(conflicts)
+    problems += _trial_problems(specs, gpu_available)
+    if problems:
+        raise SweepError(_dedupe(problems))
+    return specs
+
+
+def _split_overrides(overrides: list[str], problems: list[str]) -> tuple[list, list]:
+    """(fixed overrides, sweep overrides `key=a,b`), parsed; a syntax error ends the expansion at once."""
     try:
         parsed = _parse(overrides)
     except Exception as e:  # hydra's OverrideParseException
@@ -409,108 +451,129 @@ def expand(overrides: list[str], gpu_available: bool | None = None) -> list[Tria
     for o in sweeps:
         if _key(o).split("@")[0] == "experiment":
             problems.append("experiment: sweep one experiment at a time (got a list)")
+    return fixed, sweeps
 
-    with Composer() as c:
-        for o in list(fixed):
-            if (msg := c.missing_option(_key(o), o.value())) is not None:
-                problems.append(msg)
-                fixed.remove(o)
-        fixed_strs = [o.input_line for o in fixed]
-        # 1. each fixed override alone, so every bad key/option/type is reported, not just the first;
-        #    bad ones are dropped so the remaining checks still run.
-        params: dict[str, str] = {}
+
+def _known_options(c: "Composer", fixed: list, problems: list[str]) -> list:
+    """The fixed overrides without those that choose a group option that does not exist."""
+    out = []
+    for o in fixed:
+        if (msg := c.missing_option(_key(o), o.value())) is not None:
+            problems.append(msg)
+        else:
+            out.append(o)
+    return out
+
+
+def _compose_fixed(c: "Composer", fixed: list, problems: list[str]) -> tuple[list, dict[str, str]]:
+    """(the fixed overrides that compose, the experiment's sweeper params). When they fail together, each is
+    composed alone so every bad key/option/type is reported, not just the first, and the bad ones are dropped;
+    when only their combination fails, the expansion ends here."""
+    try:
+        return fixed, c.compose([o.input_line for o in fixed])[1]
+    except Exception:
+        good = []
+        for o in fixed:
+            try:
+                c.compose([o.input_line])
+                good.append(o)
+            except Exception as e:
+                problems.append(describe_error(_key(o), e))
         try:
-            _, params = c.compose(fixed_strs)
-        except Exception:
-            good = []
-            for o in fixed:
-                try:
-                    c.compose([o.input_line])
-                    good.append(o)
-                except Exception as e:
-                    problems.append(describe_error(_key(o), e))
-            fixed, fixed_strs = good, [o.input_line for o in good]
-            try:
-                _, params = c.compose(fixed_strs)
-            except Exception as e:  # only the combination fails
-                problems.append(describe_error("overrides", e))
-                raise SweepError(problems) from None
+            return good, c.compose([o.input_line for o in good])[1]
+        except Exception as e:  # only the combination fails
+            problems.append(describe_error("overrides", e))
+            raise SweepError(problems) from None
 
-        # 2. sweep axes: the experiment's params, then the command line's (which win per key)
-        fixed_keys = {_key(o).lstrip("+") for o in fixed}
-        axes: dict[str, list[str]] = {}
-        for k, v in params.items():
-            if k in fixed_keys:
-                continue  # pinned on the command line
-            try:
-                (o,) = _parse([f"{k}={v}"])
-                axes[_key(o)] = _values(o)
-            except Exception as e:
-                problems.append(f"experiment sweeper param {k}: {_first_lines(e)}")
-        for o in sweeps:
+
+def _sweep_axes(c: "Composer", fixed: list, fixed_strs: list[str], params: dict[str, str], sweeps: list,
+                problems: list[str]) -> dict[str, list[str]]:
+    """key -> values of every sweep axis: the experiment's params, then the command line's (which win per key);
+    a key pinned on the command line is no axis. Each value is composed alone, and a bad one dropped."""
+    fixed_keys = {_key(o).lstrip("+") for o in fixed}
+    axes: dict[str, list[str]] = {}
+    for k, v in params.items():
+        if k in fixed_keys:
+            continue  # pinned on the command line
+        try:
+            (o,) = _parse([f"{k}={v}"])
             axes[_key(o)] = _values(o)
-        for k in list(axes):
-            if not axes[k]:
-                problems.append(f"{k}: empty sweep list")
-            good_vals = []
-            for v in axes[k]:
-                if (msg := c.missing_option(k, _unescape(v), label=f"{k}={v}")) is not None:
-                    problems.append(msg)
-                    continue
-                try:
-                    c.compose_fast(fixed_strs, [f"{k}={v}"])
-                    good_vals.append(v)
-                except Exception as e:
-                    problems.append(describe_error(f"{k}={v}", e))
-            axes[k] = good_vals or axes[k][:0]
-            if not axes[k]:
-                del axes[k]
-
-        # 3. the Cartesian product, each trial composed and checked
-        keys = list(axes)
-        # what the command line chose itself, for the bundle check (an engine variant must not contradict it)
-        chosen = {o.key_or_group: o.value() for o in fixed
-                  if not o.is_delete() and o.key_or_group not in BUNDLE_GROUPS + ("experiment",)}
-        conflicts: dict[str, dict[str, str]] = {}
-        specs: list[TrialSpec] = []
-        hashes: set[str] = set()
-        merged_hashes: set[str] = set()  # hashes a normalization produced: a repeat is the same trial
-        for i, combo in enumerate(itertools.product(*(axes[k] for k in keys))):
-            swept = dict(zip(keys, combo))
+        except Exception as e:
+            problems.append(f"experiment sweeper param {k}: {_first_lines(e)}")
+    for o in sweeps:
+        axes[_key(o)] = _values(o)
+    for k in list(axes):
+        if not axes[k]:
+            problems.append(f"{k}: empty sweep list")
+        good_vals = []
+        for v in axes[k]:
+            if (msg := c.missing_option(k, _unescape(v), label=f"{k}={v}")) is not None:
+                problems.append(msg)
+                continue
             try:
-                config, _ = c.compose_fast(fixed_strs, [f"{k}={v}" for k, v in swept.items()])
+                c.compose_fast(fixed_strs, [f"{k}={v}"])
+                good_vals.append(v)
             except Exception as e:
-                problems.append(f"trial {i} ({swept}): {describe_error('overrides', e)}")
-                continue
-            requested = dict(chosen, **{k: v for k, v in swept.items() if k not in BUNDLE_GROUPS})
-            for req, option, sets in bundle_conflicts(c.choices(fixed_strs, [f"{k}={v}" for k, v in swept.items()]),
-                                                      requested):
-                conflicts.setdefault(req, {})[option] = sets
-            # keys that cannot change this trial (speculative.k with speculative=off) are reset, and a
-            # combination that only differed in them is the same trial: run it once
-            config, inert = normalize(config)
-            # a value the engine runs as another (llama.cpp attention=sdpa is eager) is that value
-            config, folded = fold_aliases(config)
-            kept = {k: folded.get(k, _unescape(v)) for k, v in swept.items() if k not in inert}
-            # model.dtype=auto becomes this hardware's dtype before hashing (the hash names what ran); a
-            # sweep of auto,float32 on a CPU without bf16 units is then one trial, not a duplicate
-            try:
-                config, resolved = resolve_auto_dtype(config, gpu_available)
-            except EngineError as e:  # e.g. a bad INFERSWEEP_CPU_BF16: a clear problem, not a traceback
-                problems.append(f"model.dtype=auto: {e}")
-                continue
-            if resolved and "model.dtype" in kept:
-                kept["model.dtype"] = config["model"]["dtype"]
-            spec = TrialSpec(config=config, swept=kept, index=len(specs))
-            merged = len(kept) < len(swept) or resolved or bool(folded)
-            if spec.config_hash in hashes and (merged or spec.config_hash in merged_hashes):
-                continue
-            if merged:
-                merged_hashes.add(spec.config_hash)
-            hashes.add(spec.config_hash)
-            specs.append(spec)
+                problems.append(describe_error(f"{k}={v}", e))
+        axes[k] = good_vals or axes[k][:0]
+        if not axes[k]:
+            del axes[k]
+    return axes
 
-    problems += _bundle_problems(conflicts)
+
+def _trials(c: "Composer", fixed: list, fixed_strs: list[str], axes: dict[str, list[str]],
+            gpu_available: bool | None, problems: list[str]) -> tuple[list[TrialSpec], dict[str, dict[str, str]]]:
+    """(the Cartesian product of the axes, each trial composed, normalized and hashed, a combination that only
+    differed in what cannot change it run once; the bundle conflicts: requested choice -> {option: what it sets})."""
+    keys = list(axes)
+    # what the command line chose itself, for the bundle check (an engine variant must not contradict it)
+    chosen = {o.key_or_group: o.value() for o in fixed
+              if not o.is_delete() and o.key_or_group not in BUNDLE_GROUPS + ("experiment",)}
+    conflicts: dict[str, dict[str, str]] = {}
+    specs: list[TrialSpec] = []
+    hashes: set[str] = set()
+    merged_hashes: set[str] = set()  # hashes a normalization produced: a repeat is the same trial
+    for i, combo in enumerate(itertools.product(*(axes[k] for k in keys))):
+        swept = dict(zip(keys, combo))
+        try:
+            config, _ = c.compose_fast(fixed_strs, [f"{k}={v}" for k, v in swept.items()])
+        except Exception as e:
+            problems.append(f"trial {i} ({swept}): {describe_error('overrides', e)}")
+            continue
+        requested = dict(chosen, **{k: v for k, v in swept.items() if k not in BUNDLE_GROUPS})
+        for req, option, sets in bundle_conflicts(c.choices(fixed_strs, [f"{k}={v}" for k, v in swept.items()]),
+                                                  requested):
+            conflicts.setdefault(req, {})[option] = sets
+        # keys that cannot change this trial (speculative.k with speculative=off) are reset, and a
+        # combination that only differed in them is the same trial: run it once
+        config, inert = normalize(config)
+        # a value the engine runs as another (llama.cpp attention=sdpa is eager) is that value
+        config, folded = fold_aliases(config)
+        kept = {k: folded.get(k, _unescape(v)) for k, v in swept.items() if k not in inert}
+        # model.dtype=auto becomes this hardware's dtype before hashing (the hash names what ran); a
+        # sweep of auto,float32 on a CPU without bf16 units is then one trial, not a duplicate
+        try:
+            config, resolved = resolve_auto_dtype(config, gpu_available)
+        except EngineError as e:  # e.g. a bad INFERSWEEP_CPU_BF16: a clear problem, not a traceback
+            problems.append(f"model.dtype=auto: {e}")
+            continue
+        if resolved and "model.dtype" in kept:
+            kept["model.dtype"] = config["model"]["dtype"]
+        spec = TrialSpec(config=config, swept=kept, index=len(specs))
+        merged = len(kept) < len(swept) or resolved or bool(folded)
+        if spec.config_hash in hashes and (merged or spec.config_hash in merged_hashes):
+            continue
+        if merged:
+            merged_hashes.add(spec.config_hash)
+        hashes.add(spec.config_hash)
+        specs.append(spec)
+    return specs, conflicts
+
+
+def _trial_problems(specs: list[TrialSpec], gpu_available: bool | None) -> list[str]:
+    """Value checks of every trial (a message shared by some trials names them) and trials that are the same
+    configuration."""
+    problems: list[str] = []
     by_msg: dict[str, list[str]] = {}
     seen: dict[str, int] = {}
     for spec in specs:
@@ -526,9 +589,7 @@ def expand(overrides: list[str], gpu_available: bool | None = None) -> list[Tria
         else:
             shown = "; ".join(labels[:3]) + (f"; and {len(labels) - 3} more" if len(labels) > 3 else "")
             problems.append(f"{msg}  [in {len(labels)} of {len(specs)} trials: {shown}]")
-    if problems:
-        raise SweepError(_dedupe(problems))
-    return specs
+    return problems
 
 
 def resolve_auto_dtype(config: dict[str, Any], gpu_available: bool | None = None) -> tuple[dict[str, Any], bool]:
@@ -569,7 +630,7 @@ def validate(config: dict[str, Any], gpu_available: bool | None = None) -> list[
     cl = ClusterConfig.from_dict(config["cluster"])
     out = cl.problems() + _tracking_problems(config["tracking"])
     try:
-        trial = build_trial(config)
+        trial = build_trial(config, cl)
     except (TypeError, ValueError, EngineError) as e:
         return out + [str(e)]
     gpu = cl.num_gpus_per_trial > 0 if gpu_available is None else gpu_available

@@ -9,6 +9,7 @@ import hashlib
 from dataclasses import dataclass, field
 from typing import Any
 
+from cluster.config import ClusterConfig
 from engine.config import SPECULATIVE_USES, SpeculativeConfig, TrialConfig
 
 from .hashing import SHORT, canonical_json, config_hash
@@ -32,7 +33,13 @@ class TrialSpec:
     def trial(self) -> TrialConfig:
         """Built once (cached in the instance, so it travels with the spec to the worker); raises
         `EngineError` for a config the engine's dataclasses reject."""
-        return build_trial(self.config)
+        return build_trial(self.config, self.cluster)
+
+    @functools.cached_property
+    def cluster(self) -> ClusterConfig:
+        """The typed `cluster` section, parsed once (cached like `trial`): what the driver and the worker read
+        of where and how the trial runs."""
+        return ClusterConfig.from_dict(self.config.get("cluster") or {})
 
     @property
     def label(self) -> str:
@@ -58,16 +65,16 @@ def model_key(config: dict[str, Any]) -> str | None:
     return hashlib.sha256(canonical_json(view).encode()).hexdigest()[:16]
 
 
-def build_trial(config: dict[str, Any]) -> TrialConfig:
+def build_trial(config: dict[str, Any], cluster: ClusterConfig | None = None) -> TrialConfig:
     """The engine's TrialConfig of a resolved config. `engine.threads: 0` becomes the CPUs the trial is given
-    (the engine's own 0 means torch's default, which on a shared node is every core)."""
+    (the engine's own 0 means torch's default, which on a shared node is every core). `cluster`: the config's
+    `cluster` section already parsed (else parsed here)."""
     from .schema import PLATFORM_KEYS
 
     trial = TrialConfig.from_dict(config, ignore=PLATFORM_KEYS + ("hydra",))
     if not trial.engine.threads:
-        from cluster.config import ClusterConfig
-
-        trial.engine.threads = int(ClusterConfig.from_dict(config.get("cluster") or {}).num_cpus_per_trial or 0)
+        cluster = cluster or ClusterConfig.from_dict(config.get("cluster") or {})
+        trial.engine.threads = int(cluster.num_cpus_per_trial or 0)
     return trial
 
 

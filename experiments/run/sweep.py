@@ -105,9 +105,7 @@ class SweepRecorder:
 
 def _affinity_key(spec: TrialSpec) -> Optional[str]:
     """Trials with one key can share a worker's loaded model (None: never shared)."""
-    from cluster import ClusterConfig
-
-    return model_key(spec.config) if ClusterConfig.from_dict(spec.config["cluster"]).warm_workers else None
+    return model_key(spec.config) if spec.cluster.warm_workers else None
 
 
 def _left_to_run(rec, specs: list[TrialSpec], sweep_name: str, recorder: SweepRecorder, echo) -> list[TrialSpec]:
@@ -129,7 +127,7 @@ def _dispatch(todo: list[TrialSpec], cluster, in_process: bool, recorder: SweepR
     """Every trial of `todo` on a worker pool, each recorded once: Ray actors (connecting as `cluster`, the
     sweep's `ClusterConfig`, says), or (`in_process`) one worker in this process; both through the cluster
     layer's dispatcher (affinity, retries, KILLED on Ctrl-C, ...)."""
-    from cluster import ClusterConfig, ensure_ray, run_in_process, run_on_ray
+    from cluster import Job, ensure_ray, run_in_process, run_on_ray
 
     if in_process:
         run = run_in_process
@@ -139,17 +137,9 @@ def _dispatch(todo: list[TrialSpec], cluster, in_process: bool, recorder: SweepR
     if cluster.interleave:
         _dispatch_interleaved(run, todo, cluster, recorder, desc, on_start)
         return
-    run(
-        execute_trial,
-        todo,
-        placement_for=lambda s: ClusterConfig.from_dict(s.config["cluster"]).placement(),
-        on_result=recorder.record,
-        key_for=_affinity_key,
-        desc=desc,
-        placement_timeout_s=float(cluster.placement_timeout_s),
-        on_start=on_start,
-        worker_state=WarmModels,  # each worker keeps its own last model
-    )
+    job = Job(todo, placement_for=lambda s: s.cluster.placement(), on_result=recorder.record, key_for=_affinity_key,
+              desc=desc, placement_timeout_s=float(cluster.placement_timeout_s), on_start=on_start)
+    run(execute_trial, job, worker_state=WarmModels)  # each worker keeps its own last model
 
 
 def interleave_groups(specs: list[TrialSpec]) -> list[tuple[TrialSpec, ...]]:
@@ -170,7 +160,7 @@ def interleave_groups(specs: list[TrialSpec]) -> list[tuple[TrialSpec, ...]]:
 def _dispatch_interleaved(run, todo: list[TrialSpec], cluster, recorder: SweepRecorder, desc: str, on_start) -> None:
     """`cluster.interleave`: each group of variants is one task on one worker, measured round-robin; its
     outcomes are recorded one per trial, as any other trial's."""
-    from cluster import ClusterConfig, TaskFailure
+    from cluster import Job, TaskFailure
 
     from .trial import execute_interleaved
 
@@ -178,16 +168,10 @@ def _dispatch_interleaved(run, todo: list[TrialSpec], cluster, recorder: SweepRe
         outcomes = result if not isinstance(result, TaskFailure) else [result] * len(group)
         return all([recorder.record(s, o, meta) for s, o in zip(group, outcomes)])
 
-    run(
-        execute_interleaved,
-        interleave_groups(todo),
-        placement_for=lambda g: ClusterConfig.from_dict(g[0].config["cluster"]).placement(),
-        on_result=record_group,
-        desc=f"{desc} (interleaved groups)",
-        placement_timeout_s=float(cluster.placement_timeout_s),
-        on_start=(lambda g, meta: [on_start(s, meta) for s in g]) if on_start else None,
-        worker_state=WarmModels,
-    )
+    job = Job(interleave_groups(todo), placement_for=lambda g: g[0].cluster.placement(), on_result=record_group,
+              desc=f"{desc} (interleaved groups)", placement_timeout_s=float(cluster.placement_timeout_s),
+              on_start=(lambda g, meta: [on_start(s, meta) for s in g]) if on_start else None)
+    run(execute_interleaved, job, worker_state=WarmModels)
 
 
 def run_specs(
@@ -201,8 +185,6 @@ def run_specs(
 ) -> SweepResult:
     """Run and record `specs`. `skip_finished`: leave out hashes already FINISHED in the experiment
     (resume). `on_start(spec, meta)` is called as each trial is handed to a worker."""
-    from cluster import ClusterConfig
-
     from ..tracking.spool import Recorder
     from ..tracking.store import sweep_record
     from ..tracking.server import redact, serving
@@ -224,7 +206,7 @@ def run_specs(
         status = FINISHED
         try:
             if todo:
-                _dispatch(todo, ClusterConfig.from_dict(first["cluster"]), in_process, recorder, sweep_name, on_start)
+                _dispatch(todo, specs[0].cluster, in_process, recorder, sweep_name, on_start)
         except KeyboardInterrupt:
             status = KILLED
             raise

@@ -14,8 +14,6 @@ import traceback
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from cluster.config import ClusterConfig
-
 from ..config.spec import TrialSpec, model_key
 
 FINISHED, FAILED = "FINISHED", "FAILED"
@@ -113,7 +111,7 @@ def execute_trial(spec: TrialSpec, warm: Optional[WarmModels] = None) -> TrialOu
     proc = {"host": socket.gethostname(), "pid": str(os.getpid())}
     if os.environ.get("CUDA_VISIBLE_DEVICES") is not None:
         proc["cuda_visible_devices"] = os.environ["CUDA_VISIBLE_DEVICES"]
-    key = model_key(spec.config) if ClusterConfig.from_dict(spec.config["cluster"]).warm_workers else None
+    key = model_key(spec.config) if spec.cluster.warm_workers else None
     warm = WarmModels() if warm is None else warm
     reused = False
     try:
@@ -178,7 +176,7 @@ def execute_interleaved(specs: list[TrialSpec], warm: Optional[WarmModels] = Non
         warm.release()  # every variant loads its own model for the group's lifetime
     start = int(time.time() * 1000)
     proc = {"host": socket.gethostname(), "pid": str(os.getpid())}
-    rounds = int(ClusterConfig.from_dict(specs[0].config["cluster"]).interleave)
+    rounds = int(specs[0].cluster.interleave)
     group = {"interleave_group": interleave_group_id(specs), "interleave_rounds": str(rounds),
              "interleave_size": str(len(specs))}
     bases = [dict(config_hash=s.config_hash, index=s.index, start_ms=start) for s in specs]

@@ -7,11 +7,11 @@ from __future__ import annotations
 
 from typing import Any
 
-from ...config import TrialConfig
+from ...config import QUANT_LEVELS, TrialConfig
 from ..base import Support
 from ..logits import LogitsEngine, torch_checks
 
-TORCH_QUANT = ("none", "int8-weight", "int8-dynamic", "bnb-int8", "bnb-nf4", "bnb-fp4")
+TORCH_QUANT = QUANT_LEVELS  # engine/quant.py's levels
 # shared by the engines that run torch kernels in this process (hf, native)
 TORCH_SUPPORT = {
     "quant.level": Support(TORCH_QUANT, "gguf-* levels are GGUF weight types written by llama.cpp (engine=llamacpp)"),

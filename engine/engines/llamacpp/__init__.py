@@ -17,7 +17,7 @@ from ...config import TrialConfig
 from ..base import Support
 from ..logits import LogitsEngine
 
-from .kv_types import KV_TYPE_BYTES, QUANTIZED_KV, kv_type
+from .kv_types import KV_CACHE_DTYPES, KV_TYPE_BYTES, QUANTIZED_KV, kv_type
 
 GGUF_QUANT = ("gguf-q8_0", "gguf-q4_0", "gguf-q4_k_m")
 ENGINE_LABEL = "engine=llamacpp"
@@ -37,7 +37,7 @@ class LlamaCppEngine(LogitsEngine):
         "quant.level": Support(("none",) + GGUF_QUANT, "llama.cpp quantizes to GGUF weight types with its own quantizer"),
         "speculative.method": Support(("off", "prompt-lookup"), "our prompt-lookup drafter verifies on llama.cpp; a draft "
                                                                 "model or self-draft would need a second llama.cpp model"),
-        "kv_cache.dtype": Support(("auto", "f32", "f16", "q8_0", "q4_0"), "llama.cpp's K/V types (auto = f16)"),
+        "kv_cache.dtype": Support(KV_CACHE_DTYPES, "llama.cpp's K/V types (auto = f16)"),
         "engine.compile": Support(("False",), "llama.cpp runs its own C++ graph: torch.compile does not apply"),
     }
 

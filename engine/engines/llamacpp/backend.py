@@ -31,10 +31,10 @@ from typing import Any, Callable, Optional
 import numpy as np
 import torch
 
-from ...config import KV_CACHE_DTYPES, EngineError, ModelConfig, QuantConfig, TrialConfig
+from ...config import EngineError, ModelConfig, QuantConfig, TrialConfig
 from ...tokenizer import ByteTokenizer, HFTokenizer, Tokenizer
 from .library import last_problem, lib, loaded_library
-from .kv_types import KV_GGML_TYPES, KV_TYPE_BYTES, QUANTIZED_KV, kv_type
+from .kv_types import KV_CACHE_DTYPES, KV_GGML_TYPES, KV_TYPE_BYTES, QUANTIZED_KV, kv_type
 
 log = logging.getLogger(__name__)
 

@@ -5,6 +5,7 @@ KV_TYPE_BYTES = {"f32": 4.0, "f16": 2.0, "q8_0": 34 / 32, "q4_0": 18 / 32}
 KV_GGML_TYPES = {"f32": "GGML_TYPE_F32", "f16": "GGML_TYPE_F16", "q8_0": "GGML_TYPE_Q8_0", "q4_0": "GGML_TYPE_Q4_0"}
 DEFAULT_KV_TYPE = "f16"  # llama.cpp's own default (kv_cache.dtype=auto)
 QUANTIZED_KV = ("q8_0", "q4_0")  # a quantized V cache needs flash attention
+KV_CACHE_DTYPES = ("auto",) + tuple(KV_TYPE_BYTES)  # the kv_cache.dtype values engine=llamacpp honours
 
 
 def kv_type(dtype: str) -> str:

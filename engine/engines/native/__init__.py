@@ -30,6 +30,7 @@ class NativeEngine(LogitsEngine):
     serving_usage = "engine=native kv_cache=paged"
     searches_capacity = True
     serves_conversations = True
+    runs_self_draft = True  # over the HF model hf or native loaded (native shares its weights)
 
     def check(self, trial: TrialConfig, facts, gpu_available: bool):
         p = torch_checks(trial, gpu_available)
@@ -64,6 +65,39 @@ class NativeEngine(LogitsEngine):
     @property
     def session_class(self):
         return NativeTrialSession
+
+    def self_draft_backend(self, loaded: Any, trial: TrialConfig, num_layers: int):
+        """A native backend over the first `num_layers` blocks of `loaded` (weights shared with the target).
+        The draft's cache follows the target's native layout (contiguous or paged); contiguous otherwise."""
+        from ...config import EngineError, replace
+        from .backend import NativeBackend
+        from .support import unsupported
+
+        why = unsupported(loaded.config)
+        if why is not None:  # whatever the target's backend: the draft always runs natively
+            raise EngineError(f"{DRAFT_RUNTIME}, which cannot run this model: {why}; {INSTEAD}")
+        total = int(getattr(loaded.config, "num_hidden_layers", 0) or 0)
+        if not 1 <= num_layers < total:
+            raise EngineError(f"speculative.draft_layers must be in [1, {total}) for this {total}-layer model, got {num_layers}")
+        mode = trial.kv_cache.mode
+        kv = mode if (trial.engine.backend == self.name and mode in ("contiguous", "paged")) else "contiguous"
+        draft = replace(replace(trial, "engine.backend", self.name), "kv_cache.mode", kv)
+        return NativeBackend(loaded, draft, num_layers=num_layers,
+                             instead=f"{DRAFT_RUNTIME}: {INSTEAD}, or a context within the window")
+
+    def self_draft_problem(self, facts, num_tokens: int):
+        """The native runtime's own rules (architecture, sliding window) for the self-draft's truncated model."""
+        from .support import unsupported, window_exceeded
+
+        if facts is None or facts.config is None:
+            return None
+        return unsupported(facts.config) or window_exceeded(facts.sliding_window, num_tokens)
+
+
+# The self-draft's draft is a truncated native model, so a model the native runtime cannot run has no self-draft on
+# either backend: switching the target to backend hf (what backend native's own error advises) fixes nothing.
+DRAFT_RUNTIME = "speculative.method=self-draft runs its draft (the target's first layers) on the native runtime"
+INSTEAD = "use speculative.method=draft or prompt-lookup with this model"
 
 
 def _tokens_needed(trial: TrialConfig) -> int:
@@ -107,7 +141,6 @@ class NativeTrialSession(LogitsSession):
 
     def run_serving(self, plan: ServingPlan, say) -> Runs:
         from ...measure.memory import PeakMemory
-        from ...measure.metrics import scheduler_metrics
         from .serving.serve import ServingSetup
 
         setup = ServingSetup(self.trial, self.backend)
@@ -121,7 +154,7 @@ class NativeTrialSession(LogitsSession):
                 say(f"serving run {i + 1}/{plan.repeats}: {len(plan.requests)} requests, "
                     f"{self.trial.batching.mode} batching")
                 traces.append(setup.run(plan.requests, plan.follow_up, plan.max_concurrency))
-        return Runs(traces, [scheduler_metrics(t) for t in traces], mem.peak_bytes)
+        return Runs(traces, [t.scheduler_metrics() for t in traces], mem.peak_bytes)
 
     def reset_peaks(self) -> None:
         self.backend.kernel.reset_peak()

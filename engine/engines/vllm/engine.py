@@ -35,6 +35,7 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 from ...config import EngineError, ModelConfig, TrialConfig
+from ..base import TrialSession
 
 log = logging.getLogger(__name__)
 
@@ -435,7 +436,7 @@ def static_run_trace(run: dict, trial: TrialConfig, pool_bytes: int):
     every sequence has it (our decode loop's definition); prefill = time to that first token."""
     import torch
 
-    from ...generate import GenerationTrace
+    from ...traces import GenerationTrace
     from ...measure.metrics import expected_tokens_per_step
 
     recs, wl = run["requests"], trial.workload
@@ -491,7 +492,7 @@ def serving_run_trace(run: dict, pool_bytes: int):
     return RequestTrace(recs, float(run["duration_s"])), m
 
 
-class VLLMSession:
+class VLLMSession(TrialSession):
     """The trial contract on vLLM (its start-up costs tens of seconds, paid once per trial):
     - a static batch: one worker call runs the warm-up, the timed repeats and the scoring of the evaluation
       windows; the pipeline reads its results;

@@ -41,6 +41,17 @@ class ServingTrace:
     kv_pool_bytes: int
     kv_peak_bytes: int  # most bytes of blocks held at once
 
+    def scheduler_metrics(self) -> dict[str, float]:
+        """What the scheduler and KV pool did in this run, under the names engine/measure/metrics.py defines
+        (vLLM's session reports the same names from its own counters)."""
+        return {
+            "prefix_hit_rate": self.stats.prefix_hit_rate,
+            "preemptions": float(self.stats.preemptions),
+            "mean_batch_size": self.step_seqs / self.steps,
+            "kv_cache_bytes": float(self.kv_pool_bytes),
+            "kv_peak_bytes": float(self.kv_peak_bytes),
+        }
+
 
 class ServingEngine:
     def __init__(self, runner: ModelRunner, scheduler: Scheduler, sampler: Sampler, sync: Callable[[], None],
