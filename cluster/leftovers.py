@@ -89,7 +89,7 @@ def _names(text: str, session: str) -> bool:
 def end_dead_sessions(ray_temp_dir: str, say: Callable[[str], None], wait_s: float = 10.0) -> int:
     """End the processes left by embedded Rays whose infersweep driver is gone; returns how many were ended."""
     d = Path(ray_temp_dir) / RECORDS
-    if not d.is_dir() or not os.path.isdir("/proc"):
+    if not ray_temp_dir or not d.is_dir() or not os.path.isdir("/proc"):
         return 0
     ended = 0
     for rec_path in sorted(d.glob("*.json")):

@@ -58,14 +58,27 @@ def ensure_ray(cluster: ClusterConfig | Mapping[str, Any], say: Callable[[str], 
                 kwargs["num_cpus"] = cluster.local_num_cpus or os.cpu_count()
                 if cluster.local_num_gpus is not None:
                     kwargs["num_gpus"] = cluster.local_num_gpus
+                # what a driver killed with SIGKILL left of its embedded Ray: ended before ours starts, and
+                # again in the temp dir ours actually uses (where Ray's default is not known)
+                end_dead_sessions(_default_ray_temp_dir(), say)
                 ctx = ray.init(**kwargs)
                 session = (getattr(ctx, "address_info", None) or {}).get("session_dir")
-                if session:  # what a driver killed with SIGKILL left of its own embedded Ray, then our own record
+                if session:
                     end_dead_sessions(os.path.dirname(session), say)
                     record_session(session)
         if callable(term):  # ray.init installs a handler that aborts the process: keep the caller's own
             signal.signal(signal.SIGTERM, term)
     return dict(ray.cluster_resources())
+
+
+def _default_ray_temp_dir() -> str:
+    """Where a new local Ray puts its sessions (/tmp/ray unless RAY_TMPDIR or TMPDIR say otherwise)."""
+    try:
+        from ray._common.utils import get_default_ray_temp_dir  # private: a Ray without it skips this look
+
+        return get_default_ray_temp_dir()
+    except Exception:
+        return ""
 
 
 # Ray 2.5x enables token authentication on a new local cluster when RAY_AUTH_MODE is unset, and says so with
