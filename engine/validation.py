@@ -87,6 +87,10 @@ def _speculative(trial: TrialConfig) -> list[tuple[str, str]]:
                                                       f"known: {', '.join(sorted(PREPARED_MODELS))}"))
         elif not d.path.startswith(TINY_SCHEME) and (os.path.sep in d.path or d.path.startswith(".")) and not os.path.isdir(d.path):
             p.append(("speculative.draft_model.path", f"{d.path!r} does not exist (expected a local HF checkpoint directory or a hub id)"))
+        else:
+            why = weights_problem(d.resolve(trial.model))
+            if why:
+                p.append(("speculative.draft_model.path", why))
         if d.dtype is not None:  # None follows the target
             p += _choice("speculative.draft_model.dtype", d.dtype, DTYPES)
     if s.method == "prompt-lookup":

@@ -406,6 +406,10 @@ def test_a_truncated_checkpoint_is_refused_before_launch(tiny_checkpoint_dir, tm
     assert (f"model.path: {f}: the file is truncated: its header says {full} bytes, the file has {full // 2}; "
             "save or download the checkpoint again") in err
     assert not (tmp_path / "mlflow.db").exists()
+    # the draft model of speculative=draft is the same check under its own key
+    (msg,) = [p for p in _problems(["engine=hf", "model=tiny-llama", "speculative=draft", f"speculative.draft_model.path={d}",
+                                    "workload.batch_size=1", *SHORT]) if p.startswith("speculative.draft_model.path")]
+    assert f"{f}: the file is truncated" in msg
 
     # a prepared model (in a cache of this test's own, never the shared one): the fix is to prepare it again
     monkeypatch.setenv("INFERSWEEP_CACHE", str(tmp_path / "cache"))
