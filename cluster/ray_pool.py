@@ -19,6 +19,7 @@ returns into `WorkerEvent`s.
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import signal
@@ -27,13 +28,15 @@ from typing import Any, Callable, Mapping, Optional
 
 from .config import ClusterConfig
 from .dispatcher import FAILED, FINISHED, START_FAILED, STARTED, Job, Worker, WorkerEvent, run_pool
+from .leftovers import end_dead_sessions, record_session
 from .placement import Placement
 
 log = logging.getLogger(__name__)
 
 
-def ensure_ray(cluster: ClusterConfig | Mapping[str, Any]) -> dict[str, float]:
-    """Connect to `cluster.address`, or start an embedded local Ray once. Returns the cluster resources."""
+def ensure_ray(cluster: ClusterConfig | Mapping[str, Any], say: Callable[[str], None] = print) -> dict[str, float]:
+    """Connect to `cluster.address`, or start an embedded local Ray once (and end what the embedded Ray of a
+    SIGKILLed predecessor left, cluster/leftovers.py; `say` tells). Returns the cluster resources."""
     import ray
 
     cluster = ClusterConfig.from_dict(cluster)
@@ -48,16 +51,61 @@ def ensure_ray(cluster: ClusterConfig | Mapping[str, Any]) -> dict[str, float]:
             # project code is importable on workers via the installed package; keep env minimal
             runtime_env={"env_vars": {"TOKENIZERS_PARALLELISM": "false"}},
         )
-        if address:
-            ray.init(address=address, **kwargs)
-        else:
-            kwargs["num_cpus"] = cluster.local_num_cpus or os.cpu_count()
-            if cluster.local_num_gpus is not None:
-                kwargs["num_gpus"] = cluster.local_num_gpus
-            ray.init(**kwargs)
+        with _quiet_token_auth_notice():
+            if address:
+                ray.init(address=address, **kwargs)
+            else:
+                kwargs["num_cpus"] = cluster.local_num_cpus or os.cpu_count()
+                if cluster.local_num_gpus is not None:
+                    kwargs["num_gpus"] = cluster.local_num_gpus
+                # what a driver killed with SIGKILL left of its embedded Ray: ended before ours starts, and
+                # again in the temp dir ours actually uses (where Ray's default is not known)
+                end_dead_sessions(_default_ray_temp_dir(), say)
+                ctx = ray.init(**kwargs)
+                session = (getattr(ctx, "address_info", None) or {}).get("session_dir")
+                if session:
+                    end_dead_sessions(os.path.dirname(session), say)
+                    record_session(session)
         if callable(term):  # ray.init installs a handler that aborts the process: keep the caller's own
             signal.signal(signal.SIGTERM, term)
     return dict(ray.cluster_resources())
+
+
+def _default_ray_temp_dir() -> str:
+    """Where a new local Ray puts its sessions (/tmp/ray unless RAY_TMPDIR or TMPDIR say otherwise)."""
+    try:
+        from ray._common.utils import get_default_ray_temp_dir  # private: a Ray without it skips this look
+
+        return get_default_ray_temp_dir()
+    except Exception:
+        return ""
+
+
+# Ray 2.5x enables token authentication on a new local cluster when RAY_AUTH_MODE is unset, and says so with
+# this warning on every start; the embedded cluster keeps it on (nothing for the user to do), so the notice
+# is dropped, exactly that message and only while infersweep starts or joins Ray. (docs/cluster-and-tracking.md:
+# how cluster=existing passes the token.)
+TOKEN_AUTH_NOTICE = "Token authentication is enabled for this Ray cluster."
+_AUTH_LOGGER = "ray._private.authentication.authentication_token_setup"
+
+
+class _DropMessage(logging.Filter):
+    def __init__(self, prefix: str):
+        super().__init__()
+        self.prefix = prefix
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith(self.prefix)
+
+
+@contextlib.contextmanager
+def _quiet_token_auth_notice():
+    logger, drop = logging.getLogger(_AUTH_LOGGER), _DropMessage(TOKEN_AUTH_NOTICE)
+    logger.addFilter(drop)
+    try:
+        yield
+    finally:
+        logger.removeFilter(drop)
 
 
 def alive_nodes() -> list[dict[str, Any]]:

@@ -89,9 +89,14 @@ def prepare_model(name: str, force: bool = False, progress: Optional[Callable[[s
     src = PREPARED_MODELS[name]
     out = prepared_dir(name)
     marker = out / "infersweep-prepared.json"
-    if marker.exists() and not force:
-        return out
     say = progress or (lambda msg: log.info(msg))
+    if marker.exists() and not force:
+        from .model_facts import weights_problem
+
+        damaged = weights_problem(ModelConfig(name=name, path=PREPARED_SCHEME + name))
+        if damaged is None:
+            return out
+        say(f"{damaged.split('; ')[0]}: preparing it again")
     gguf_dir = _package_dir(src.package)
     gguf_path = gguf_dir / src.gguf_file
     if not gguf_path.exists():

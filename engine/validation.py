@@ -25,7 +25,7 @@ from .config import (
     LengthConfig,
     TextConfig,
 )
-from .model_facts import ModelFacts, ModelFactsError, facts_or_none, inspect
+from .model_facts import ModelFacts, ModelFactsError, facts_or_none, inspect, weights_problem
 from .models import PREPARED_MODELS, PREPARED_SCHEME, TINY_SCHEME
 
 
@@ -84,6 +84,10 @@ def _speculative(trial: TrialConfig) -> list[tuple[str, str]]:
                                                       f"known: {', '.join(sorted(PREPARED_MODELS))}"))
         elif not d.path.startswith(TINY_SCHEME) and (os.path.sep in d.path or d.path.startswith(".")) and not os.path.isdir(d.path):
             p.append(("speculative.draft_model.path", f"{d.path!r} does not exist (expected a local HF checkpoint directory or a hub id)"))
+        else:
+            why = weights_problem(d.resolve(trial.model))
+            if why:
+                p.append(("speculative.draft_model.path", why))
         if d.dtype is not None:  # None follows the target
             p += _choice("speculative.draft_model.dtype", d.dtype, DTYPES)
     if s.method == "prompt-lookup":
@@ -107,6 +111,10 @@ def check_trial(trial: TrialConfig, gpu_available: bool) -> list[tuple[str, str]
     facts, why = _facts(m)
     if why:
         p.append(("model.path", why))
+    else:
+        why = weights_problem(m)  # a truncated download or copy: refused here, not as an obscure FAILED trial
+        if why:
+            p.append(("model.path", why))
     q = trial.quant
     p += _choice("quant.level", q.level, engines.values("quant.level"))
     p += _choice("quant.compute_dtype", q.compute_dtype, DTYPES)
@@ -169,7 +177,23 @@ def check_trial(trial: TrialConfig, gpu_available: bool) -> list[tuple[str, str]
         from .tasks.run import task_problems
 
         p += task_problems(trial, limit)
+    p += _eval_measures_something(trial)
     return p
+
+
+def _eval_measures_something(trial: TrialConfig) -> list[tuple[str, str]]:
+    """An enabled eval with no perplexity windows and no tasks would finish with no accuracy figure at all."""
+    ev = trial.eval
+    if not ev.enabled or ev.num_windows > 0 or ev.tasks:
+        return []
+    from .tasks.run import available_tasks
+
+    if ev.name == "tasks":
+        return [("eval.tasks", f"eval=tasks needs at least one task, got none (it would measure no accuracy); name "
+                               f"them, e.g. eval.tasks=[bigbench_general_knowledge] (available: "
+                               f"{', '.join(available_tasks())}), or use eval=none to measure no accuracy")]
+    return [("eval.num_windows", f"eval={ev.name} with 0 windows and no eval.tasks measures no accuracy; use "
+                                 f"eval.num_windows >= 1, name eval.tasks, or use eval=none")]
 
 
 def _facts(m) -> tuple[ModelFacts | None, str | None]:

@@ -139,6 +139,25 @@ def cmd_report(args) -> int:
     return 0
 
 
+class UiError(UserError):
+    heading = "cannot start the UI"
+
+
+def _check_ui_address(host: str, port, key: str) -> None:
+    """A port a TCP socket can bind and a host that resolves, before anything starts (exit 2, not a traceback)."""
+    import socket
+
+    problems = []
+    if isinstance(port, bool) or not isinstance(port, int) or not 1 <= port <= 65535:
+        problems.append(f"{key} {port}: a TCP port is a whole number in 1-65535 (e.g. --port 5001)")
+    try:
+        socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)
+    except (socket.gaierror, UnicodeError) as e:
+        problems.append(f"--host {host!r}: cannot be resolved ({e}); keep the default 127.0.0.1")
+    if problems:
+        raise UiError(problems)
+
+
 def cmd_ui(args) -> int:
     from mlflow.tracking import MlflowClient
 
@@ -149,6 +168,7 @@ def cmd_ui(args) -> int:
     tracking = _tracking(args.overrides)
     uri = resolve_uri(tracking["uri"])
     port = args.port or tracking["ui_port"]
+    _check_ui_address(args.host, port, "--port" if args.port else "tracking.ui_port")
     sqlite = "sqlite:///"
     # a SQLite store keeps the server's log beside it (mlflow/ for the project's own store)
     log = Path(uri[len(sqlite):]).parent / f"server-{port}.log" if uri.startswith(sqlite) else None
@@ -265,18 +285,32 @@ def cmd_probe(args) -> int:
     return 0
 
 
+class PrepareError(UserError):
+    heading = "cannot prepare"
+
+
 def cmd_prepare(args) -> int:
     from engine.models import PREPARED_MODELS, prepare_model
 
-    if not args.data or args.names:
-        for name in args.names or sorted(PREPARED_MODELS):
-            path = prepare_model(name, force=args.force, progress=lambda m: print(f"  {m}", flush=True))
-            print(f"{name}: {path}")
-    if args.data:
-        from engine.tasks.data import prepare_data
+    unknown = [n for n in args.names if n not in PREPARED_MODELS]
+    if unknown:  # every name checked before anything is converted
+        raise PrepareError([f"{n!r}: not a model infersweep can prepare; known: {', '.join(sorted(PREPARED_MODELS))} "
+                            "(`infersweep prepare` with no name prepares them all; --data prepares the task data)"
+                            for n in unknown])
+    from engine.config import EngineError
 
-        path = prepare_data(force=args.force, progress=lambda m: print(f"  {m}", flush=True))
-        print(f"task data (BIG-bench tasks, Paul Graham essays): {path}")
+    try:  # a missing package or a download that fails its checksum: the message, not a traceback
+        if not args.data or args.names:
+            for name in args.names or sorted(PREPARED_MODELS):
+                path = prepare_model(name, force=args.force, progress=lambda m: print(f"  {m}", flush=True))
+                print(f"{name}: {path}")
+        if args.data:
+            from engine.tasks.data import prepare_data
+
+            path = prepare_data(force=args.force, progress=lambda m: print(f"  {m}", flush=True))
+            print(f"task data (BIG-bench tasks, Paul Graham essays): {path}")
+    except EngineError as e:
+        raise PrepareError([str(e)]) from None
     return 0
 
 

@@ -299,3 +299,181 @@ def test_a_choice_an_engine_variant_contradicts_exits_2_naming_both_keys(tmp_pat
     # the value the variant has anyway is no conflict
     (same,) = expand(TINY + ["engine_variant=hf-int8", "quant=int8-weight", "model.dtype=float32"])
     assert same.config == expand(TINY + ["engine_variant=hf-int8"])[0].config
+
+
+# issue 26: bad input that used to escape validation ------------------------------------------------------
+TINY_NO_EVAL = [o for o in TINY if not o.startswith("eval.")]
+
+
+def _cli(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    """The real command line, as a user types it (a traceback would show in stderr)."""
+    return subprocess.run([sys.executable, "-m", "experiments.cli", *args], cwd=ROOT, capture_output=True, text=True,
+                          env=dict(env or os.environ, PYTHONPATH=str(ROOT)), timeout=600)
+
+
+def test_an_eval_that_measures_nothing_exits_2(tmp_path, capsys):
+    rc = main(["sweep", "--in-process", "eval=tasks", "eval.tasks=[]", *TINY_NO_EVAL, *_store(tmp_path)])
+    err = capsys.readouterr().err
+    assert rc == 2 and "invalid sweep" in err
+    assert "eval.tasks: eval=tasks needs at least one task" in err and "eval.tasks=[bigbench_general_knowledge]" in err
+    assert "eval=none" in err and "niah_single" in err  # the fix, and what there is to choose from
+    assert not (tmp_path / "mlflow.db").exists()
+    (msg,) = _problems(TINY_NO_EVAL + ["eval=ppl", "eval.num_windows=0"])
+    assert msg.startswith("eval.num_windows: eval=ppl with 0 windows and no eval.tasks measures no accuracy")
+    # eval=none measures nothing on purpose, and eval=tasks with a task is fine
+    assert len(expand(TINY_NO_EVAL + ["eval=none"])) == 1
+
+
+@pytest.fixture
+def task_data_copy(tmp_path, monkeypatch):
+    """The prepared task data (not its 360 MB of downloads) copied into a cache of this test's own."""
+    import shutil
+
+    from conftest import need_task_data
+    from engine.tasks import data as task_data
+
+    need_task_data()
+    src = task_data.data_dir()
+    monkeypatch.setenv("INFERSWEEP_CACHE", str(tmp_path / "cache"))
+    dst = task_data.data_dir()
+    dst.mkdir(parents=True)
+    for name in ("bigbench", "essays", "tasks"):
+        shutil.copytree(src / name, dst / name)
+    shutil.copy2(src / "manifest.json", dst / "manifest.json")
+    assert task_data.data_problems() is None
+    return dst
+
+
+def test_a_truncated_task_file_is_refused_before_launch(task_data_copy, tmp_path, capsys):
+    import json as _json
+
+    from engine.tasks import data as task_data
+
+    eval_tasks = ["eval=tasks", "eval.tasks=[bigbench_emoji_movie]", "eval.limit=2", *TINY_NO_EVAL]
+    assert len(expand(eval_tasks)) == 1
+    hashed = task_data._cached_sha256.cache_info().misses
+    assert task_data.data_problems() is None  # validating again reads no file again: cached by path, size, mtime
+    assert task_data._cached_sha256.cache_info().misses == hashed
+
+    f = task_data_copy / "tasks" / "bigbench_emoji_movie.jsonl"
+    body = f.read_bytes()
+    f.write_bytes(body[: len(body) // 2])  # cut in half; the manifest is intact
+    rc = main(["sweep", "--in-process", *eval_tasks, *_store(tmp_path)])
+    err = capsys.readouterr().err
+    assert rc == 2 and "invalid sweep" in err
+    assert f"eval.tasks: task data file {f} is altered" in err and "infersweep prepare --data --force" in err
+    assert not (tmp_path / "mlflow.db").exists()
+    # a manifest that records sizes (prepare_data writes them) names the truncation itself
+    m = _json.loads(task_data.manifest_path().read_text())
+    m["sizes"] = {rel: (task_data_copy / rel).stat().st_size for rel in m["files"]}
+    m["sizes"]["tasks/bigbench_emoji_movie.jsonl"] = len(body)
+    task_data.manifest_path().write_text(_json.dumps(m))
+    assert task_data.data_problems() == (f"task data file {f} is truncated or altered ({len(body) // 2} bytes, the "
+                                         f"manifest says {len(body)}): run `infersweep prepare --data --force`")
+    f.write_bytes(body)  # restored (new mtime): valid again
+    assert task_data.data_problems() is None
+
+
+@pytest.fixture
+def tiny_checkpoint_dir(tmp_path):
+    """A real tiny Llama checkpoint saved to tmp (config.json + model.safetensors): its own copy to damage."""
+    import transformers as tf
+
+    cfg = tf.LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                         num_key_value_heads=1, vocab_size=300, max_position_embeddings=128)
+    d = tmp_path / "ckpt"
+    tf.LlamaForCausalLM(cfg).save_pretrained(d, safe_serialization=True)
+    assert (d / "model.safetensors").is_file()
+    return d
+
+
+def test_a_truncated_checkpoint_is_refused_before_launch(tiny_checkpoint_dir, tmp_path, monkeypatch, capsys):
+    import shutil
+
+    from engine.model_facts import weights_problem
+    from engine.config import ModelConfig
+
+    d = tiny_checkpoint_dir
+    assert weights_problem(ModelConfig(name="c", path=str(d))) is None
+    assert len(expand(["engine=hf", f"model.path={d}", *SHORT])) == 1
+    f = d / "model.safetensors"
+    full = f.stat().st_size
+    with open(f, "r+b") as fh:
+        fh.truncate(full // 2)
+    rc = main(["sweep", "--in-process", "engine=hf", f"model.path={d}", *SHORT, *_store(tmp_path)])
+    err = capsys.readouterr().err
+    assert rc == 2 and "invalid sweep" in err
+    assert (f"model.path: {f}: the file is truncated: its header says {full} bytes, the file has {full // 2}; "
+            "save or download the checkpoint again") in err
+    assert not (tmp_path / "mlflow.db").exists()
+    # the draft model of speculative=draft is the same check under its own key
+    (msg,) = [p for p in _problems(["engine=hf", "model=tiny-llama", "speculative=draft", f"speculative.draft_model.path={d}",
+                                    "workload.batch_size=1", *SHORT]) if p.startswith("speculative.draft_model.path")]
+    assert f"{f}: the file is truncated" in msg
+
+    # a prepared model (in a cache of this test's own, never the shared one): the fix is to prepare it again
+    monkeypatch.setenv("INFERSWEEP_CACHE", str(tmp_path / "cache"))
+    from engine.models import prepared_dir
+
+    prepared = prepared_dir("smollm2-135m-instruct")
+    shutil.copytree(d, prepared)
+    (msg,) = [p for p in _problems(["model=smollm2-135m", *SHORT]) if p.startswith("model.path")]
+    assert msg.endswith("infersweep prepare smollm2-135m-instruct --force")
+    (prepared / "model.safetensors").write_bytes(b"\x05")  # not even the 8-byte header length
+    (msg,) = [p for p in _problems(["model=smollm2-135m", *SHORT]) if p.startswith("model.path")]
+    assert "not even the 8-byte header length" in msg
+
+
+def test_interleaving_an_engine_that_runs_in_its_own_process_exits_2(tmp_path, capsys):
+    from engine import engines
+
+    apart = [e.name for e in engines.all_engines() if not e.in_process]
+    assert apart, "no engine runs in its own process"
+    for name in apart:
+        problems = _problems(TINY + [f"engine={name}", "cluster.interleave=2"])
+        (msg,) = [p for p in problems if p.startswith("cluster.interleave")]
+        assert msg.startswith(f"cluster.interleave: engine={name} runs in its own process")
+        assert "cluster.interleave=0" in msg and "hf" in msg and name not in msg.rpartition(":")[2]
+    rc = main(["sweep", "--in-process", f"engine={apart[0]}", "cluster.interleave=2", *TINY, *_store(tmp_path)])
+    assert rc == 2 and "cluster.interleave: engine=" in capsys.readouterr().err
+    assert not (tmp_path / "mlflow.db").exists()
+    assert len(expand(TINY + ["engine=hf", "cluster.interleave=2"])) == 1  # in-process engines interleave
+
+
+def test_ui_and_prepare_refuse_bad_arguments_without_a_traceback(tmp_path):
+    store = _store(tmp_path)
+    for port, fix in (("99999", "--port 99999: a TCP port is a whole number in 1-65535"),
+                      ("-1", "--port -1: a TCP port is a whole number in 1-65535")):
+        r = _cli("ui", "--port", port, *store)
+        assert r.returncode == 2 and r.stderr.startswith("error: cannot start the UI:") and fix in r.stderr, r.stderr
+        assert "Traceback" not in r.stderr
+    r = _cli("ui", "tracking.ui_port=70000", *store)
+    assert r.returncode == 2 and "tracking.ui_port 70000: a TCP port" in r.stderr and "Traceback" not in r.stderr
+    assert not (tmp_path / "mlflow.db").exists()  # nothing started, no store created
+    r = _cli("prepare", "no-such-model")
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+    assert r.stderr.startswith("error: cannot prepare:\n  - 'no-such-model': not a model infersweep can prepare; "
+                               "known: smollm2-135m-instruct")
+
+
+def test_a_corrupt_cached_archive_is_reported_and_replaced(tmp_path):
+    """`prepare --data`'s fetch with a small archive of its own (a file:// URL: the same code path as the
+    registry's, nothing downloaded): a cached copy that fails its checksum is said to and replaced."""
+    import hashlib
+
+    from engine.tasks.data import Artifact, _fetch
+
+    good = tmp_path / "src" / "pkg-1.0-py3-none-any.whl"
+    good.parent.mkdir()
+    good.write_bytes(b"the real archive " * 100)
+    art = Artifact("pkg", "1.0", good.name, hashlib.sha256(good.read_bytes()).hexdigest(), good.as_uri(), via_pip=False)
+    dest = tmp_path / "downloads"
+    dest.mkdir()
+    (dest / good.name).write_bytes(b"the real arch")  # a download cut short
+    said: list[str] = []
+    assert _fetch(art, dest, said.append).read_bytes() == good.read_bytes()
+    (complaint,) = [s for s in said if "checksum" in s]
+    assert complaint.startswith(f"{dest / good.name}: the cached copy failed its checksum") and "replacing it" in complaint
+    said.clear()
+    _fetch(art, dest, said.append)  # intact now: kept, and said so
+    assert said == [f"{good.name}: already downloaded"]

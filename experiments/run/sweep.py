@@ -92,6 +92,7 @@ class SweepRecorder:
         outcome.info.update({k: str(meta[k]) for k in WORKER_INFO if meta.get(k) not in (None, "")})
         run_id = self._rec.log_trial(self._sweep_name, spec, outcome, self.parent_run_id, self._sweep_id,
                                      self._extra_tags)
+        self._rec.done_running(self._sweep_id, spec.index)
         self._rows[spec.index] = _row(spec, outcome, outcome.status, run_id)
         return outcome.status == FINISHED
 
@@ -204,9 +205,15 @@ def run_specs(
         parent = rec.start_sweep(sweep_rec) if len(specs) > 1 and todo else None
         result.parent_run_id = recorder.parent_run_id = parent
         status = FINISHED
+
+        def started(spec: TrialSpec, meta: dict[str, Any]) -> None:  # noted, for a SIGKILLed driver's successor
+            rec.note_running(sweep_name, spec, parent, sweep_id, extra_tags)
+            if on_start is not None:
+                on_start(spec, meta)
+
         try:
             if todo:
-                _dispatch(todo, specs[0].cluster, in_process, recorder, sweep_name, on_start)
+                _dispatch(todo, specs[0].cluster, in_process, recorder, sweep_name, started)
         except KeyboardInterrupt:
             status = KILLED
             raise
@@ -217,6 +224,7 @@ def run_specs(
                 if status == FINISHED and any(r["status"] not in (FINISHED, SKIPPED) for r in result.rows):
                     status = FAILED
                 rec.end_sweep(sweep_rec, parent, status, int(time.time() * 1000))
+            rec.done_running(sweep_id)
             rec.close()
             result.spooled = rec.spooled
             result.wall_s = time.perf_counter() - t0

@@ -1,7 +1,10 @@
 """When the tracking store is unreachable, results wait on local disk; `infersweep sync` uploads them.
 
 Layout: `<spool_dir>/<sweep_id>/sweep.json` (the parent run: its record, the run id once it exists, the
-final status once known) and one `trial-*.json` per result (spec + outcome). Every record has a unique
+final status once known) and one `trial-*.json` per result (spec + outcome). `<spool_dir>/running/<sweep_id>/`
+notes each trial while it runs (a KILLED record, removed once the trial's result is logged): a driver killed
+with SIGKILL cannot record its running trials, so the next sweep of the experiment, which finds its sweep
+run orphaned, logs them as KILLED runs from these notes. Every record has a unique
 `record_id` that is also a tag of the run it becomes, so an interrupted sync that runs again neither
 duplicates a run nor leaves a half-written one: runs with that record_id that are not complete are
 deleted before the record is logged again.
@@ -16,6 +19,7 @@ import json
 import logging
 import os
 import threading
+import time
 import uuid
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
@@ -29,6 +33,7 @@ from ..run.trial import TrialOutcome
 log = logging.getLogger(__name__)
 
 SWEEP_FILE = "sweep.json"
+RUNNING = "running"  # <spool_dir>/running/<sweep_id>/<index>.json: trials running now (never a sweep id)
 
 
 def spool_root(tracking: dict[str, Any]) -> Path:
@@ -68,7 +73,11 @@ class Spool:
     def sweeps(self) -> list[str]:
         if not self.root.exists():
             return []
-        return sorted(p.name for p in self.root.iterdir() if (p / SWEEP_FILE).exists() or any(p.glob("trial-*.json")))
+        return sorted(p.name for p in self.root.iterdir()
+                      if p.name != RUNNING and ((p / SWEEP_FILE).exists() or any(p.glob("trial-*.json"))))
+
+    def running_dir(self, sweep_id: str) -> Path:
+        return self.root / RUNNING / sweep_id
 
     def trials(self, sweep_id: str) -> list[Path]:
         return sorted(self.sweep_dir(sweep_id).glob("trial-*.json"))
@@ -125,6 +134,7 @@ class Recorder:
         self._lock = threading.Lock()
         self._pending: list[Future] = []
         self.dedupe_on_sync = False
+        self._made_root = False
         # Several writer threads only talk to a server (which serializes what its store needs); a
         # direct SQLite store keeps one writer.
         writers = int(tracking.get("writers") or 1)
@@ -178,8 +188,46 @@ class Recorder:
         return (found or set()) | self.spool.finished_hashes(exp_name)
 
     def reap_stale_sweeps(self, exp_name: str) -> int:
-        n, _ = self._try(self.tracker.reap_stale_sweeps, exp_name) if self.tracker else (0, False)
+        """Mark KILLED the sweeps of `exp_name` whose driver died (SIGKILL), and the trials each was running."""
+        n, _ = self._try(self.tracker.reap_stale_sweeps, exp_name, self._log_killed_trials) if self.tracker else (0, False)
         return n or 0
+
+    def _log_killed_trials(self, parent_run_id: str, sweep_id: str) -> None:
+        d = self.spool.running_dir(sweep_id) if sweep_id else None
+        if d is None or not d.is_dir():
+            return
+        for path in sorted(d.glob("*.json")):
+            rec = json.loads(path.read_text())
+            self.tracker.log_trial(rec["exp_name"], _spec(rec), _outcome(rec), rec.get("parent_run_id") or parent_run_id,
+                                   sweep_id, rec.get("extra_tags"), rec["record_id"])
+            path.unlink()
+        d.rmdir()
+
+    def note_running(self, exp_name: str, spec: TrialSpec, parent_run_id: Optional[str], sweep_id: str,
+                     extra_tags: Optional[dict[str, str]] = None) -> None:
+        """Note that `spec` runs now: what the next sweep logs as its KILLED run if this driver dies with it
+        (only a sweep with a parent run in the store can be found orphaned, so only its trials are noted)."""
+        if parent_run_id is None:
+            return
+        if not self.spool.root.exists():
+            self._made_root = True  # removed again when the sweep ends, as an online sweep leaves no spool
+        now = int(time.time() * 1000)
+        killed = TrialOutcome(config_hash=spec.config_hash, index=spec.index, status="KILLED", start_ms=now, end_ms=now,
+                              error="the sweep driver was killed (SIGKILL) while this trial ran; no result")
+        _write_json(self.spool.running_dir(sweep_id) / f"{spec.index:06d}.json",
+                    trial_record(exp_name, spec, killed, parent_run_id, sweep_id, extra_tags, uuid.uuid4().hex))
+
+    def done_running(self, sweep_id: str, index: Optional[int] = None) -> None:
+        """The trial's result is logged (None: the whole sweep ended): its note goes."""
+        d = self.spool.running_dir(sweep_id)
+        for path in ([d / f"{index:06d}.json"] if index is not None else list(d.glob("*.json")) if d.is_dir() else []):
+            path.unlink(missing_ok=True)
+        if index is None:
+            for empty in (d, d.parent, *((self.spool.root,) if self._made_root else ())):
+                try:
+                    empty.rmdir()  # only if empty
+                except OSError:
+                    break
 
     def start_sweep(self, rec: dict[str, Any]) -> Optional[str]:
         rid, ok = self._try(self.tracker.log_sweep, rec) if self.tracker else (None, False)

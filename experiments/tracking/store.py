@@ -20,7 +20,7 @@ import threading
 import time
 from importlib import metadata
 from pathlib import Path
-from typing import Any, Iterable, Optional
+from typing import Any, Callable, Iterable, Optional
 
 import yaml
 
@@ -231,9 +231,10 @@ class Tracker:
         )
         return runs[0].info.run_id if runs else None
 
-    def reap_stale_sweeps(self, exp_name: str) -> int:
+    def reap_stale_sweeps(self, exp_name: str, on_reaped: Optional[Callable[[str, str], None]] = None) -> int:
         """Mark KILLED the RUNNING sweep runs of this experiment whose driver process (on this host) is
-        gone, e.g. killed with SIGKILL: nothing stays RUNNING forever."""
+        gone, e.g. killed with SIGKILL: nothing stays RUNNING forever. `on_reaped(run_id, sweep_id)` is
+        called for each, before it is marked (its trials that were running get their KILLED runs there)."""
         exp = self.client.get_experiment_by_name(exp_name)
         if exp is None:
             return 0
@@ -244,6 +245,8 @@ class Tracker:
         for r in runs:
             host, _, pid = r.data.tags.get("driver", "").rpartition(":")
             if host == socket.gethostname() and pid.isdigit() and not _pid_alive(int(pid)):
+                if on_reaped is not None:
+                    on_reaped(r.info.run_id, r.data.tags.get("sweep_id", ""))
                 self.client.set_tag(r.info.run_id, "reaped", "driver process gone")
                 self.client.set_terminated(r.info.run_id, status="KILLED")
                 n += 1
