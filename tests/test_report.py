@@ -106,10 +106,18 @@ def test_report_by_sweep_id_and_explicit_baseline(grid_sweep, tracking, tmp_path
     assert {ln.baseline.run_id for ln in rep2.lines} == {ln.baseline.run_id for ln in rep.lines}
 
 
-def test_report_cli(grid_sweep, tracking_overrides, tmp_path, capsys):
+def test_report_cli(grid_sweep, mlflow_client, tracking_overrides, tmp_path, capsys):
+    from experiments.analysis.results import loaded
+
     rc = main(["report", "t-report", *tracking_overrides, "--out", str(tmp_path), "--no-log"])
     out = capsys.readouterr().out
-    assert rc == 0 and "speedup" in out and "next:" in out and str(tmp_path / "report.md") in out
+    assert rc == 0 and "speedup" in out and str(tmp_path / "report.md") in out
+    # per context: a next step from the best trial fit to decide; none where every trial ran under load
+    rows = load(mlflow_client, "t-report").finished
+    for ctx in ("24", "48"):
+        fit = [r for r in rows if r.params["workload.context_len"] == ctx and not loaded(r)]
+        assert (f"context_len={ctx}] best: " in out) == bool(fit)
+        assert (f"context_len={ctx}] no trial is fit to decide" in out) == (not fit)
     assert main(["report", "no-such-sweep-anywhere", *tracking_overrides]) == 2
     assert "no experiment, sweep id or sweep run matches" in capsys.readouterr().err
 
