@@ -71,6 +71,25 @@ def main() -> None:
         print(f"| {r.name} | {100 * (m.get('noise_other_cpu_frac') or 0):.0f}% | {tag or '-'} | {old or '-'} | "
               f"{', '.join(first) or '-'} |")
     print(f"\nflagged: tag {n_tag}/{len(rows)}, legacy rule {n_legacy}/{len(rows)}, current rule {n_rule}/{len(rows)}")
+    grouped = [r for r in rows if r.num("group_peak_mem_bytes") is not None]
+    if grouped:  # an interleaved group's memory: each variant's own footprint, and the group process's peak
+        print("peak MB (own) / weights MB / group peak MB: " + "; ".join(
+            f"{r.num('peak_mem_bytes') / 1e6:.1f} / {r.num('weights_bytes') / 1e6:.1f} / "
+            f"{r.num('group_peak_mem_bytes') / 1e6:.0f}" for r in grouped))
+    try:  # what the report decides from these trials (the code that ran the sweep may predate the rule)
+        from experiments.analysis import advice
+        from experiments.analysis.report import build
+
+        rep = build(name, {"uri": uri}, out_dir=tempfile.mkdtemp(prefix="flag-report-"), log_artifacts=False,
+                    progress=False)
+        cells = [ln for ln in rep.lines if not ln.is_baseline and ln.baseline is not None]
+        undecided = sum(not getattr(ln, "decidable", True) for ln in cells)
+        print(f"report: {undecided} of {len(cells)} speedup lines not decidable (unstable: load)")
+        for a in rep.advice:
+            print(f"[{a.workload}] " + ("no winner named" if a.best is None else
+                                        f"best: {advice.chain_label(a.best)} ({a.best.hash[:8]})"))
+    except Exception as e:  # noqa: BLE001 -- a summary line, not the benchmark's result
+        print(f"report: {e}")
 
 
 if __name__ == "__main__":
