@@ -3,7 +3,8 @@
 Runs one small sweep three times into a throwaway MLflow store -- quiet, quiet again, then with one busy
 process per core that this script starts and ends itself -- and prints, per run, every comparison the
 report makes against the baseline (speedup with its 95% interval and verdict: faster / slower / within
-noise), the trials labelled `unstable`, and whether the two quiet runs agree on every verdict.
+noise; "not decidable" when drawn from a trial measured under load), the trials labelled `unstable`,
+and whether the two quiet runs agree on every verdict.
 
     .venv/bin/python benchmarks/verdict_check.py [--tiny] [--context 128] [-- extra overrides]
 """
@@ -30,12 +31,17 @@ def one_sweep(name: str, overrides: list[str], tracking: list[str], loaded: bool
         if ln.is_baseline:
             continue
         for key, cmp in ln.comparisons.items():
-            if cmp is not None:
-                out["verdicts"][(ln.optimizations, key)] = cmp
+            if cmp is not None:  # a ratio drawn from a load-flagged trial decides nothing (results.loaded)
+                out["verdicts"][(ln.optimizations, key)] = (cmp.cell() + " " + cmp.verdict if ln.decidable
+                                                            else f"x{cmp.value:.2f} not decidable (unstable: load)")
     for ln in rep.lines:
         if ln.values.get("unstable"):
             out["unstable"][ln.optimizations] = ln.values["unstable"]
     return out
+
+
+def _verdict(cell: str) -> str:
+    return next((v for v in ("not decidable", "within noise", "faster", "slower") if v in cell), cell)
 
 
 def main() -> None:
@@ -61,11 +67,10 @@ def main() -> None:
     print("\n| comparison | " + " | ".join(runs) + " |")
     print("|---|" + "---|" * len(runs))
     for k in keys:
-        cells = [(r["verdicts"][k].cell() + " " + r["verdicts"][k].verdict) if k in r["verdicts"] else "-"
-                 for r in runs.values()]
+        cells = [r["verdicts"].get(k, "-") for r in runs.values()]
         print(f"| {k[0]} ({k[1]}) | " + " | ".join(cells) + " |")
     same = [k for k in keys if all(k in runs[q]["verdicts"] for q in ("quiet-1", "quiet-2"))
-            and runs["quiet-1"]["verdicts"][k].verdict == runs["quiet-2"]["verdicts"][k].verdict]
+            and _verdict(runs["quiet-1"]["verdicts"][k]) == _verdict(runs["quiet-2"]["verdicts"][k])]
     print(f"\nquiet runs agree on {len(same)} of {len(keys)} verdicts")
     for name, r in runs.items():
         for opt, why in r["unstable"].items():

@@ -321,8 +321,12 @@ class Measurement:
     def gpu(self) -> Optional[int]:
         return (self.session.device.index or 0) if self.session.device.type == "cuda" else None
 
-    def finish(self, runs: Runs, stop: str, noise: dict[str, float]) -> EngineResult:
-        """Medians, spread, noise, memory, weights, load time, roofline, accuracy and labels of `runs`."""
+    def finish(self, runs: Runs, stop: str, noise: dict[str, float], grouped: bool = False,
+               own_mem_bytes: Optional[int] = None) -> EngineResult:
+        """Medians, spread, noise, memory, weights, load time, roofline, accuracy and labels of `runs`.
+        `grouped`: measured in a process shared with other trials (`run_interleaved`), whose peak
+        (`runs.peak_mem_bytes`) is the group's: logged as group_peak_mem_bytes, and the trial's own
+        footprint `own_mem_bytes` (None: not measurable here) as peak_mem_bytes."""
         trial, engine, session = self.trial, self.engine, self.session
         serving = trial.workload.serving
         per_run, token_ids = self.workload.outcome(runs)
@@ -331,7 +335,12 @@ class Measurement:
         metrics.update(timing_spread(per_run, runs, serving))
         if engine.in_process:
             metrics.update(noise)
-        metrics["peak_mem_bytes"] = float(runs.peak_mem_bytes)
+        if grouped:  # the process held other trials' models too: its peak is the group's
+            metrics["group_peak_mem_bytes"] = float(runs.peak_mem_bytes)
+            if own_mem_bytes is not None:
+                metrics["peak_mem_bytes"] = float(own_mem_bytes)
+        else:
+            metrics["peak_mem_bytes"] = float(runs.peak_mem_bytes)
         metrics["weights_bytes"] = float(session.weights_bytes())
         metrics["model_load_s"] = float(session.load_s)
         metrics.update(session.metrics())
@@ -419,10 +428,20 @@ def run_interleaved(trials: list[TrialConfig], rounds: int, progress: Optional[C
     apart = sorted({t.engine.backend for t in trials if not engines.get(t.engine.backend).in_process})
     if apart:  # each call would start the engine's process again: one repeat per call measures the start-up
         raise EngineError(f"interleaving needs engines that run in this process; {', '.join(apart)} runs in its own")
+    from .measure.memory import PeakMemory
+
     ms = [open_trial(t, progress=progress) for t in trials]
     collected: list[list[Runs]] = [[] for _ in ms]
+    grown: list[Optional[int]] = [0 for _ in ms]  # the most each variant's own calls grew the process
     for m in ms:
         m.workload.run(m.trial.workload.warmup, 0)
+    if any(m.trial.workload.warmup for m in ms):
+        # One untimed round in the timed rounds' order: each variant's own warm-up ran before the others'
+        # (which evict its caches and reshape the allocator's free lists), so its first round was still
+        # warming (hf's first-round TTFT at twice its median, a TTFT CV of 102%). Its results are discarded.
+        (progress or log.info)("interleaved: one untimed warm-up round")
+        for m in ms:
+            m.workload.run(0, 1)
     gpus = {m.gpu for m in ms} - {None}
     with NoiseMonitor(min(gpus) if gpus else None) as noise:
         for r in range(rounds):
@@ -430,10 +449,15 @@ def run_interleaved(trials: list[TrialConfig], rounds: int, progress: Optional[C
                 on_round(r)
             order = list(range(len(ms))) if r % 2 == 0 else list(reversed(range(len(ms))))
             for i in order:
-                collected[i].append(ms[i].workload.run(0, 1))
+                # the process holds every variant's model, so its peak is the group's: each variant's own
+                # footprint is its weights plus what its own calls allocate on top (KV cache, scratch)
+                with PeakMemory(ms[i].session.device, release=True) as mem:
+                    collected[i].append(ms[i].workload.run(0, 1))
+                grown[i] = max(grown[i], mem.growth_bytes) if mem.scoped and grown[i] is not None else None
     out = []
-    for m, parts in zip(ms, collected):
-        runs = Runs([t for p in parts for t in p.traces], [x for p in parts for x in p.extra],
-                    max(p.peak_mem_bytes for p in parts))
-        out.append(m.finish(runs, f"interleaved: {rounds} round(s)", noise.result))
+    group_peak = max(p.peak_mem_bytes for parts in collected for p in parts)
+    for m, parts, grew in zip(ms, collected, grown):
+        runs = Runs([t for p in parts for t in p.traces], [x for p in parts for x in p.extra], group_peak)
+        own = None if grew is None else int(m.session.weights_bytes()) + grew
+        out.append(m.finish(runs, f"interleaved: {rounds} round(s)", noise.result, grouped=True, own_mem_bytes=own))
     return out

@@ -117,7 +117,7 @@ def cmd_reproduce(args) -> int:
 
 def cmd_report(args) -> int:
     from .analysis.report import ReportError, build, table_notes, text_table
-    from .analysis.results import NotFound
+    from .analysis.results import WHAT_TO_DO, NotFound
 
     try:
         rep = build(args.sweep, _tracking(args.overrides), baseline=args.baseline, out_dir=args.out,
@@ -129,7 +129,9 @@ def cmd_report(args) -> int:
         print(note)
     for a in rep.advice:
         n = a.next
-        if n is not None:
+        if a.best is None:
+            print(f"\n[{a.workload}] no trial is fit to decide (all measured under machine load): {WHAT_TO_DO}")
+        elif n is not None:
             print(f"\n[{a.workload}] best: {a.best.hash[:8]} {a.best.num('output_tok_s'):.2f} tok/s; next: {n.step} -- {n.verdict}")
     if rep.claims is not None:
         from .analysis.claims import to_markdown

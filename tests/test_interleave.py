@@ -19,6 +19,7 @@ def interleaved(ray_local, tiny_overrides):
 def test_each_workload_is_one_group_measured_round_robin(interleaved, mlflow_client):
     assert not interleaved.failed and len(interleaved.rows) == 8
     groups: dict[str, set[str]] = {}
+    group_peaks: dict[str, set[float]] = {}
     for row in interleaved.rows:
         run = mlflow_client.get_run(row["run_id"])
         tags, m = run.data.tags, run.data.metrics
@@ -28,8 +29,12 @@ def test_each_workload_is_one_group_measured_round_robin(interleaved, mlflow_cli
                                           key=lambda h: h.step)]
         assert len(rounds) == 3 and sorted(rounds)[1] == pytest.approx(m["output_tok_s"])  # the median of its rounds
         groups.setdefault(tags["env.interleave_group"], set()).add(run.data.params["workload.context_len"])
+        # memory: the variant's own footprint, below the peak of the process the group shared
+        assert m["weights_bytes"] <= m["peak_mem_bytes"] < m["group_peak_mem_bytes"]
+        group_peaks.setdefault(tags["env.interleave_group"], set()).add(m["group_peak_mem_bytes"])
     # two workloads (context 16 and 24), four variants each: one group per workload
     assert sorted(len(g) for g in groups.values()) == [1, 1] and len(groups) == 2
+    assert all(len(p) == 1 for p in group_peaks.values())  # one process peak per group, logged by each variant
 
 
 def test_report_pairs_the_rounds_of_interleaved_variants(interleaved, tracking, tmp_path):

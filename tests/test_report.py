@@ -106,10 +106,18 @@ def test_report_by_sweep_id_and_explicit_baseline(grid_sweep, tracking, tmp_path
     assert {ln.baseline.run_id for ln in rep2.lines} == {ln.baseline.run_id for ln in rep.lines}
 
 
-def test_report_cli(grid_sweep, tracking_overrides, tmp_path, capsys):
+def test_report_cli(grid_sweep, mlflow_client, tracking_overrides, tmp_path, capsys):
+    from experiments.analysis.results import loaded
+
     rc = main(["report", "t-report", *tracking_overrides, "--out", str(tmp_path), "--no-log"])
     out = capsys.readouterr().out
-    assert rc == 0 and "speedup" in out and "next:" in out and str(tmp_path / "report.md") in out
+    assert rc == 0 and "speedup" in out and str(tmp_path / "report.md") in out
+    # per context: a next step from the best trial fit to decide; none where every trial ran under load
+    rows = load(mlflow_client, "t-report").finished
+    for ctx in ("24", "48"):
+        fit = [r for r in rows if r.params["workload.context_len"] == ctx and not loaded(r)]
+        assert (f"context_len={ctx}] best: " in out) == bool(fit)
+        assert (f"context_len={ctx}] no trial is fit to decide" in out) == (not fit)
     assert main(["report", "no-such-sweep-anywhere", *tracking_overrides]) == 2
     assert "no experiment, sweep id or sweep run matches" in capsys.readouterr().err
 
@@ -129,7 +137,7 @@ def test_seed_claims_sweep_and_claims_table(ray_local, tiny_overrides, tracking,
     rep = build("t-seed-claims", tracking, out_dir=tmp_path, claims=True, progress=False)
     rows = {c.name: c for c in rep.claims}
     kv = rows["kv-speedup"]
-    verdicts = ("yes", "partly", "no", "within noise")
+    verdicts = ("yes", "partly", "no", "within noise", "not decidable")  # not decidable: measured under load
     assert _verdict(kv.holds) in verdicts and "decode at context 2048" in kv.measured and "thread" in kv.hardware
     assert _verdict(rows["flash-memory"].holds) in verdicts and "attention scratch" in rows["flash-memory"].measured
     for name in ("spec-formula", "spec-speedup", "continuous-batching"):
@@ -177,18 +185,26 @@ def test_seed_claims_sweep_and_claims_table(ray_local, tiny_overrides, tracking,
 
 
 def _verdict(holds: str) -> str:
-    return holds.split(" (judged from unstable trials")[0]
+    return holds.split(" (unstable")[0]
 
 
 def _judged(rule: str, base, new, metric: str) -> str:
     """A claimed gain's expected cell: the range rule, unless the ratio's 95% interval (from both trials'
-    logged intervals) contains x1 -- then "within noise"; plus the unstable note when either trial has it."""
+    logged intervals) contains x1 -- then "within noise"; "not decidable" when either trial was measured
+    under machine load; the spread-flagged trials named when either is."""
+    from engine.measure.noise import unstable_causes
     from engine.measure.spread import ratio, spread_of
 
     lo_hi = ratio(spread_of(base.metrics, metric), spread_of(new.metrics, metric))
     verdict = "within noise" if lo_hi is not None and lo_hi.lo <= 1 <= lo_hi.hi else rule  # None: 1 repeat
-    bad = [r.hash[:8] for r in (base, new) if r.tags.get("unstable")]
-    return verdict + (f" (judged from unstable trials: {', '.join(bad)})" if bad else "")
+    flagged = {c: [r.hash[:8] for r in (base, new) if c in unstable_causes(r.tags.get("unstable", ""))]
+               for c in ("load", "spread")}
+    if flagged["load"]:
+        return f"not decidable (unstable: load: {', '.join(flagged['load'])})"
+    if flagged["spread"]:
+        return verdict + f" (unstable: spread: {', '.join(flagged['spread'])}" + (
+            ")" if verdict == "within noise" else "; decided: the intervals separate)")
+    return verdict
 
 
 def _seed_verdict(ratio: float, yes_at: float, partly_above: float) -> str:
@@ -306,7 +322,7 @@ def test_report_cells_carry_intervals_verdicts_unstable_and_the_roofline_flag():
     base = _row(1, kv="off", tok_s=10, metrics={**_timed(10, 0.02), "roofline_efficiency": 0.4})
     fast = _row(2, tok_s=20, metrics={**_timed(20, 0.02), "roofline_efficiency": 2.92})
     same = _row(3, attn="eager", tok_s=10.2, metrics=_timed(10.2, 0.05))
-    same.tags["unstable"] = "output_tok_s CV 12% > 10%"
+    same.tags["unstable"] = "output_tok_s CV 12% > 10%"  # a label written before causes led it: spread
     rows = [base, fast, same]
     ax = axes(rows)
     ls = {ln.row.run_id: ln for ln in lines(rows, ax, {workload_key(base, ax): base}, lambda k: "w")}
@@ -316,6 +332,84 @@ def test_report_cells_carry_intervals_verdicts_unstable_and_the_roofline_flag():
     assert table_cells(ls["r3"])[-1] == "FINISHED unstable"
     notes = "\n".join(table_notes(list(ls.values())))
     assert "within noise" in notes and "unstable (" in notes and "CV 12%" in notes and "not a physical share" in notes
+
+
+# --- the stability rule: load-flagged trials never decide, spread-flagged ones only where intervals separate
+LOAD_TAG = "load: other processes used 62.0% of the CPUs (> 25.0%)"
+SPREAD_TAG = "spread: output_tok_s CI half-width 12.5% > 10.0%"
+
+
+def _flagged(row: TrialRow, tag: str) -> TrialRow:
+    row.tags["unstable"] = tag
+    return row
+
+
+def test_load_flagged_trials_never_decide_a_speedup_the_best_configuration_or_a_claim():
+    """The loaded quickstart printed `x0.08 [0.05-0.11]` between unstable trials and named kv_cache=off best
+    at context 512. A trial measured under load shows its ratio but no interval and no verdict, is never the
+    best (even when its median is the highest) and turns a timed claim into "not decidable"."""
+    from experiments.analysis.report import csv_text, lines, table_cells, table_notes
+
+    base = _row(1, kv="off", tok_s=1, metrics=_timed(1, 0.01))
+    fast = _flagged(_row(2, tok_s=12, metrics=_timed(12, 0.01)), LOAD_TAG)  # the highest median, under load
+    steady = _row(3, attn="eager", tok_s=10, metrics=_timed(10, 0.01))
+    rows = [base, fast, steady]
+    ax = axes(rows)
+    ls = {ln.row.run_id: ln for ln in lines(rows, ax, {workload_key(base, ax): base}, lambda k: "w")}
+    assert table_cells(ls["r2"])[5] == "x12.00 (unstable: load)" and "[" not in table_cells(ls["r2"])[5]
+    assert not ls["r2"].decidable and ls["r3"].decidable and table_cells(ls["r3"])[5].startswith("x10.00 [")
+    assert ls["r2"].values["speedup_verdict"] == "not decidable (unstable: load)"
+    assert "not decidable (unstable: load)" in csv_text(list(ls.values()))
+    assert any("`(unstable: load)`: not decidable" in n and "cluster.interleave" in n for n in table_notes(list(ls.values())))
+    a = _advice(rows)
+    assert a.best is steady and a.unfit == [fast]
+    md = adv.to_markdown([a], ax)
+    assert "Best so far: **attention=eager kv_cache=contiguous**" in md  # steady's settings, not fast's
+    assert "Not compared (measured under machine load, unstable: load): attention=sdpa kv_cache=contiguous" in md
+    # a measured step whose only trial ran under load says so and is judged by the regime instead
+    rows2 = [_row(4, quant="none", tok_s=10, metrics=_timed(10, 0.01)),
+             _flagged(_row(5, quant="int8-weight", tok_s=6, metrics=_timed(6, 0.01)), LOAD_TAG),
+             _row(6, kv="off", quant="none", tok_s=1, metrics=_timed(1, 0.01))]
+    quant = next(s for s in _advice(rows2).steps if s.step == "quantization")
+    assert quant.status != adv.NO_GAIN and "only under machine load" in quant.verdict
+    # a timed claim drawn from a load-flagged trial is not decided; an untimed one (memory, ppl) still is
+    claims = {c.name: c for c in evaluate([_row(7, kv="off", tok_s=1), _flagged(_row(8, tok_s=10), LOAD_TAG)])}
+    assert claims["kv-speedup"].holds == f"not decidable (unstable: load: {_row(8).hash[:8]})"
+    q = [_flagged(_row(9, quant="none", ctx=2048, tok_s=5, metrics={"ppl": 8.0}), LOAD_TAG),
+         _flagged(_row(10, quant="int8-dynamic", ctx=2048, tok_s=6, metrics={"ppl": 9.6}), LOAD_TAG)]
+    assert {c.name: c for c in evaluate(q)}["quant-naive-w8a8"].holds == "yes"  # +20% ppl: no timing in it
+
+
+def test_spread_flagged_trials_decide_only_where_the_intervals_separate_and_say_so():
+    from experiments.analysis.report import SPREAD_DECIDED, lines, table_cells, table_notes
+
+    base = _row(1, kv="off", tok_s=10, metrics=_timed(10, 0.06))
+    apart = _flagged(_row(2, tok_s=20, metrics=_timed(20, 0.0625)), SPREAD_TAG)  # +-12.5%, yet x2 separates
+    close = _flagged(_row(3, attn="eager", tok_s=10.5, metrics=_timed(10.5, 0.0625)), SPREAD_TAG)
+    rows = [base, apart, close]
+    ax = axes(rows)
+    ls = {ln.row.run_id: ln for ln in lines(rows, ax, {workload_key(base, ax): base}, lambda k: "w")}
+    assert ls["r2"].comparisons["speedup"].verdict == "faster"
+    assert table_cells(ls["r2"])[5].endswith(SPREAD_DECIDED) and table_cells(ls["r2"])[5].startswith("x2.00 [")
+    assert ls["r3"].comparisons["speedup"].verdict == "within noise"
+    assert table_cells(ls["r3"])[5].endswith(" ~") and SPREAD_DECIDED not in table_cells(ls["r3"])[5]
+    assert any(SPREAD_DECIDED in n and "still excludes x1" in n for n in table_notes(list(ls.values())))
+    a = _advice(rows)
+    assert a.best is apart and a.separated and not a.unfit
+    assert "(unstable: spread; decided: its interval separates from every other trial's)" in adv.to_markdown([a], ax)
+    claims = {c.name: c for c in evaluate([_row(4, kv="off", tok_s=1, metrics=_timed(1, 0.01)),
+                                           _flagged(_row(5, tok_s=10, metrics=_timed(10, 0.0625)), SPREAD_TAG)])}
+    assert claims["kv-speedup"].holds == f"yes (unstable: spread: {_row(5).hash[:8]}; decided: the intervals separate)"
+
+
+def test_with_no_trial_fit_to_decide_the_advice_names_no_winner_and_says_what_to_do():
+    rows = [_flagged(_row(1, kv="off", tok_s=1, metrics=_timed(1, 0.01)), LOAD_TAG),
+            _flagged(_row(2, tok_s=12, metrics=_timed(12, 0.01)), LOAD_TAG + "; " + SPREAD_TAG)]
+    a = _advice(rows)
+    assert a.best is None and a.next is None and not a.steps and len(a.unfit) == 2
+    md = adv.to_markdown([a], axes(rows))
+    assert "Best so far" not in md and "Next:" not in md and "No trial here is fit to decide" in md
+    assert "quieter machine" in md and "timing.max_repeats" in md and "cluster.interleave=N" in md
 
 
 def test_baseline_parsing_and_choice():

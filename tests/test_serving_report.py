@@ -59,6 +59,13 @@ def test_serving_points_table_and_plot_name_every_configuration(tmp_path):
     assert md[3].endswith("| 5.0 | * |")  # cfgr2 still on the frontier
     assert sv.plot(pts, tmp_path / "p2.png") is not None
     assert sv.plot([], tmp_path / "none.png") is None
+    # a trial measured under machine load is shown but never ranked: it cannot push another off the frontier
+    busy = _row(6, metrics={"output_tok_s": 40.0, "tpot_ms_p50": 40.0})  # would dominate every other point
+    busy.tags["unstable"] = "load: other processes used 60.0% of the CPUs (> 25.0%)"
+    pts = sv.points(lines + [_Line(busy, "serving-mixed", "cfgr6")])
+    md = sv.to_markdown(pts).splitlines()
+    assert pts[-1].loaded and md[2].endswith("| 40.0 | 25.0 | not ranked (unstable: load) |")
+    assert md[3].endswith("| 5.0 | * |") and md[4].endswith("| 20.0 | * |")  # cfgr2 and cfgr3 still on it
 
 
 def _reprompt_pair(ttft_off=900.0, ttft_on=300.0, rates=None):

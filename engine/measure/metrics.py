@@ -11,6 +11,7 @@ import torch
 
 from ..config import SLOConfig
 from .noise import UNSTABLE  # noqa: F401 -- the label's home is the noise module (torch-free); LABELS documents it
+from .spread import MIN_EFFECT
 from ..traces import GenerationTrace
 
 if TYPE_CHECKING:
@@ -26,7 +27,12 @@ METRICS: dict[str, str] = {
     "decode_tok_s": "tokens generated after the first / decode wall time (excludes prefill)",
     "prefill_tok_s": "prompt tokens (all sequences) / prefill wall time",
     "request_s": "requests completed per second",
-    "peak_mem_bytes": "process RSS high-water mark on CPU, torch.cuda.max_memory_allocated on GPU",
+    "peak_mem_bytes": "process RSS high-water mark on CPU, torch.cuda.max_memory_allocated on GPU, over the timed "
+                      "runs; in an interleaved group (env.interleave_group), whose process holds every variant's model, "
+                      "the variant's own footprint instead: weights_bytes + the most its own calls grew the process "
+                      "(KV cache and scratch; RSS on CPU after handing freed pages back, allocated bytes on GPU)",
+    "group_peak_mem_bytes": "interleaved group only: the peak of the process the whole group ran in (every variant's "
+                            "model resident), the same figure for each variant",
     "weights_bytes": "bytes of model parameters and buffers as stored",
     "kv_cache_bytes": "KV cache bytes allocated at the end of generation (serving: the whole shared block pool)",
     "kv_cache_used_bytes": "KV cache bytes holding live tokens at the end of generation",
@@ -168,8 +174,12 @@ METRICS: dict[str, str] = {
 # of the median, percentile bootstrap), NAME_cv (stdev / mean), NAME_n (samples). NAME itself stays the median.
 TIMINGS = ("ttft_ms_p50", "tpot_ms_p50", "itl_ms_p50", "e2e_s_p50", "output_tok_s", "decode_tok_s", "prefill_tok_s",
            "request_s", "goodput")
-# A trial is `unstable` when a timing's spread or the machine's load says its medians cannot be trusted.
-UNSTABLE_CV = 0.10  # pyperf warns from a std dev of 10% of the mean
+# A trial is `unstable` when the machine's load or a timing's spread says its medians cannot decide a
+# comparison. Spread is judged on what the verdicts read -- the 95% interval of the median, relative to it --
+# against the smallest effect they judge (spread.MIN_EFFECT, 10%): a median known no better than +-10% cannot
+# resolve a 10% difference. The raw CV (stdev / mean) is no such measure: it does not shrink with repeats
+# and one stalled sample inflates it, so CVs of 10-14% flagged a third of the trials on a quiet machine.
+UNSTABLE_HALF_WIDTH = MIN_EFFECT
 UNSTABLE_OTHER_CPU = 0.25  # other processes took a quarter of the machine (half a core of two)
 STABILITY_KEYS = ("tpot_ms_p50", "ttft_ms_p50", "output_tok_s")  # judged: per-token, first-token, throughput
 
@@ -184,8 +194,10 @@ LABELS: dict[str, str] = {
     "hw.source": "where the hardware peaks came from: table (known GPU), probe (measured now), cache, or "
                  "probe-loaded (measured now under load: not cached, the roofline shares read high)",
     "capacity": "capacity search: why it stopped (bracket within tolerance, budget spent, or no rate meets the SLO)",
-    UNSTABLE: "why the trial's timings cannot be trusted (a timing's CV above 10%, or other processes busy); "
-                "absent on a stable trial",
+    UNSTABLE: "why the trial's timings cannot decide a comparison, each reason led by its cause: `load` (other "
+              "processes took over 25% of the CPUs, or held its GPU: the trial never decides) or `spread` (a judged "
+              "timing's 95% interval half-width above 10% of its median: it decides only where intervals separate); "
+              "absent on a stable trial",
 }
 
 # Metrics that must be bit-identical when a trial is re-run (reproduce compares them exactly).
@@ -412,17 +424,25 @@ def timing_spread(per_run: list[dict[str, float]], runs, serving: bool) -> dict[
 
 
 def instability(metrics: dict[str, float]) -> str:
-    """Why a trial's timings cannot be trusted ('' when they can): a judged timing's CV over
-    UNSTABLE_CV across repeats, or other processes' CPU share over UNSTABLE_OTHER_CPU."""
+    """Why a trial's timings cannot decide a comparison ('' when they can), each reason led by its cause
+    (noise.LOAD / noise.SPREAD) with the figures that triggered it, to one decimal: other processes' CPU
+    share over UNSTABLE_OTHER_CPU or other processes on the GPU (load), a judged timing's interval
+    half-width over UNSTABLE_HALF_WIDTH of its median (spread; one repeat has no interval to judge)."""
+    from .noise import LOAD, SPREAD
+    from .spread import spread_of
+
+    def over(x: float, limit: float) -> bool:  # as printed: never "10.0% > 10.0%"
+        return round(100 * x, 1) > round(100 * limit, 1)
+
     why = []
-    for k in STABILITY_KEYS:
-        cv = metrics.get(f"{k}_cv")
-        if cv is not None and metrics.get(f"{k}_n", 0) > 1 and cv > UNSTABLE_CV:
-            why.append(f"{k} CV {cv:.0%} > {UNSTABLE_CV:.0%}")
     other = metrics.get("noise_other_cpu_frac")
-    if other is not None and other > UNSTABLE_OTHER_CPU:
-        why.append(f"other processes used {other:.0%} of the CPUs (> {UNSTABLE_OTHER_CPU:.0%})")
+    if other is not None and over(other, UNSTABLE_OTHER_CPU):
+        why.append(f"{LOAD}: other processes used {100 * other:.1f}% of the CPUs (> {100 * UNSTABLE_OTHER_CPU:.1f}%)")
     gpu_procs = metrics.get("noise_gpu_other_procs")
     if gpu_procs:
-        why.append(f"{gpu_procs:.0f} other process(es) on the GPU")
+        why.append(f"{LOAD}: {gpu_procs:.0f} other process(es) on the GPU")
+    for k in STABILITY_KEYS:
+        s = spread_of(metrics, k)
+        if s is not None and s.n > 1 and over(s.half_width, UNSTABLE_HALF_WIDTH):
+            why.append(f"{SPREAD}: {k} CI half-width {100 * s.half_width:.1f}% > {100 * UNSTABLE_HALF_WIDTH:.1f}%")
     return "; ".join(why)

@@ -17,6 +17,24 @@ import time
 from typing import Optional
 
 UNSTABLE = "unstable"  # the label (MLflow tag) naming why a trial's timings cannot be trusted; absent when they can
+# Its value is "; "-joined reasons, each led by its cause. The causes weigh differently in a comparison:
+# LOAD (other processes took the machine) biases the medians in a way no interval carries, so such a trial
+# never decides one; SPREAD (an interval wider than the smallest effect judged) is carried by the interval,
+# so such a trial decides where the intervals still separate.
+LOAD, SPREAD = "load", "spread"
+
+
+def unstable_causes(reason: str) -> set[str]:
+    """The causes ({LOAD, SPREAD}) in an `unstable` label's value; a label written before the causes led
+    each reason reads by its wording ("other process" is load, a CV is spread)."""
+    out = set()
+    for part in filter(None, (p.strip() for p in (reason or "").split(";"))):
+        cause = part.split(":", 1)[0].strip()
+        if cause in (LOAD, SPREAD):
+            out.add(cause)
+        else:
+            out.add(LOAD if "other process" in part else SPREAD)
+    return out
 
 # /proc/stat cpu line: user nice system idle iowait irq softirq steal guest guest_nice
 _BUSY = (0, 1, 2, 5, 6, 7)

@@ -16,7 +16,7 @@ from engine.axes import RIGHT_SIZE, Axis
 
 from engine.measure.spread import WITHIN_NOISE
 
-from .results import TrialRow, compare, counterpart, describe, unstable_note
+from .results import SPREAD, WHAT_TO_DO, TrialRow, causes, compare, counterpart, describe, loaded, rule_verdict, unstable_note
 
 APPLIED, NEXT, LATER, NO_GAIN, WITHIN, UNLIKELY, NOT_APPLICABLE, MISSING = (
     "applied", "next", "later", "measured: no gain", "measured: within noise", "unlikely to pay off",
@@ -130,9 +130,11 @@ def judge(step: Axis, best: TrialRow) -> tuple[bool, Optional[bool], str]:
 @dataclass
 class Advice:
     workload: str
-    best: TrialRow
+    best: Optional[TrialRow]  # None: no trial is fit to decide (every one was measured under machine load)
     steps: list[StepAdvice] = field(default_factory=list)
     tied: list[TrialRow] = field(default_factory=list)  # other trials whose throughput is within noise of best's
+    unfit: list[TrialRow] = field(default_factory=list)  # measured under machine load: never compared
+    separated: bool = False  # best's interval excludes every other fit trial's (none within noise or unknown)
 
     @property
     def next(self) -> Optional[StepAdvice]:
@@ -151,14 +153,21 @@ class Advice:
 
 
 def advise(rows: list[TrialRow], ax: list[str], workload: str = "") -> Optional[Advice]:
-    """Advice for the best (highest output_tok_s) finished trial among `rows` (one workload)."""
+    """Advice for the best (highest output_tok_s) finished trial among `rows` (one workload) that is fit to
+    decide: a trial measured under machine load (results.loaded) is never named best nor compared; when
+    none is fit, the advice names no winner (`best` None) and says what to do."""
     done = [r for r in rows if r.finished and r.num("output_tok_s")]
     if not done:
         return None
-    best = max(done, key=lambda r: r.num("output_tok_s"))
-    adv = Advice(workload, best)
-    adv.tied = [r for r in done if r is not best and (c := compare(r, best, "output_tok_s")) is not None
-                and c.verdict == WITHIN_NOISE]
+    unfit = [r for r in done if loaded(r)]
+    fit = [r for r in done if not loaded(r)]
+    if not fit:
+        return Advice(workload, None, unfit=unfit)
+    best = max(fit, key=lambda r: r.num("output_tok_s"))
+    adv = Advice(workload, best, unfit=unfit)
+    cmps = [compare(r, best, "output_tok_s") for r in fit if r is not best]
+    adv.tied = [r for r, c in zip([r for r in fit if r is not best], cmps) if c is not None and c.verdict == WITHIN_NOISE]
+    adv.separated = all(c is not None and c.verdict != WITHIN_NOISE for c in cmps)
     have_next = False
     for step in CHAIN:
         value = step_value(best, step)
@@ -171,6 +180,10 @@ def advise(rows: list[TrialRow], ax: list[str], workload: str = "") -> Optional[
             continue
         # measured in this sweep on top of the same settings, and slower (or it would be the best)
         tried = counterpart(rows, best, {step.key: lambda v, off=step.off: v is not None and v != off}, ax)
+        if tried is not None and loaded(tried):  # measured, but under load: it decides nothing; judge by regime
+            why = (f"measured here only under machine load ({step_value(tried, step)}, {tried.hash[:8]}: "
+                   f"unstable: load -- not decidable); by the regime: {why}")
+            tried = None
         if tried is not None:
             cmp = compare(best, tried, "output_tok_s")
             if cmp is not None:
@@ -178,8 +191,9 @@ def advise(rows: list[TrialRow], ax: list[str], workload: str = "") -> Optional[
                 adv.steps.append(StepAdvice(
                     step.label, value, WITHIN if within else NO_GAIN,
                     f"measured here: {step_value(tried, step)} runs at {cmp.cell()} of this trial's throughput -- "
-                    + ("within noise: no measurable gain on this workload and hardware" if within
-                       else "on this workload and hardware it does not pay off") + unstable_note([best, tried]), False))
+                    + rule_verdict("within noise: no measurable gain on this workload and hardware" if within
+                                   else "on this workload and hardware it does not pay off", [best, tried],
+                                   decided=not within), False))
                 continue
             r = tried.num("output_tok_s") / best.num("output_tok_s")
             adv.steps.append(StepAdvice(step.label, value, NO_GAIN,
@@ -200,18 +214,37 @@ def advise(rows: list[TrialRow], ax: list[str], workload: str = "") -> Optional[
     return adv
 
 
+def _best_line(a: Advice, ax: list[str]) -> str:
+    """'Best so far: ...' naming why the choice stands when its trial is spread-flagged."""
+    from .results import opt_label
+
+    b = a.best
+    dreg, dhow = regime(b, "decode")
+    preg, phow = regime(b, "prefill")
+    note = unstable_note([b])
+    if SPREAD in causes(b) and a.separated:  # every other fit trial's interval separates from it
+        note = " (unstable: spread; decided: its interval separates from every other trial's)"
+    return (f"Best so far: **{opt_label(b, ax)}** ({b.hash}) -- {b.num('output_tok_s'):.2f} output tok/s; "
+            f"prefill {preg or '?'}-bound ({phow or 'unknown'}), decode {dreg or '?'}-bound ({dhow or 'unknown'})"
+            + note + ".\n")
+
+
 def to_markdown(advices: list[Advice], ax: list[str]) -> str:
     from .results import opt_label
 
     out = []
     for a in advices:
-        b = a.best
-        dreg, dhow = regime(b, "decode")
-        preg, phow = regime(b, "prefill")
         out.append(f"### {a.workload}\n")
-        out.append(f"Best so far: **{opt_label(b, ax)}** ({b.hash}) -- {b.num('output_tok_s'):.2f} output tok/s; "
-                   f"prefill {preg or '?'}-bound ({phow or 'unknown'}), decode {dreg or '?'}-bound ({dhow or 'unknown'})"
-                   + unstable_note([b]) + ".\n")
+        unfit = ", ".join(f"{opt_label(r, ax)} ({r.hash[:8]})" for r in a.unfit)
+        if a.best is None:
+            out.append(f"No trial here is fit to decide: all {len(a.unfit)} were measured under machine load "
+                       f"(unstable: load: {unfit}), which biases their medians beyond their intervals -- no best "
+                       f"configuration and no next step are named. To decide: {WHAT_TO_DO}.\n")
+            continue
+        out.append(_best_line(a, ax))
+        if a.unfit:
+            out.append(f"Not compared (measured under machine load, unstable: load): {unfit} -- any of them may be "
+                       f"faster; to place them: {WHAT_TO_DO}.\n")
         if a.tied:
             out.append("Within noise of it: " + ", ".join(f"{opt_label(r, ax)} ({r.hash[:8]})" for r in a.tied)
                        + " -- the intervals cannot tell these apart.\n")

@@ -9,7 +9,8 @@ Verdicts compare ratios measured here with the seed's ranges (its absolute numbe
 H100): "yes" inside the range (or beyond it in the claimed direction), "partly" right direction but short of
 it (or one half of a two-part claim), "no" otherwise. A claimed speed-up carries the 95% interval of its
 ratio (both trials' intervals, engine/measure/spread.py) and reads "within noise" when that interval
-contains x1, whatever the median ratio says; a verdict judged from trials labelled `unstable` says so.
+contains x1, whatever the median ratio says. A timed verdict drawn from a trial labelled `unstable` for
+machine load reads "not decidable"; one drawn from a spread-flagged trial names it (results.rule_verdict).
 Arithmetic claims are checked with the cost model's own formulas and hold on any hardware.
 """
 from __future__ import annotations
@@ -23,7 +24,7 @@ from engine.axes import ATTENTION, BACKEND, BATCHING, KV_CACHE, QUANT, SPECULATI
 
 from engine.measure.spread import WITHIN_NOISE
 
-from .results import CONTEXT, TrialRow, axes, compare, counterpart, speedup, unstable_note
+from .results import CONTEXT, TrialRow, axes, compare, counterpart, rule_verdict, speedup
 
 YES, PARTLY, NO = "yes", "partly", "no"
 WITHIN = "within noise"  # a claimed gain whose interval contains x1
@@ -439,6 +440,10 @@ def _finding(measure):
 
 
 CLAIMS = CLAIMS + tuple(Claim(name, seed, _finding(m), needs) for name, seed, m, needs in ACCURACY)
+# Claims read from no timing (memory, perplexity, task accuracy, counted tokens): machine load cannot bias
+# them, so the stability rule (results.rule_verdict) leaves their verdicts alone.
+UNTIMED = frozenset({"flash-memory", "quant-naive-w8a8", "quant-long-context", "spec-formula"}
+                    | {name for name, *_ in ACCURACY})
 
 
 @dataclass
@@ -463,7 +468,8 @@ def evaluate(rows: list[TrialRow], claims: tuple[Claim, ...] = CLAIMS) -> list[C
             out.append(ClaimRow(c.name, c.seed, "-", "-", ABSENT))
             continue
         hw = f.hardware or "; ".join(dict.fromkeys(r.hardware() for r in f.used)) or "-"
-        out.append(ClaimRow(c.name, c.seed, f.measured, hw, f.holds + unstable_note(f.used)))
+        holds = f.holds if c.name in UNTIMED else rule_verdict(f.holds, f.used, decided=f.holds != WITHIN)
+        out.append(ClaimRow(c.name, c.seed, f.measured, hw, holds))
     return out
 
 

@@ -20,7 +20,7 @@ from typing import Any, Callable, Optional
 from engine import axes as axis_registry
 from engine.axes import BACKEND
 from engine.measure.noise import UNSTABLE
-from engine.measure.spread import Ratio
+from engine.measure.spread import WITHIN_NOISE, Ratio
 
 from ..config.compose import BUNDLE_GROUPS
 
@@ -30,6 +30,11 @@ from . import serving as sv
 from ..errors import UserError
 from .results import (
     CONTEXT,
+    NOT_DECIDABLE,
+    SPREAD,
+    WHAT_TO_DO,
+    causes,
+    loaded,
     Selection,
     TrialRow,
     axes,
@@ -130,6 +135,16 @@ class Line:
     def is_baseline(self) -> bool:
         return self.baseline is not None and self.baseline.run_id == self.row.run_id
 
+    @property
+    def pair(self) -> list[TrialRow]:
+        """The trials its comparisons are drawn from (none for the baseline itself)."""
+        return [] if self.baseline is None or self.is_baseline else [self.baseline, self.row]
+
+    @property
+    def decidable(self) -> bool:
+        """False when its comparisons draw on a trial measured under machine load (results.loaded)."""
+        return not any(loaded(r) for r in self.pair)
+
 
 def lines(rows: list[TrialRow], ax: list[str], baselines: dict[tuple, Optional[TrialRow]],
           label: Callable[[tuple], str]) -> list[Line]:
@@ -152,6 +167,8 @@ def lines(rows: list[TrialRow], ax: list[str], baselines: dict[tuple, Optional[T
             ln.comparisons[name] = cmp
             if cmp is not None:
                 v[f"{name}_lo"], v[f"{name}_hi"], v[f"{name}_verdict"] = cmp.lo, cmp.hi, cmp.verdict
+            if not ln.decidable and v[name] is not None:
+                v[f"{name}_verdict"] = f"{NOT_DECIDABLE} (unstable: load)"
         v[UNSTABLE] = r.tags.get(UNSTABLE)
         eff = m.get("roofline_efficiency")
         v["roofline_flag"] = ROOFLINE_MISMATCH if eff is not None and eff > 1 else None
@@ -180,10 +197,22 @@ TABLE_HEADER = ["workload", "optimizations", "hash", "regime p/d", "out tok/s", 
                 "prefill tok/s", "ttft ms", "roofline tok/s", "roofline %", "ppl", "Δppl", "peak MB", "status"]
 
 
+SPREAD_DECIDED = "(unstable: spread; intervals separate)"
+GROUP_MEMORY_NOTE = ("each variant's own footprint (its weights + what its own calls allocated: KV cache, scratch); "
+                     "their process held the whole group's models, whose peak is `group_peak_mem_bytes`")
+
+
 def _speedup_cell(ln: Line, name: str) -> str:
-    """'x1.23 [1.10-1.35]' with its interval (' ~': within noise), or 'x1.23' where no interval was logged."""
-    cmp = ln.comparisons.get(name)
-    return cmp.cell() if cmp is not None else _f(ln.values[name], "x{:.2f}")
+    """'x1.23 [1.10-1.35]' with its interval (' ~': within noise), or 'x1.23' where no interval was logged.
+    Drawn from a trial measured under load: 'x1.23 (unstable: load)', no interval and no verdict; from a
+    spread-flagged one whose interval still excludes x1: the verdict stands and the cell says why."""
+    cmp, value = ln.comparisons.get(name), ln.values[name]
+    if not ln.decidable:
+        return "-" if value is None else f"x{value:.2f} (unstable: load)"
+    if cmp is None:
+        return _f(value, "x{:.2f}")
+    spread = any(SPREAD in causes(r) for r in ln.pair)
+    return cmp.cell() + (" " + SPREAD_DECIDED if spread and cmp.verdict != WITHIN_NOISE else "")
 
 
 def _roofline_cell(v: dict[str, Any]) -> str:
@@ -214,9 +243,19 @@ def table_notes(ls: list[Line]) -> list[str]:
     if any(ln.comparisons.get(n) for ln in ls for n, _ in SPEEDUPS):
         out.append("speedups: x median ratio [95% interval from both trials' intervals]; `~` = within noise "
                    "(the interval contains x1)")
+    if any(not ln.decidable for ln in ls):
+        out.append("`(unstable: load)`: not decidable -- the ratio draws on a trial measured while other processes "
+                   "took the machine, which biases its median in a way its interval does not carry; no verdict. "
+                   "To decide: " + WHAT_TO_DO)
+    if any(SPREAD_DECIDED in _speedup_cell(ln, n) for ln in ls for n, _ in SPEEDUPS):
+        out.append(f"`{SPREAD_DECIDED}`: a trial's interval is wider than the smallest effect judged (10%), but "
+                   "the ratio's interval, which carries that width, still excludes x1: the verdict stands")
     for ln in ls:
         if ln.values.get(UNSTABLE):
             out.append(f"unstable ({ln.row.hash[:8]}, {ln.optimizations}): {ln.values[UNSTABLE]}")
+    grouped = [ln.row.hash[:8] for ln in ls if ln.row.num("group_peak_mem_bytes") is not None]
+    if grouped:
+        out.append(f"peak MB of interleaved trials ({', '.join(grouped)}): {GROUP_MEMORY_NOTE}")
     flagged = [ln.row.hash[:8] for ln in ls if ln.values.get("roofline_flag")]
     if flagged:
         out.append(f"roofline % `>100 (!N)` ({', '.join(flagged)}): {ROOFLINE_MISMATCH}")

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterable, Optional
 
 from engine import axes as axis_registry
-from engine.measure.noise import UNSTABLE
+from engine.measure.noise import LOAD, SPREAD, UNSTABLE, unstable_causes
 from engine.measure.spread import LOWER_IS_BETTER
 from engine.measure.spread import Ratio, paired_ratio, ratio, spread_of
 
@@ -259,10 +259,53 @@ def compare(base: Optional[TrialRow], new: Optional[TrialRow], metric: str) -> O
     return ratio(a, b, higher_is_better=metric not in LOWER_IS_BETTER)
 
 
+# --- which trials may decide a comparison -----------------------------------------------------------------
+# A trial labelled `unstable` for machine LOAD never decides: other processes biased its medians, and its
+# interval does not carry that bias. One labelled for SPREAD only decides where the intervals separate
+# (its wide interval is in the comparison's). engine/measure/noise.py names the causes.
+NOT_DECIDABLE = "not decidable"
+WHAT_TO_DO = ("rerun on a quieter machine, with more repeats (`timing.max_repeats`, `timing.target_ci`), or with "
+              "`cluster.interleave=N` (the variants take turns, so drift hits each alike)")
+
+
+def causes(row: TrialRow) -> set[str]:
+    """{LOAD, SPREAD} that the row's `unstable` label names (empty for a stable trial)."""
+    return unstable_causes(row.tags.get(UNSTABLE, ""))
+
+
+def loaded(row: TrialRow) -> bool:
+    """Measured under machine load: the row never decides a comparison."""
+    return LOAD in causes(row)
+
+
+def fit_to_decide(rows: Iterable[TrialRow]) -> list[TrialRow]:
+    return [r for r in rows if not loaded(r)]
+
+
+def _hashes(rows: Iterable[TrialRow]) -> str:
+    return ", ".join(r.hash[:8] for r in rows)
+
+
+def rule_verdict(verdict: str, rows: Iterable[TrialRow], decided: bool = True) -> str:
+    """`verdict`, drawn from `rows`, under the stability rule: NOT_DECIDABLE with the load-flagged trials
+    when any is; with the spread-flagged trials named -- and, where `decided` (its interval excludes x1),
+    that the intervals separate -- when any is; else unchanged."""
+    rows = list(rows)
+    bad = [r for r in rows if loaded(r)]
+    if bad:
+        return f"{NOT_DECIDABLE} (unstable: load: {_hashes(bad)})"
+    wide = [r for r in rows if SPREAD in causes(r)]
+    if not wide:
+        return verdict
+    return verdict + f" (unstable: spread: {_hashes(wide)}" + ("; decided: the intervals separate)" if decided else ")")
+
+
 def unstable_note(rows: Iterable[TrialRow]) -> str:
-    """'' or ' (judged from unstable trials: HASH, ...)' for the rows labelled unstable."""
-    bad = [r.hash[:8] for r in rows if r.tags.get(UNSTABLE)]
-    return f" (judged from unstable trials: {', '.join(bad)})" if bad else ""
+    """'' or ' (unstable: spread: HASH, ...)' / ' (unstable: load: HASH, ...)' for the rows so labelled."""
+    rows = list(rows)
+    parts = [f"unstable: {c}: {_hashes(r for r in rows if c in causes(r))}" for c in (LOAD, SPREAD)
+             if any(c in causes(r) for r in rows)]
+    return f" ({'; '.join(parts)})" if parts else ""
 
 
 def workload_key(row: TrialRow, ax: list[str]) -> tuple[tuple[str, str], ...]:

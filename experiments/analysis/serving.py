@@ -3,7 +3,8 @@ tokens/s one user sees (1000 / median TPOT) against the tokens/s the server deli
 frontier marked; and goodput against the offered rate (a capacity search: at its found rate).
 
 A configuration is on the frontier when no other configuration of the same workload is at least as good on
-both axes and better on one; a capacity search that found no rate within the SLO is shown but not ranked. Works on the report's `Line`s (experiments/analysis/report.py), so the
+both axes and better on one; a capacity search that found no rate within the SLO, or a trial measured under
+machine load (`unstable: load`), is shown but not ranked. Works on the report's `Line`s (experiments/analysis/report.py), so the
 configurations carry the names the trial table gives them.
 """
 from __future__ import annotations
@@ -23,6 +24,7 @@ class ServingPoint:
     goodput: Optional[float]
     searched: bool
     hash: str
+    loaded: bool = False  # measured under machine load (results.loaded): shown, never ranked
 
     @property
     def within_slo(self) -> bool:
@@ -33,6 +35,8 @@ class ServingPoint:
 
 def points(lines) -> list[ServingPoint]:
     """The serving trials among `lines` (finished, with output_tok_s and a TPOT)."""
+    from .results import loaded
+
     out = []
     for ln in lines:
         r = ln.row
@@ -47,7 +51,8 @@ def points(lines) -> list[ServingPoint]:
         else:
             rate = None
         out.append(ServingPoint(ln.optimizations or r.name, ln.workload, total, 1000.0 / tpot, rate,
-                                r.num("goodput_at_slo") if searched else r.num("goodput"), searched, r.hash))
+                                r.num("goodput_at_slo") if searched else r.num("goodput"), searched, r.hash,
+                                loaded(r)))
     return out
 
 
@@ -68,8 +73,8 @@ def by_workload(pts: list[ServingPoint]) -> dict[str, list[ServingPoint]]:
 
 
 def ranked_front(ps: list[ServingPoint]) -> set[int]:
-    """Indices (into `ps`) of the frontier among the points within the SLO."""
-    ranked = [i for i, p in enumerate(ps) if p.within_slo]
+    """Indices (into `ps`) of the frontier among the points within the SLO and not measured under load."""
+    ranked = [i for i, p in enumerate(ps) if p.within_slo and not p.loaded]
     return {ranked[j] for j in frontier([(ps[i].total_tok_s, ps[i].user_tok_s) for i in ranked])}
 
 
@@ -85,8 +90,8 @@ def to_markdown(pts: list[ServingPoint]) -> str:
             if not p.within_slo:
                 rate = "none (one at a time shown)"
             good = "-" if p.goodput is None else f"{p.goodput:.3g}"
-            rows.append(f"| {wl} | {p.name} | {rate} | {good} | {p.total_tok_s:.1f} | {p.user_tok_s:.1f} | "
-                        f"{'*' if i in front else ''} |")
+            mark = "*" if i in front else ("not ranked (unstable: load)" if p.loaded else "")
+            rows.append(f"| {wl} | {p.name} | {rate} | {good} | {p.total_tok_s:.1f} | {p.user_tok_s:.1f} | {mark} |")
     return "\n".join(rows)
 
 

@@ -96,7 +96,10 @@ def notes(rows: Sequence[dict[str, Any]]) -> list[str]:
             by_note.setdefault(note, []).append(r["hash"])
         if outcome.labels.get(UNSTABLE):
             unstable.append(f"unstable ({r['hash']}): {outcome.labels[UNSTABLE]}")
-    return [f"note ({', '.join(h)}): {n}" for n, h in by_note.items()] + unstable
+    grouped = [r["hash"] for r in rows if r.get("outcome") is not None and "group_peak_mem_bytes" in r["metrics"]]
+    group = ([f"peak MB ({', '.join(grouped)}): each interleaved variant's own footprint (weights + KV cache + "
+              "scratch of its own calls); the group's process peak is group_peak_mem_bytes"] if grouped else [])
+    return [f"note ({', '.join(h)}): {n}" for n, h in by_note.items()] + unstable + group
 
 
 def markdown(rows: Sequence[dict[str, Any]]) -> str:
