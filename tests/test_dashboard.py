@@ -30,7 +30,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.browser]
 ARTIFACTS = PROJECT_ROOT / "test-artifacts"
 CHROMIUM_FLAGS = ("--headless=new", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
                   "--disable-background-networking", "--disable-component-update", "--disable-sync",
-                  "--no-first-run", "--window-size=1600,1000")
+                  "--no-first-run", "--window-size=1440,900")
 
 
 def _require_browser() -> tuple[str, str]:
