@@ -70,8 +70,8 @@ def test_tracker_tags_new_and_existing_experiments_and_keeps_an_edited_view(trac
         assert envelope["name"] == "infersweep" and isinstance(envelope["createdAt"], int)
         state = json.loads(envelope["state"])
         assert state["selectedColumns"] == state["columnOrder"] == [
-            "metrics.`tok/s`", "metrics.`TPOT ms`", "metrics.`TTFT ms`", "metrics.`unstable`", "metrics.`PPL`",
-            "metrics.`KL`", "metrics.`task_gate`", "metrics.`mem MB`", "tags.`unstable`"]
+            "metrics.`tok/s`", "metrics.`TPOT ms`", "metrics.`TTFT ms`", "metrics.`unstable`", "metrics.`task_gate`",
+            "metrics.`PPL`", "metrics.`KL`", "metrics.`mem MB`", "tags.`unstable`"]
         assert set(state["columnWidths"]) == set(state["selectedColumns"])
         assert state["searchFilter"] == "tags.kind = 'trial'" and state["orderByAsc"] is False
         assert state["orderByKey"] == "metrics.`tok/s`"
@@ -104,7 +104,7 @@ def test_saved_view_shows_the_gate_and_each_task_score_and_grows_with_new_tasks(
     cols = _columns(mlflow_client.get_experiment(eid))
     gate = cols.index("metrics.`task_gate`")
     assert cols[gate:gate + 4] == ["metrics.`task_gate`", "metrics.`acc mmlu_x`",
-                                   "metrics.`acc niah_single`", "metrics.`mem MB`"]
+                                   "metrics.`acc niah_single`", "metrics.`PPL`"]
     assert tracker.experiment_id("t-ui-tasks", ["niah_single"]) == eid  # nothing new: no write
     Tracker(tracking).experiment_id("t-ui-tasks", ["bigbench_emoji_movie"])  # a later sweep, another process
     cols = _columns(mlflow_client.get_experiment(eid))

@@ -29,7 +29,7 @@ VIEW_KEY = "infersweep"
 # and in readable units, under short names that fit a narrow column (MLflow prints a metric's value in full,
 # `130.681909...`, cut off by the column). The full-precision metrics keep their names for analysis
 # (docs/metrics.md); these exist only for the table, and report/analysis never read them.
-# (display name, source metric, scale)
+# (display name, source metric, scale); memory in whole MB (1e6 bytes, as the report prints it)
 DISPLAY_METRICS = (
     ("tok/s", "output_tok_s", 1.0),
     ("TPOT ms", "tpot_ms_p50", 1.0),
@@ -38,21 +38,23 @@ DISPLAY_METRICS = (
     ("KL", "kl_div_mean", 1.0),
     ("mem MB", "peak_mem_bytes", 1e-6),
 )
+WHOLE = {"mem MB"}
 TASK_DISPLAY = "acc "  # + <task>: task_score.<task>, rounded
 UNSTABLE_FLAG = UNSTABLE  # a 0/1 metric beside the tag of that name (the tag's reason is too long to scan)
 
-# in this order, left to right (the flag qualifies the timings before it); a metric no run logged (KL without
-# a reference) shows no column.
+# in this order, left to right (the flag qualifies the timings before it; a sweep's task accuracy comes before
+# its perplexity); a metric no run logged (KL without a reference, the gate without eval.tasks) shows no column.
 # task_gate (eval.tasks: every task within eval.gate of the fp32 reference; already 0/1) is followed by the
 # sweep's `acc <task>` columns (the names depend on the sweep's tasks: `columns(tasks)`)
-METRIC_COLUMNS = ("tok/s", "TPOT ms", "TTFT ms", UNSTABLE_FLAG, "PPL", "KL", "task_gate", "mem MB")
+METRIC_COLUMNS = ("tok/s", "TPOT ms", "TTFT ms", UNSTABLE_FLAG, "task_gate", "PPL", "KL", "mem MB")
 GATE = "task_gate"
 SORT_METRIC = "tok/s"  # fastest first
-# px: a display value (4 significant digits) and its short name fit, so that the columns of a sweep without
-# eval.tasks are all on the first screen of a 1440 px window even while MLflow's Assistant panel (which MLflow
-# opens once per browser on a local server) takes a quarter of it. (The run-name and date columns are pinned:
-# the UI ignores a view's widths for them.)
-METRIC_WIDTH, FLAG_WIDTH, REASON_WIDTH = 64, 76, 240
+# px, per column: its short name (the widest text: 12 px padding either side) and a 4-digit value fit, so that
+# the columns of a sweep without eval.tasks are all on the first screen of a 1440 px window even while MLflow's
+# Assistant panel (which MLflow opens once per browser on a local server) takes a quarter of it. (The run-name
+# and date columns are pinned: the UI ignores a view's widths for them.)
+WIDTHS = {"tok/s": 60, "TPOT ms": 70, "TTFT ms": 70, UNSTABLE_FLAG: 72, "PPL": 60, "KL": 60, GATE: 84, "mem MB": 70}
+METRIC_WIDTH, REASON_WIDTH = 72, 240  # an `acc <task>` column; the unstable tag's reason
 
 
 def readable(value: float) -> float:
@@ -64,7 +66,8 @@ def readable(value: float) -> float:
 
 def display_metrics(metrics: dict[str, float], labels: dict[str, str]) -> dict[str, float]:
     """The display copies of a trial's `metrics` (those it has), and the 0/1 unstable flag from its `labels`."""
-    out = {name: readable(metrics[src] * scale) for name, src, scale in DISPLAY_METRICS if src in metrics}
+    out = {name: float(round(metrics[src] * scale)) if name in WHOLE else readable(metrics[src] * scale)
+           for name, src, scale in DISPLAY_METRICS if src in metrics}
     out.update({TASK_DISPLAY + k[len("task_score."):]: readable(v) for k, v in metrics.items()
                 if k.startswith("task_score.") and k.count(".") == 1})
     out[UNSTABLE_FLAG] = 1.0 if labels.get(UNSTABLE) else 0.0
@@ -96,8 +99,8 @@ def columns(tasks: Sequence[str] = ()) -> list[str]:
 
 
 def widths(cols: Sequence[str]) -> dict[str, int]:
-    return {c: REASON_WIDTH if c.startswith("tags.") else FLAG_WIDTH if c == column_id(UNSTABLE_FLAG) else METRIC_WIDTH
-            for c in cols}
+    named = {column_id(m): w for m, w in WIDTHS.items()}
+    return {c: REASON_WIDTH if c.startswith("tags.") else named.get(c, METRIC_WIDTH) for c in cols}
 
 
 def view_state(tasks: Sequence[str] = ()) -> dict[str, Any]:
