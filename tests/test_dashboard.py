@@ -294,9 +294,8 @@ def test_saved_view_of_a_task_sweep_shows_the_gate_and_task_score_and_the_needle
         _shot(d, "mlflow-task-columns")
     hs = headers()
     assert hs.index(wanted[0]) + 1 == hs.index(wanted[1])  # the gate, then the task's score
-    shown = {c.get_attribute("col-id"): c.text for c in d.find_elements(
-        By.CSS_SELECTOR, f"[role='row'][row-id] [col-id='{wanted[1]}']")}
-    assert shown and all(len(t) <= 6 for t in shown.values()), shown  # rounded: `0.3333`, not 0.33333334
+    shown = [c.text for c in d.find_elements(By.CSS_SELECTOR, f"[role='row'][row-id] [col-id='{wanted[1]}']")]
+    assert len(shown) == len(needle_sweep.rows) and all(0 < len(t) <= MAX_CELL_CHARS for t in shown), shown  # rounded
     rid = needle_sweep.rows[0]["run_id"]
     d.get(f"{base}/#/experiments/{exp_id}/runs/{rid}/artifacts/needle_niah_single.png")
     try:

@@ -115,7 +115,7 @@ def test_saved_view_shows_the_gate_and_each_task_score_and_grows_with_new_tasks(
         dict(dashboard.view_state(), selectedColumns=["metrics.`tok/s`", "metrics.`PPL`"],
              columnOrder=["metrics.`tok/s`", "metrics.`PPL`"]))})
     grown = json.loads(json.loads(dashboard.with_task_columns(legacy, ["t1"]))["state"])
-    assert grown["selectedColumns"] == ["metrics.`tok/s`", "metrics.`PPL`", "metrics.`task_gate`", "metrics.`acc t1`"]
+    assert grown["selectedColumns"] == ["metrics.`tok/s`", "metrics.`task_gate`", "metrics.`acc t1`", "metrics.`PPL`"]
     assert grown["columnWidths"]["metrics.`acc t1`"] == dashboard.METRIC_WIDTH
     moved = json.dumps({"name": "infersweep", "state": json.dumps(
         dict(dashboard.view_state(), selectedColumns=["metrics.`PPL`", "metrics.`tok/s`"],
