@@ -13,6 +13,7 @@ told otherwise. Two things tell it otherwise, and both are plain MLflow data, no
 from __future__ import annotations
 
 import json
+import math
 import time
 from typing import Any, Optional, Sequence
 from urllib.parse import urlencode
@@ -24,11 +25,53 @@ KIND = "custom_model_development"
 VIEW_TAG_PREFIX = "mlflow.sharedViewState."
 VIEW_KEY = "infersweep"
 
-# in this order, left to right; a metric no run logged (kl_div_mean without a reference) shows no column.
-# task_gate (eval.tasks: every task within eval.gate of the fp32 reference) is followed by the sweep's
-# task_score.<task> columns (the names depend on the sweep's tasks: `columns(tasks)`)
-METRIC_COLUMNS = ("output_tok_s", "ttft_ms_p50", "tpot_ms_p50", "ppl", "kl_div_mean", "task_gate", "peak_mem_bytes")
+# What the runs table shows: display copies of the metrics a reader scans, rounded to 4 significant digits
+# and in readable units, under short names that fit a narrow column (MLflow prints a metric's value in full,
+# `130.681909...`, cut off by the column). The full-precision metrics keep their names for analysis
+# (docs/metrics.md); these exist only for the table, and report/analysis never read them.
+# (display name, source metric, scale); memory in whole MB (1e6 bytes, as the report prints it)
+DISPLAY_METRICS = (
+    ("tok/s", "output_tok_s", 1.0),
+    ("TPOT ms", "tpot_ms_p50", 1.0),
+    ("TTFT ms", "ttft_ms_p50", 1.0),
+    ("PPL", "ppl", 1.0),
+    ("KL", "kl_div_mean", 1.0),
+    ("mem MB", "peak_mem_bytes", 1e-6),
+)
+WHOLE = {"mem MB"}
+TASK_DISPLAY = "acc "  # + <task>: task_score.<task>, rounded
+UNSTABLE_FLAG = UNSTABLE  # a 0/1 metric beside the tag of that name (the tag's reason is too long to scan)
+
+# in this order, left to right (the flag qualifies the timings before it; a sweep's task accuracy comes before
+# its perplexity); a metric no run logged (KL without a reference, the gate without eval.tasks) shows no column.
+# task_gate (eval.tasks: every task within eval.gate of the fp32 reference; already 0/1) is followed by the
+# sweep's `acc <task>` columns (the names depend on the sweep's tasks: `columns(tasks)`)
+METRIC_COLUMNS = ("tok/s", "TPOT ms", "TTFT ms", UNSTABLE_FLAG, "task_gate", "PPL", "KL", "mem MB")
 GATE = "task_gate"
+SORT_METRIC = "tok/s"  # fastest first
+# px, per column: its short name (the widest text: 12 px padding either side) and a 4-digit value fit, so that
+# the columns of a sweep without eval.tasks are all on the first screen of a 1440 px window even while MLflow's
+# Assistant panel (which MLflow opens once per browser on a local server) takes a quarter of it. (The run-name
+# and date columns are pinned: the UI ignores a view's widths for them.)
+WIDTHS = {"tok/s": 60, "TPOT ms": 70, "TTFT ms": 70, UNSTABLE_FLAG: 72, "PPL": 60, "KL": 60, GATE: 84, "mem MB": 70}
+METRIC_WIDTH, REASON_WIDTH = 72, 240  # an `acc <task>` column; the unstable tag's reason
+
+
+def readable(value: float) -> float:
+    """`value` to 4 significant digits, integer digits kept (1039.90138 -> 1040, 0.908339 -> 0.9083)."""
+    if not math.isfinite(value) or value == 0:
+        return value
+    return round(value, max(0, 3 - math.floor(math.log10(abs(value)))))
+
+
+def display_metrics(metrics: dict[str, float], labels: dict[str, str]) -> dict[str, float]:
+    """The display copies of a trial's `metrics` (those it has), and the 0/1 unstable flag from its `labels`."""
+    out = {name: float(round(metrics[src] * scale)) if name in WHOLE else readable(metrics[src] * scale)
+           for name, src, scale in DISPLAY_METRICS if src in metrics}
+    out.update({TASK_DISPLAY + k[len("task_score."):]: readable(v) for k, v in metrics.items()
+                if k.startswith("task_score.") and k.count(".") == 1})
+    out[UNSTABLE_FLAG] = 1.0 if labels.get(UNSTABLE) else 0.0
+    return out
 
 
 def column_id(metric: str) -> str:
@@ -36,7 +79,7 @@ def column_id(metric: str) -> str:
     return f"metrics.`{metric}`"
 
 
-# tag columns after them: why a trial's timings cannot be trusted (engine/measure/metrics.py UNSTABLE; the
+# tag columns after them: why a trial's timings cannot be trusted (engine/measure/noise.py UNSTABLE; the
 # UI shows the column once any run has the tag)
 TAG_COLUMNS = (UNSTABLE,)
 
@@ -51,8 +94,13 @@ def columns(tasks: Sequence[str] = ()) -> list[str]:
     for m in METRIC_COLUMNS:
         out.append(column_id(m))
         if m == GATE:
-            out += [column_id(f"task_score.{t}") for t in tasks]
+            out += [column_id(TASK_DISPLAY + t) for t in tasks]
     return out + [tag_column_id(t) for t in TAG_COLUMNS]
+
+
+def widths(cols: Sequence[str]) -> dict[str, int]:
+    named = {column_id(m): w for m, w in WIDTHS.items()}
+    return {c: REASON_WIDTH if c.startswith("tags.") else named.get(c, METRIC_WIDTH) for c in cols}
 
 
 def view_state(tasks: Sequence[str] = ()) -> dict[str, Any]:
@@ -60,10 +108,11 @@ def view_state(tasks: Sequence[str] = ()) -> dict[str, Any]:
     cols = columns(tasks)
     return {
         "searchFilter": "tags.kind = 'trial'",
-        "orderByKey": column_id("output_tok_s"),
+        "orderByKey": column_id(SORT_METRIC),
         "orderByAsc": False,
         "selectedColumns": cols,
         "columnOrder": cols,
+        "columnWidths": widths(cols),
     }
 
 
@@ -80,7 +129,7 @@ def experiment_tags(tasks: Sequence[str] = ()) -> dict[str, str]:
 
 
 def with_task_columns(value: str, tasks: Sequence[str], now_ms: Optional[int] = None) -> Optional[str]:
-    """The saved view `value` (the tag's JSON) with the gate and `task_score.<task>` columns of `tasks` added
+    """The saved view `value` (the tag's JSON) with the gate and `acc <task>` columns of `tasks` added
     in their place, or None: nothing is missing, or the view is not one infersweep wrote (a column of the
     user's own, or columns reordered in the UI: then it is the user's and stays as it is)."""
     try:
@@ -89,17 +138,18 @@ def with_task_columns(value: str, tasks: Sequence[str], now_ms: Optional[int] = 
         have = list(state["selectedColumns"])
     except (ValueError, KeyError, TypeError):
         return None
-    need = [column_id(GATE)] + [column_id(f"task_score.{t}") for t in tasks]
+    need = [column_id(GATE)] + [column_id(TASK_DISPLAY + t) for t in tasks]
     if not tasks or all(c in have for c in need):
         return None
-    prefix = column_id("task_score.")[:-1]  # metrics.`task_score.<task>`
+    prefix = column_id(TASK_DISPLAY)[:-1]  # metrics.`acc <task>`
     known = [c[len(prefix):-1] for c in have if c.startswith(prefix)]
     order = columns(sorted(set(known) | set(tasks)))
     if have != [c for c in order if c in have] or state.get("columnOrder", have) != have:
         return None
     cols = [c for c in order if c in have or c in need]
     now = int(time.time() * 1000) if now_ms is None else now_ms
-    return json.dumps(dict(envelope, updatedAt=now, state=json.dumps(dict(state, selectedColumns=cols, columnOrder=cols))))
+    grown = dict(state, selectedColumns=cols, columnOrder=cols, columnWidths={**widths(cols), **state.get("columnWidths", {})})
+    return json.dumps(dict(envelope, updatedAt=now, state=json.dumps(grown)))
 
 
 def tag_experiment(client, experiment, tasks: Sequence[str] = ()) -> None:

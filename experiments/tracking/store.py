@@ -25,7 +25,7 @@ from typing import Any, Callable, Iterable, Optional
 import yaml
 
 from ..config.compose import PROJECT_ROOT
-from .dashboard import experiment_tags, tag_experiment
+from .dashboard import display_metrics, experiment_tags, tag_experiment
 from ..config.hashing import HASH_VERSION
 from ..config.spec import TrialSpec
 from ..run.trial import TrialOutcome
@@ -320,6 +320,9 @@ class Tracker:
         try:
             params = flatten({k: v for k, v in spec.config.items() if k != "tracking"})
             metrics = [Metric(k, float(v), outcome.end_ms, 0) for k, v in sorted(outcome.metrics.items())]
+            if outcome.metrics:  # the runs table's rounded copies (dashboard.py); a failed trial has none
+                metrics += [Metric(k, float(v), outcome.end_ms, 0)
+                            for k, v in sorted(display_metrics(outcome.metrics, outcome.labels).items())]
             # each timed repeat's value as a metric history (step = repeat, or round when interleaved)
             metrics += [Metric(REPEAT_PREFIX + k, float(v), outcome.end_ms, i)
                         for k, vs in sorted(getattr(outcome, "samples", {}).items()) for i, v in enumerate(vs)]
