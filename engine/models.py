@@ -24,6 +24,7 @@ import torch
 
 from .config import QUANT_LEVELS, EngineError, ModelConfig, QuantConfig, TinyModelConfig
 from .quant import BNB_LEVELS, OWN_LEVELS, bnb_config, quantize_model
+from .safetensors_check import checkpoint_problem
 from .tokenizer import ByteTokenizer, HFTokenizer, Tokenizer
 
 log = logging.getLogger(__name__)
@@ -91,12 +92,10 @@ def prepare_model(name: str, force: bool = False, progress: Optional[Callable[[s
     marker = out / "infersweep-prepared.json"
     say = progress or (lambda msg: log.info(msg))
     if marker.exists() and not force:
-        from .model_facts import weights_problem
-
-        damaged = weights_problem(ModelConfig(name=name, path=PREPARED_SCHEME + name))
+        damaged = checkpoint_problem(str(out))
         if damaged is None:
             return out
-        say(f"{damaged.split('; ')[0]}: preparing it again")
+        say(f"{damaged}: preparing it again")
     gguf_dir = _package_dir(src.package)
     gguf_path = gguf_dir / src.gguf_file
     if not gguf_path.exists():
