@@ -26,16 +26,18 @@ class Synthetic:
     def __init__(self, tpot: Callable[[Point], float], *, noise: float = 0.005, drift: float = 0.05,
                  wrong: Optional[Callable[[Point], int]] = None, unstable: Optional[Callable[[Point, int], str]] = None,
                  labels: Optional[dict] = None, items: int = 50, memory: Optional[Callable[[Point], float]] = None,
-                 seed: int = 0):
+                 extra: Optional[Callable[[Point], dict]] = None, seed: int = 0):
         self.tpot, self.noise, self.drift, self.seed = tpot, noise, drift, seed
         self.wrong = wrong or (lambda p: 0)  # items (of the first ones) a point gets wrong that the baseline gets right
         self.unstable = unstable or (lambda p, attempt: "")
         self.labels = labels if labels is not None else {"regime.decode.measured": "memory", "regime.phase": "decode",
                                                          "regime": "memory"}
         self.items, self.memory = items, memory or (lambda p: 1e8)
+        self.extra = extra or (lambda p: {})  # more metrics of a point (task_score.*, task_gate, ...)
         self.store: dict = {}
         self.runs = 0  # trials actually "run" (not reused)
         self.requests: list[Request] = []
+        self.batches: list[int] = []  # requests per call
 
     def _correct(self, p: Point) -> list[float]:
         n = int(p.get(EVAL_LIMIT, self.items))
@@ -52,6 +54,7 @@ class Synthetic:
 
     def __call__(self, requests: Sequence[Request]) -> list[list[Measurement]]:
         out = []
+        self.batches.append(len(requests))
         for req in requests:
             self.requests.append(req)
             key = (tuple(point_key(p) for p in req.points), req.interleaved, req.attempt)
@@ -65,7 +68,7 @@ class Synthetic:
                 rounds = [self.tpot(p) * d * (1 + rng.gauss(0, self.noise)) for d in drift]
                 ms.append(Measurement(
                     point=dict(p), status=FINISHED,
-                    metrics={"tpot_ms_p50": sorted(rounds)[ROUNDS // 2], "peak_mem_bytes": self.memory(p)},
+                    metrics={"tpot_ms_p50": sorted(rounds)[ROUNDS // 2], "peak_mem_bytes": self.memory(p), **self.extra(p)},
                     rounds={"tpot_ms_p50": rounds}, correct={"bigbench_emoji_movie": self._correct(p)},
                     labels={**self.labels, **({"unstable": u} if (u := self.unstable(p, req.attempt)) else {})},
                     config_hash=f"{zlib.crc32(repr(point_key(p)).encode()):08x}"))

@@ -106,7 +106,7 @@ def judge(inc: Measurement, cand: Measurement, objective: Objective, rules: Rule
     if open_:
         return Verdict(UNDECIDED_, "accuracy undecided: " + "; ".join(
             f"{a.cell()} (detects drops >= {100 * a.detectable:.0f}% at n={a.n})" for a in open_), r, acc, MORE_ITEMS)
-    return Verdict(ACCEPTED, f"faster {r.cell()}" + (" ; accuracy holds" if acc else ""), r, acc)
+    return Verdict(ACCEPTED, f"faster {r.cell()}" + ("; accuracy holds" if acc else ""), r, acc)
 
 
 def accuracy_cell(acc: list[PairedAccuracy]) -> str:
