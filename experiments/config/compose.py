@@ -501,6 +501,7 @@ def expand(overrides: list[str], gpu_available: bool | None = None) -> list[Tria
                 continue
             if resolved and "model.dtype" in kept:
                 kept["model.dtype"] = config["model"]["dtype"]
+            config.pop("optimize", None)  # optimize's settings, not the trial's (experiments/optimize)
             spec = TrialSpec(config=config, swept=kept, index=len(specs))
             merged = len(kept) < len(swept) or resolved or bool(folded)
             if spec.config_hash in hashes and (merged or spec.config_hash in merged_hashes):
@@ -595,6 +596,7 @@ def load_trial(config: dict[str, Any]) -> TrialSpec:
     base = OmegaConf.structured(schema.TrialConf)
     merged = OmegaConf.merge(base, OmegaConf.create(config))
     data = OmegaConf.to_container(merged, resolve=True)
+    data.pop("optimize", None)
     problems = check_config(data)
     if problems:
         raise SweepError(problems)
