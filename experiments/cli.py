@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import re
 import signal
 import threading
 import sys
@@ -150,8 +151,13 @@ def cmd_report(args) -> int:
     from .analysis.report import ReportError, build, table_notes, text_table
     from .analysis.results import NotFound
 
+    tracking = _tracking(args.overrides)
+    if _print_optimize(args.sweep, tracking, args.out):
+        if re.fullmatch(r"[0-9a-f]{32}", args.sweep):
+            return 0  # an optimize run's id: its table is the report
+        print()
     try:
-        rep = build(args.sweep, _tracking(args.overrides), baseline=args.baseline, out_dir=args.out,
+        rep = build(args.sweep, tracking, baseline=args.baseline, out_dir=args.out,
                     log_artifacts=not args.no_log, claims=True if args.claims else None, all_trials=args.all)
     except (NotFound, ValueError) as e:
         raise ReportError([str(e)]) from None
@@ -168,6 +174,21 @@ def cmd_report(args) -> int:
         print("\n" + to_markdown(rep.claims))
     print(f"\nreport: {rep.markdown_path}" + (f"  (logged to run {rep.logged_to}, artifacts/report/)" if rep.logged_to else ""))
     return 0
+
+
+def _print_optimize(ref: str, tracking: dict, out: str | None) -> bool:
+    """Print the optimize run `ref` names (or the experiment's latest): its chain table or Pareto front."""
+    from mlflow.tracking import MlflowClient
+
+    from .optimize.report import find_optimize_run, render
+    from .tracking.store import resolve_uri
+
+    client = MlflowClient(tracking_uri=resolve_uri(tracking["uri"]))
+    run = find_optimize_run(client, ref)
+    if run is None:
+        return False
+    print("\n".join(render(client, run, Path(out) if out else Path("reports") / ref)))
+    return True
 
 
 def cmd_ui(args) -> int:

@@ -141,7 +141,7 @@ def test_unstable_pairs_are_remeasured_then_undecided_too_noisy():
     noisy = Synthetic(tpot_of({("kv_cache", "contiguous"): 0.5}), unstable=lambda p, a: "other processes busy 40%")
     res = chain(noisy, space={"kv_cache": ["off", "contiguous"]}, budget=Budget(remeasure=2)).run()
     assert [r.attempt for r in noisy.requests if r.interleaved] == [0, 1, 2]
-    assert res.rows[1].decision == "undecided" and res.rows[1].reason.startswith("undecided: too noisy")
+    assert res.rows[1].decision == "undecided" and res.rows[1].reason.startswith("too noisy after 3 measurement(s) (unstable: incumbent other processes busy")
     assert res.incumbent == {"kv_cache": "off"}
 
 

@@ -37,7 +37,7 @@ class TrackingConf:
 
 
 # mappings whose keys are the user's (`+cluster.resources.accel=1`), not the schema's
-OPEN_MAPPINGS = ("cluster.resources",)
+OPEN_MAPPINGS = ("cluster.resources", "optimize.slo")
 
 
 @dataclass

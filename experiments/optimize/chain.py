@@ -174,14 +174,15 @@ class Chain:
                     attempt += 1
                     self.echo(f"  re-measuring ({attempt}/{self.budget.remeasure}): {v.reason}")
                     continue
-                return Verdict(UNDECIDED_, f"undecided: too noisy ({v.reason})", v.ratio, v.accuracy), ms, tries
+                return Verdict(UNDECIDED_, f"too noisy after {attempt + 1} measurement(s) ({v.reason})", v.ratio,
+                               v.accuracy), ms, tries
             if v.needs == MORE_ITEMS:
                 nxt = min(2 * (limit or self.eval_limit or 50), self.budget.max_items)
                 if nxt > (limit or self.eval_limit) and not spent:
                     limit = nxt
                     self.echo(f"  more items (eval.limit={limit}): {v.reason}")
                     continue
-                return Verdict(UNDECIDED_, f"undecided: {v.reason}", v.ratio, v.accuracy), ms, tries
+                return Verdict(UNDECIDED_, v.reason, v.ratio, v.accuracy), ms, tries
             return v, ms, tries
 
     # --- the walk --------------------------------------------------------------------------------------

@@ -176,8 +176,11 @@ def _log(client, rid: str, res: OptimizeResult, disp: Dispatcher) -> None:
             res.final_hash = spec.config_hash
         except Exception:
             pass
-    client.log_metrics(rid, {"optimize_trials": float(res.trials), "optimize_reused": float(res.reused),
-                             "optimize_wall_s": float(res.wall_s)})
+    from mlflow.entities import Metric
+
+    now = int(time.time() * 1000)
+    client.log_batch(rid, metrics=[Metric(k, float(v), now, 0) for k, v in (
+        ("optimize_trials", res.trials), ("optimize_reused", res.reused), ("optimize_wall_s", res.wall_s))])
     if res.strategy == "chain":
         rows_json = res.front.pop() if res.front else "[]"
         client.log_text(rid, res.table + "\n\n" + "\n".join(f"- {n}" for n in res.notes) + "\n", TABLE_ARTIFACT)

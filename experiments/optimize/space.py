@@ -17,6 +17,8 @@ class Space:
 
 def read_space(overrides: list[str]) -> Space:
     """Split `overrides` into the fixed part and the axes; composing errors are the user's (SweepError)."""
+    # a new SLO metric is a key the user adds to an open mapping: Hydra wants `++` for that
+    overrides = [("++" + o) if o.startswith("optimize.slo.") else o for o in overrides]
     try:
         parsed = _parse(overrides)
     except Exception as e:
