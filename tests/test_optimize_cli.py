@@ -63,7 +63,7 @@ def test_real_chain_on_the_tiny_model_resumes_by_hash(tiny_overrides, mlflow_cli
             "optimize.max_trials=3", "optimize.remeasure=0", "optimize.rounds=3"]
     main(args)
     out = capsys.readouterr().out
-    assert "| 0 baseline | (baseline) | baseline |" in out and "| 1 KV cache | kv_cache=contiguous |" in out
+    assert "| 0 baseline | kv_cache=off | baseline |" in out and "| 1 KV cache | kv_cache=contiguous |" in out
     exp = mlflow_client.get_experiment_by_name("t-opt-real")
     (opt,) = mlflow_client.search_runs([exp.experiment_id], "tags.kind = 'optimize'")
     assert opt.info.status == "FINISHED" and opt.data.tags["optimize.trials"] == "3"
