@@ -22,6 +22,16 @@ class CostModelSkip:
     def __init__(self, disp, space: Mapping[str, list[str]], margin: float = 0.25):
         self.disp, self.space, self.margin = disp, dict(space), margin
         self._pred: dict[tuple, Optional[tuple[float, float]]] = {}
+        self._peaks: dict[tuple, object] = {}  # one probe per dtype: a loaded machine is re-probed on every call
+
+    def _node_peaks(self, dtype: str, threads):
+        if (dtype, threads) not in self._peaks:
+            import torch
+
+            from engine.measure.hardware import node_peaks
+
+            self._peaks[(dtype, threads)] = node_peaks(torch.device("cpu"), dtype, threads)
+        return self._peaks[(dtype, threads)]
 
     def predicted(self, p: Point) -> Optional[tuple[float, float]]:
         """(seconds per generated token, weight bytes) the roofline predicts for `p`; None when it cannot."""
@@ -32,11 +42,8 @@ class CostModelSkip:
 
     def _predict(self, p: Point) -> Optional[tuple[float, float]]:
         try:
-            import torch
-
             from engine import axes, engines
             from engine.measure.costmodel import Precision, Workload, predict
-            from engine.measure.hardware import node_peaks
             from engine.model_facts import facts_or_none
 
             trial = self.disp.spec(p).trial
@@ -51,7 +58,7 @@ class CostModelSkip:
             work = Workload(wl.batch_size, wl.context_len, wl.max_new_tokens,
                             axes.KV_CACHE.applied({axes.KV_CACHE.key: trial.kv_cache.mode}),
                             eng.materializes_scores(trial))
-            peaks = node_peaks(torch.device("cpu"), trial.model.dtype, trial.engine.threads or None)
+            peaks = self._node_peaks(trial.model.dtype, trial.engine.threads or None)
             pred = predict(facts.shape, prec, work, peaks)
             return (pred.prefill_s + pred.decode_s) / max(1, wl.batch_size * wl.max_new_tokens), prec.weight_bytes(facts.shape)
         except Exception:
