@@ -17,8 +17,8 @@ from typing import Callable, Mapping, Optional
 
 from engine import axes as axis_registry
 
-from .decide import (ACCEPTED, BASELINE, FAILED, MORE_ITEMS, REJECTED, REMEASURE, SKIPPED, UNDECIDED_, Rules,
-                     Verdict, accuracy_cell, judge)
+from .decide import (ACCEPTED, BASELINE, FAILED, MORE_ITEMS, REMEASURE, SKIPPED, UNDECIDED_, Rules, Verdict,
+                     accuracy_cell, judge)
 from .measurement import EVAL_LIMIT, Measure, Measurement, Point, Request, describe
 from .objective import Objective
 
@@ -225,5 +225,3 @@ class Chain:
             stop = "end of chain"
         return ChainResult(rows, inc, inc_m, stop or "end of chain", self.trials, self.reused, path)
 
-
-__all__ = ["Chain", "ChainResult", "Budget", "Row", "Step", "plan", "baseline_of", "pays_off", "REJECTED"]

@@ -13,7 +13,7 @@ from typing import Optional
 
 from engine.measure.spread import SLOWER, WITHIN_NOISE, Ratio
 
-from .accuracy import HOLDS, MID_P, UNDECIDED, WORSE, PairedAccuracy, paired_accuracy
+from .accuracy import MID_P, UNDECIDED, WORSE, PairedAccuracy, paired_accuracy
 from .measurement import Measurement
 from .objective import Objective
 

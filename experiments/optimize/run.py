@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import socket
 import os
 import tempfile
 import time
@@ -17,7 +16,6 @@ import yaml
 
 from ..errors import UserError
 from .chain import Chain, ChainResult, baseline_of
-from .decide import ACCEPTED
 from .dispatch import Dispatcher
 from .measurement import describe
 from .objective import Objective
@@ -47,6 +45,7 @@ class OptimizeResult:
     reused: int
     wall_s: float
     table: str = ""  # chain: the markdown table
+    rows_json: str = "[]"  # chain: the table's rows (chain.json)
     notes: list[str] = field(default_factory=list)
     front: list[str] = field(default_factory=list)  # search: the Pareto front's lines
     skipped: list[str] = field(default_factory=list)  # search: configurations never measured, and why
@@ -133,7 +132,7 @@ def _chain(space: Space, o: OptimizeConf, objective: Objective, gate: bool, disp
     final_hash = r.incumbent_measurement.config_hash if r.incumbent_measurement else ""
     return OptimizeResult("chain", "", None, r.incumbent, final_hash, r.stop, r.trials, r.reused, 0.0,
                           table=to_markdown(r.rows), notes=order_notes(r.rows),
-                          front=[json.dumps([row.as_dict() for row in r.rows])])
+                          rows_json=json.dumps([row.as_dict() for row in r.rows], indent=1))
 
 
 def _search(space: Space, o: OptimizeConf, gate: bool, disp: Dispatcher, echo, storage: str, name: str) -> OptimizeResult:
@@ -182,7 +181,7 @@ def _log(client, rid: str, res: OptimizeResult, disp: Dispatcher) -> None:
     client.log_batch(rid, metrics=[Metric(k, float(v), now, 0) for k, v in (
         ("optimize_trials", res.trials), ("optimize_reused", res.reused), ("optimize_wall_s", res.wall_s))])
     if res.strategy == "chain":
-        rows_json = res.front.pop() if res.front else "[]"
+        rows_json = res.rows_json
         client.log_text(rid, res.table + "\n\n" + "\n".join(f"- {n}" for n in res.notes) + "\n", TABLE_ARTIFACT)
         client.log_text(rid, rows_json, ROWS_ARTIFACT)
         from .chain import Row

@@ -16,7 +16,6 @@ configuration on the first objective.
 from __future__ import annotations
 
 import json
-import logging
 import math
 from dataclasses import dataclass, field
 from typing import Callable, Mapping, Optional, Sequence
@@ -25,8 +24,6 @@ from .chain import Budget, baseline_of
 from .decide import Rules, limit_problems
 from .measurement import Measure, Measurement, Point, Request, describe, point_key
 from .objective import TERMS
-
-log = logging.getLogger(__name__)
 
 MINIMIZE, MAXIMIZE = "minimize", "maximize"
 ACCURACY = "accuracy"
