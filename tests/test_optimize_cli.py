@@ -78,3 +78,21 @@ def test_real_chain_on_the_tiny_model_resumes_by_hash(tiny_overrides, mlflow_cli
     assert "0 trial(s) run, 3 reused from the store" in again
     assert main(["report", "t-opt-real", *tiny_overrides[-2:], "--no-log"]) == 0
     assert "| 1 KV cache | kv_cache=contiguous |" in capsys.readouterr().out
+
+
+@pytest.mark.slow
+def test_real_search_on_the_tiny_model_resumes_its_study(tiny_overrides, tracking_dir, mlflow_client, ray_local, capsys):
+    args = ["optimize", *tiny_overrides, "sweep_name=t-opt-search", "kv_cache=off,contiguous", "attention=eager,sdpa",
+            GATE_OFF, "optimize=search", "optimize.search.objectives=[tpot,peak_memory]", "optimize.max_trials=3",
+            "optimize.search.batch=2", "optimize.search.skip_predicted=false"]
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    assert "Pareto front (feasible):" in out and "3 trial(s) run" in out
+    assert (tracking_dir / "optuna.db").exists()  # the study beside the tracking store
+    exp = mlflow_client.get_experiment_by_name("t-opt-search")
+    (opt,) = mlflow_client.search_runs([exp.experiment_id], "tags.kind = 'optimize'")
+    assert opt.info.status == "FINISHED" and opt.data.tags.get("final_config_hash")
+    # the same command again: the study resumes with its 3 configurations and measures the 4th (space exhausted)
+    assert main(args) == 0
+    again = capsys.readouterr().out
+    assert "3 configuration(s) already measured" in again and "1 trial(s) run" in again

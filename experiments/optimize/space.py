@@ -35,7 +35,7 @@ def read_space(overrides: list[str]) -> Space:
         if problems:
             raise SweepError(problems)
         try:
-            config, params = c.compose(fixed_strs)
+            config, params = c.compose(fixed_strs, optimize=True)
         except Exception as e:
             raise SweepError([describe_error("overrides", e)]) from None
     pinned = {_key(o).lstrip("+") for o in fixed}
