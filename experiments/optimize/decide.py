@@ -84,8 +84,8 @@ def judge(inc: Measurement, cand: Measurement, objective: Objective, rules: Rule
         bad = cand if not cand.ok else inc
         return Verdict(FAILED, f"{bad.status.lower()}: {(bad.error or '').splitlines()[0] if bad.error else '?'}")
     noisy = [f"{who} {m.unstable.split(';')[0]}" for who, m in (("incumbent", inc), ("candidate", cand)) if m.unstable]
-    if noisy:  # the first reason of each: the table cell stays readable (MLflow has the rest)
-        return Verdict(UNDECIDED_, "unstable: " + "; ".join(noisy), needs=REMEASURE)
+    if noisy:  # the first reason of each: the table cell stays readable (MLflow has the rest); the ratio is shown, not used
+        return Verdict(UNDECIDED_, "unstable: " + "; ".join(noisy), objective.compare(inc, cand), needs=REMEASURE)
     broken = limit_problems(cand, rules)
     if broken:
         return Verdict(REJECTED, "; ".join(broken))

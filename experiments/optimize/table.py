@@ -6,7 +6,7 @@ from pathlib import Path
 from typing import Optional, Sequence
 
 from .chain import Row
-from .decide import ACCEPTED, BASELINE, REJECTED, SKIPPED
+from .decide import ACCEPTED, BASELINE, REJECTED, SKIPPED, UNDECIDED_
 
 COLUMNS = ("step", "candidate", "decision", "reason", "ratio [95% CI]", "accuracy (paired vs incumbent)",
            "regime before -> after", "trials")
@@ -38,7 +38,10 @@ def order_notes(rows: Sequence[Row]) -> list[str]:
         if any(r.decision == ACCEPTED for r in rs):
             continue
         why = "; ".join(f"{r.candidate}: {r.reason}" for r in rs)
-        out.append(f"the seed's step '{rs[0].label}' did not pay off here ({why})")
+        if all(r.decision == UNDECIDED_ for r in rs):
+            out.append(f"the seed's step '{rs[0].label}' could not be decided here ({why})")
+        else:
+            out.append(f"the seed's step '{rs[0].label}' did not pay off here ({why})")
     return out
 
 
