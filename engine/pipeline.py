@@ -36,6 +36,7 @@ class EngineResult:
     # metric -> values by step (a capacity search's probe curve, in rate order), logged with steps
     series: dict[str, list[float]] = field(default_factory=dict)
     answers: dict[str, list] = field(default_factory=dict)  # eval.tasks: task -> per-example answers
+    correct: dict[str, list] = field(default_factory=dict)  # eval.tasks: task -> per-example 0/1 (paired tests)
 
 
 def seed_everything(seed: int) -> None:
@@ -273,17 +274,19 @@ def _reference(trial: TrialConfig, loaded: Any, windows: torch.Tensor):
         key, lambda: compute_reference(engines.get(engines.REFERENCE).reference(trial, loaded), windows, trial.eval.topk))
 
 
-def evaluate_tasks(trial: TrialConfig, session: TrialSession, loaded: Any, metrics: dict[str, float], say) -> dict:
-    """Task accuracy through lm-evaluation-harness (engine/tasks) into `metrics`; the per-example answers."""
+def evaluate_tasks(trial: TrialConfig, session: TrialSession, loaded: Any, metrics: dict[str, float],
+                   say) -> tuple[dict, dict]:
+    """Task accuracy through lm-evaluation-harness (engine/tasks) into `metrics`; the per-example answers and
+    their correctness (0/1 by the task's primary metric: what a paired comparison of two trials needs)."""
     if not (trial.eval.enabled and trial.eval.tasks):
-        return {}
+        return {}, {}
     from .tasks.run import evaluate_tasks as run_tasks
 
     facts = facts_or_none(trial.model)
     max_length = (facts.max_positions if facts and facts.max_positions else None) or 2048
     res = run_tasks(trial, session, loaded, max_length, say)
     metrics.update(res.metrics)
-    return res.answers
+    return res.answers, res.correct
 
 
 def evaluate(trial: TrialConfig, session: TrialSession, loaded: Any, metrics: dict[str, float], say) -> None:
@@ -349,14 +352,15 @@ class Measurement:
         if why:
             labels[UNSTABLE] = why
         evaluate(trial, session, self.loaded, metrics, self.say)
-        answers = evaluate_tasks(trial, session, self.loaded, metrics, self.say)
+        answers, correct = evaluate_tasks(trial, session, self.loaded, metrics, self.say)
         info = dict(device_info(session.device), **session.info(), repeats_stop=stop)
         note = dtype_note(trial, engine, session.device)
         if note:  # not an error: the user may want to see it, but should know why the numbers look so
             info["dtype_note"] = note
         samples = {k: [float(r[k]) for r in per_run] for k in TIMINGS if k in per_run[0]}
         return EngineResult(metrics=metrics, token_ids=token_ids, sample_text=session.tokenizer.decode(token_ids[0]),
-                            info=info, labels=labels, samples=samples, answers=answers)
+                            info=info, labels=labels, samples=samples, answers=answers,
+                            correct=correct)
 
 
 def close_session(session: TrialSession) -> None:

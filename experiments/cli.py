@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import re
 import signal
 import threading
 import sys
@@ -24,6 +25,8 @@ examples:
   infersweep sweep experiment=quickstart
   infersweep sweep kv_cache=off,contiguous attention=eager,sdpa workload.context_len=128,512
   infersweep run model=tiny-llama workload.max_new_tokens=8
+  infersweep optimize experiment=optimize-cpu                # walk the chain, keep only steps that pay off
+  infersweep optimize kv_cache=off,contiguous attention=eager,sdpa optimize=search optimize.max_trials=8
   infersweep sweep experiment=smoke --force                 # re-run hashes that already FINISHED
   infersweep sweep experiment=smoke tracking=server cluster=existing
   infersweep sync                                           # upload results spooled during an outage
@@ -67,6 +70,35 @@ def cmd_sweep(args) -> int:
         print(f"{len(res.failed)} of {len(res.rows)} trial(s) FAILED (see the error above and error.txt in MLflow)")
         return 1
     return 0
+
+
+def cmd_optimize(args) -> int:
+    from .optimize.run import print_result, run_optimize
+
+    res = run_optimize(args.overrides, in_process=args.in_process)
+    print_result(res)
+    return 0 if res.final else 1
+
+
+OPTIMIZE_HELP = """\
+the space is the sweep axes you give (comma lists, or an experiment's sweeper params), e.g.
+kv_cache=off,contiguous attention=eager,sdpa quant=none,int8-weight; settings are optimize.* (conf/optimize/):
+  optimize=chain (default)   from the baseline (every axis at its "off" value), take the seed's chain step by step
+                             (KV cache, batching, fused attention, quantization: int8-weight first, speculative,
+                             then the other axes, the model last); each candidate is measured against the
+                             incumbent as an interleaved pair and kept only when its ratio's 95% interval excludes 1,
+                             the gain clears optimize.min_effect (0.03), the paired accuracy gate holds (McNemar on
+                             the same items; undecided: more items up to optimize.gate.max_items) and optimize.slo /
+                             optimize.max_memory_gb hold; unstable pairs are re-measured (optimize.remeasure)
+  optimize=search            Optuna multi-objective search (optimize.search.objectives: tpot, accuracy, peak_memory)
+                             with the gate / SLO / memory limit as constraints; refused and predicted-to-lose
+                             configurations are never measured; the study resumes from mlflow/optuna.db
+  optimize.objective=tpot | ttft | output_tok_s | max_rate | peak_memory | 0.7*tpot+0.3*peak_memory | tpot>peak_memory
+  optimize.max_trials=24 optimize.max_minutes=0   the budget (trials reused by config hash are free)
+every measured configuration is an ordinary trial (one MLflow run with its config hash) nested under one
+`optimize` run holding the chain table, the final config and its hash, and a plot; rerunning the same command
+reuses FINISHED trials and continues.
+"""
 
 
 def cmd_sync(args) -> int:
@@ -119,8 +151,13 @@ def cmd_report(args) -> int:
     from .analysis.report import ReportError, build, table_notes, text_table
     from .analysis.results import WHAT_TO_DO, NotFound
 
+    tracking = _tracking(args.overrides)
+    if _print_optimize(args.sweep, tracking, args.out):
+        if re.fullmatch(r"[0-9a-f]{32}", args.sweep):
+            return 0  # an optimize run's id: its table is the report
+        print()
     try:
-        rep = build(args.sweep, _tracking(args.overrides), baseline=args.baseline, out_dir=args.out,
+        rep = build(args.sweep, tracking, baseline=args.baseline, out_dir=args.out,
                     log_artifacts=not args.no_log, claims=True if args.claims else None, all_trials=args.all)
     except (NotFound, ValueError) as e:
         raise ReportError([str(e)]) from None
@@ -158,6 +195,21 @@ def _check_ui_address(host: str, port, key: str) -> None:
         problems.append(f"--host {host!r}: cannot be resolved ({e}); keep the default 127.0.0.1")
     if problems:
         raise UiError(problems)
+
+
+def _print_optimize(ref: str, tracking: dict, out: str | None) -> bool:
+    """Print the optimize run `ref` names (or the experiment's latest): its chain table or Pareto front."""
+    from mlflow.tracking import MlflowClient
+
+    from .optimize.report import find_optimize_run, render
+    from .tracking.store import resolve_uri
+
+    client = MlflowClient(tracking_uri=resolve_uri(tracking["uri"]))
+    run = find_optimize_run(client, ref)
+    if run is None:
+        return False
+    print("\n".join(render(client, run, Path(out) if out else Path("reports") / ref)))
+    return True
 
 
 def cmd_ui(args) -> int:
@@ -333,6 +385,12 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--force", action="store_true",
                    help="re-run every trial (default: skip config hashes already FINISHED in the experiment)")
     s.set_defaults(fn=cmd_sweep)
+    op = sub.add_parser("optimize", help="find the fastest configuration that keeps accuracy: the seed's chain step by "
+                                          "step (or an Optuna search), each step kept only when it pays off beyond noise",
+                        description=OPTIMIZE_HELP, epilog=epilog, formatter_class=argparse.RawDescriptionHelpFormatter)
+    op.add_argument("overrides", nargs="*", help="Hydra overrides: comma lists are the space's axes; optimize.* settings")
+    op.add_argument("--in-process", action="store_true", help="run trials in this process instead of on Ray (debugging)")
+    op.set_defaults(fn=cmd_optimize)
     sy = sub.add_parser("sync", help="upload results spooled while the tracking store was unreachable")
     sy.add_argument("overrides", nargs="*", help="tracking.* overrides (as given to the sweep)")
     sy.set_defaults(fn=cmd_sync)

@@ -251,10 +251,14 @@ class Composer:
         """Hydra's group choices (group -> option) of `compose_fast(fixed, extra)`'s composition."""
         return dict(self.composition(fixed + [o for o in extra if not _is_value_override(o)]).choices)
 
-    def compose(self, overrides: list[str]) -> tuple[dict[str, Any], dict[str, str]]:
-        """(resolved trial config without `hydra`, the experiment's sweeper params)."""
+    def compose(self, overrides: list[str], optimize: bool = False) -> tuple[dict[str, Any], dict[str, str]]:
+        """(resolved trial config without `hydra`, the experiment's sweeper params). `optimize`: keep the
+        `optimize` section (infersweep optimize's settings, not part of a trial)."""
         c = self.composition(overrides)
-        return OmegaConf.to_container(c.cfg, resolve=True), dict(c.params)
+        data = OmegaConf.to_container(c.cfg, resolve=True)
+        if not optimize:
+            data.pop("optimize", None)
+        return data, dict(c.params)
 
     def compose_fast(self, fixed: list[str], extra: list[str]) -> tuple[dict[str, Any], dict[str, str]]:
         """`compose(fixed + extra)`, with Hydra's full compose run once per distinct set of *group*
@@ -277,6 +281,7 @@ class Composer:
             cfg = base.copy()
             _apply_value_overrides(_parse(values), cfg)
             data = OmegaConf.to_container(cfg, resolve=True)
+            data.pop("optimize", None)  # optimize's settings, not the trial's (as `compose`)
         except Exception:
             return self.compose(fixed + extra)
         done[key] = (data, base.params)
@@ -671,6 +676,7 @@ def load_trial(config: dict[str, Any]) -> TrialSpec:
     base = OmegaConf.structured(schema.TrialConf)
     merged = OmegaConf.merge(base, OmegaConf.create(config))
     data = OmegaConf.to_container(merged, resolve=True)
+    data.pop("optimize", None)
     problems = check_config(data)
     if problems:
         raise SweepError(problems)

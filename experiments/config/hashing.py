@@ -20,7 +20,7 @@ from typing import Any
 HASH_VERSION = 1
 # top-level keys that never change what is measured
 # (timing: how many repeats a timing gets, i.e. its precision, not what it measures)
-EXCLUDED_TOP = ("cluster", "tracking", "sweep_name", "hydra", "timing")
+EXCLUDED_TOP = ("cluster", "tracking", "sweep_name", "hydra", "timing", "optimize")
 SHORT = 12
 
 

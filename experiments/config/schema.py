@@ -17,6 +17,8 @@ from omegaconf import MISSING
 from cluster.config import ClusterConfig
 from engine.config import ModelConfig, TrialConfig
 
+from ..optimize.settings import OptimizeConf
+
 
 @dataclass
 class TrackingConf:
@@ -35,7 +37,7 @@ class TrackingConf:
 
 
 # mappings whose keys are the user's (`+cluster.resources.accel=1`), not the schema's
-OPEN_MAPPINGS = ("cluster.resources",)
+OPEN_MAPPINGS = ("cluster.resources", "optimize.slo")
 
 
 @dataclass
@@ -47,10 +49,12 @@ class TrialConf(TrialConfig):
     sweep_name: str = "default"
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
     tracking: TrackingConf = field(default_factory=TrackingConf)
+    # `infersweep optimize`'s settings (conf/optimize/); not part of a trial: `expand` drops them from its config
+    optimize: OptimizeConf = field(default_factory=OptimizeConf)
 
 
 # top-level keys that are not the engine's: where a trial runs and where its result goes
-PLATFORM_KEYS = ("sweep_name", "cluster", "tracking")
+PLATFORM_KEYS = ("sweep_name", "cluster", "tracking", "optimize")
 
 
 def register() -> None:

@@ -183,9 +183,11 @@ def run_specs(
     echo=print,
     skip_finished: bool = False,
     on_start=None,
+    parent_run_id: Optional[str] = None,
 ) -> SweepResult:
     """Run and record `specs`. `skip_finished`: leave out hashes already FINISHED in the experiment
-    (resume). `on_start(spec, meta)` is called as each trial is handed to a worker."""
+    (resume). `on_start(spec, meta)` is called as each trial is handed to a worker. `parent_run_id`: nest the
+    trials under that run (an `optimize` run, which owns its lifetime) instead of a sweep run of their own."""
     from ..tracking.spool import Recorder
     from ..tracking.store import sweep_record
     from ..tracking.server import redact, serving
@@ -202,7 +204,8 @@ def run_specs(
         todo = _left_to_run(rec, specs, sweep_name, recorder, echo) if skip_finished else specs
         result.skipped = len(specs) - len(todo)
         sweep_rec = sweep_record(sweep_name, sweep_id, specs, command)
-        parent = rec.start_sweep(sweep_rec) if len(specs) > 1 and todo else None
+        own = parent_run_id is None
+        parent = (rec.start_sweep(sweep_rec) if len(specs) > 1 and todo else None) if own else parent_run_id
         result.parent_run_id = recorder.parent_run_id = parent
         status = FINISHED
 
@@ -220,7 +223,7 @@ def run_specs(
         finally:
             rec.flush()  # writer threads: every result is in the store or the spool from here on
             result.rows = recorder.rows()
-            if parent is not None or (rec.spool.read_sweep(sweep_id) is not None):
+            if own and (parent is not None or rec.spool.read_sweep(sweep_id) is not None):
                 if status == FINISHED and any(r["status"] not in (FINISHED, SKIPPED) for r in result.rows):
                     status = FAILED
                 rec.end_sweep(sweep_rec, parent, status, int(time.time() * 1000))

@@ -31,6 +31,7 @@ class TrialOutcome:
     labels: dict[str, str] = field(default_factory=dict)  # the engine's labels of the trial (regime.*)
     series: dict[str, list[float]] = field(default_factory=dict)  # metric -> values by step (capacity curve)
     answers: dict[str, list] = field(default_factory=dict)  # eval.tasks: task -> per-example answers
+    correct: dict[str, list] = field(default_factory=dict)  # eval.tasks: task -> per-example 0/1
     error: Optional[str] = None
     start_ms: int = 0
     end_ms: int = 0
@@ -154,6 +155,7 @@ def _finished(base: dict[str, Any], result, metrics: dict[str, float], info: dic
         labels=dict(result.labels),
         series={k: list(v) for k, v in result.series.items()},
         answers=dict(result.answers),
+        correct=dict(getattr(result, "correct", {})),
         end_ms=int(time.time() * 1000),
         samples=dict(result.samples),
         **base,

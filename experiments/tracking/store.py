@@ -35,6 +35,7 @@ CONFIG_ARTIFACT = "config.yaml"
 TOKENS_ARTIFACT = "token_ids.json"
 REPEAT_PREFIX = "repeat."  # metric history of each timed repeat's value: repeat.output_tok_s at steps 0..n-1
 ANSWERS_ARTIFACT = "task_answers.json"  # eval.tasks: task -> per-example answers (reproduce compares them)
+CORRECT_ARTIFACT = "task_correct.json"  # eval.tasks: task -> per-example 0/1 (optimize's paired accuracy test)
 PACKAGES = ("torch", "transformers", "ray", "mlflow", "hydra-core", "bitsandbytes", "infersweep")
 
 
@@ -238,9 +239,8 @@ class Tracker:
         exp = self.client.get_experiment_by_name(exp_name)
         if exp is None:
             return 0
-        runs = self.client.search_runs(
-            [exp.experiment_id], filter_string="tags.kind = 'sweep' and attributes.status = 'RUNNING'", max_results=500
-        )
+        runs = [r for kind in ("sweep", "optimize") for r in self.client.search_runs(  # optimize: its parent run
+            [exp.experiment_id], filter_string=f"tags.kind = '{kind}' and attributes.status = 'RUNNING'", max_results=500)]
         n = 0
         for r in runs:
             host, _, pid = r.data.tags.get("driver", "").rpartition(":")
@@ -338,6 +338,8 @@ class Tracker:
             _log_needles(self.client, rid, outcome.metrics, spec.config.get("workload", {}).get("context_len", 0))
             if getattr(outcome, "answers", None):
                 self.client.log_text(rid, json.dumps(outcome.answers), ANSWERS_ARTIFACT)
+            if getattr(outcome, "correct", None):
+                self.client.log_text(rid, json.dumps(outcome.correct), CORRECT_ARTIFACT)
             if outcome.error:
                 self.client.log_text(rid, outcome.error, "error.txt")
             if outcome.attempt_errors:

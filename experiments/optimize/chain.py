@@ -1,0 +1,227 @@
+"""The chain strategy: the seed's discipline, one step at a time.
+
+Measure the baseline (nothing applied), read its regime, take the next step of the chain (engine/axes.py
+CHAIN: KV cache -> continuous batching -> fused attention -> quantization -> speculative decoding, then the
+space's other axes, then a different model: right-size) that the regime says should pay off; measure each of
+its variants against the incumbent as an interleaved pair, in the seed's order (quantization: weight-only INT8
+first); keep the first variant the decision rules accept (decide.py) and go on from it. A pair with an
+unstable trial is re-measured up to `remeasure` times, then left "undecided: too noisy"; a pair whose accuracy
+is undecided is measured again on more items (eval.limit doubled) up to `max_items`. It stops at the end of the
+chain or when the budget (trials, seconds) is spent. Every decision becomes a row of the chain table.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Mapping, Optional
+
+from engine import axes as axis_registry
+
+from .decide import (ACCEPTED, BASELINE, FAILED, MORE_ITEMS, REMEASURE, SKIPPED, UNDECIDED_, Rules, Verdict,
+                     accuracy_cell, judge)
+from .measurement import EVAL_LIMIT, Measure, Measurement, Point, Request, describe
+from .objective import Objective
+
+# quantization's variants in the seed's order: weight-only INT8 first, then the others as the space lists them
+QUANT_FIRST = ("int8-weight",)
+
+
+@dataclass(frozen=True)
+class Step:
+    key: str  # the space's axis key (`kv_cache`, `quant`, `model.dtype`)
+    label: str
+    variants: tuple[str, ...]  # values to try, in order
+
+
+def _axis(key: str) -> Optional[axis_registry.Axis]:
+    ck = axis_registry.resolve_key(key)
+    return next((a for a in axis_registry.AXES if a.key == ck), None)
+
+
+def off_value(key: str) -> Optional[str]:
+    """The value of axis `key` that means "not applied" (None for axes that are not optimizations)."""
+    a = _axis(key)
+    return a.off if a is not None else None
+
+
+def baseline_of(space: Mapping[str, list[str]]) -> Point:
+    """Nothing applied: each optimization axis at its "off" value when the space has it, else its first value."""
+    out = {}
+    for k, values in space.items():
+        off = off_value(k)
+        out[k] = off if off in values else values[0]
+    return out
+
+
+def plan(space: Mapping[str, list[str]], baseline: Mapping[str, str]) -> list[Step]:
+    """The chain's steps over `space`: the seed's order, then the other axes as listed, the model last."""
+    def variants(k: str) -> tuple[str, ...]:
+        vs = [v for v in space[k] if v != baseline[k]]
+        a = _axis(k)
+        if a is axis_registry.QUANT:
+            vs = [v for v in vs if v in QUANT_FIRST] + [v for v in vs if v not in QUANT_FIRST]
+        return tuple(vs)
+
+    chain_keys = sorted((k for k in space if _axis(k) is not None and _axis(k).chain is not None),
+                        key=lambda k: _axis(k).chain)
+    model = [k for k in space if k.split(".")[0] == "model" and _axis(k) is None]
+    others = [k for k in space if k not in chain_keys and k not in model]
+    steps = [Step(k, _axis(k).label, variants(k)) for k in chain_keys]
+    steps += [Step(k, _axis(k).label if _axis(k) else k, variants(k)) for k in others]
+    steps += [Step(k, axis_registry.RIGHT_SIZE, variants(k)) for k in model]
+    return [s for s in steps if s.variants]
+
+
+def pays_off(key: str, labels: Mapping[str, str]) -> tuple[Optional[bool], str]:
+    """Whether the incumbent's regime says step `key` should pay off (None: no opinion), and why. Only the steps
+    whose gain the regime decides are judged: quantization and speculative decoding attack the bytes a
+    memory-bound decode moves, and buy nothing when the time goes to compute."""
+    a = _axis(key)
+    decode = labels.get("regime.decode.measured") or labels.get("regime.decode") or ""
+    phase, overall = labels.get("regime.phase", ""), labels.get("regime", "")
+    if a is axis_registry.QUANT:
+        if phase == "prefill" and overall == "compute":
+            return False, "time goes to a compute-bound prefill: quantization cuts bytes, not FLOPs"
+        if decode == "compute":
+            return False, "decode is compute-bound: quantization cuts bytes, not FLOPs"
+        if decode == "memory":
+            return True, "decode is memory-bound: fewer weight bytes per step"
+    if a is axis_registry.SPECULATIVE:
+        if decode == "compute":
+            return False, "decode is compute-bound: verifying k drafted tokens costs ~k times the FLOPs"
+        if decode == "memory":
+            return True, "decode is memory-bound: verifying k drafted tokens costs about one weight pass"
+    return None, ""
+
+
+@dataclass
+class Row:
+    step: int
+    label: str
+    candidate: str
+    decision: str
+    reason: str
+    ratio: str = ""
+    accuracy: str = ""
+    regime_before: str = ""
+    regime_after: str = ""
+    hashes: tuple[str, ...] = ()
+    attempts: int = 1  # measurements of the pair (re-measurements, more items)
+
+    def as_dict(self) -> dict:
+        return {k: (list(v) if isinstance(v, tuple) else v) for k, v in self.__dict__.items()}
+
+
+@dataclass(frozen=True)
+class Budget:
+    max_trials: int = 40  # trials run now (trials found FINISHED in the store are free)
+    max_s: float = 0.0  # 0: no time limit
+    remeasure: int = 2  # re-measurements of an unstable pair
+    max_items: int = 200  # eval.limit ceiling when a pair's accuracy is undecided
+
+
+@dataclass
+class ChainResult:
+    rows: list[Row]
+    incumbent: Point
+    incumbent_measurement: Optional[Measurement]
+    stop: str
+    trials: int  # trials run now
+    reused: int  # trials reused from the store
+    path: list[Point] = field(default_factory=list)  # baseline, then each accepted point
+
+
+class Chain:
+    def __init__(self, space: Mapping[str, list[str]], objective: Objective, rules: Rules, budget: Budget,
+                 measure: Measure, *, baseline: Optional[Point] = None, eval_limit: int = 0,
+                 trust_regime: bool = True, clock: Callable[[], float] = time.monotonic, echo=lambda s: None):
+        self.space = {k: list(v) for k, v in space.items()}
+        self.baseline = dict(baseline or baseline_of(space))
+        self.objective, self.rules, self.budget, self._measure = objective, rules, budget, measure
+        self.eval_limit, self.trust_regime, self.clock, self.echo = eval_limit, trust_regime, clock, echo
+        self.trials = self.reused = 0
+        self._t0 = 0.0
+
+    # --- budget ----------------------------------------------------------------------------------------
+    def _spent(self) -> str:
+        if self.trials >= self.budget.max_trials:
+            return f"budget: {self.trials} trials"
+        if self.budget.max_s and self.clock() - self._t0 >= self.budget.max_s:
+            return f"budget: {self.budget.max_s:.0f} s"
+        return ""
+
+    def _run(self, req: Request) -> list[Measurement]:
+        (ms,) = self._measure([req])
+        for m in ms:
+            if m.reused:
+                self.reused += 1
+            elif m.status != "INVALID":
+                self.trials += 1
+        return ms
+
+    # --- one pair --------------------------------------------------------------------------------------
+    def _pair(self, inc: Point, cand: Point) -> tuple[Verdict, list[Measurement], int]:
+        """Measure `cand` against `inc` (interleaved) until a verdict needs nothing more or the budget ends."""
+        attempt, limit, tries = 0, 0, 0
+        while True:
+            pts = (inc, cand) if not limit else ({**inc, EVAL_LIMIT: str(limit)}, {**cand, EVAL_LIMIT: str(limit)})
+            ms = self._run(Request(pts, interleaved=True, attempt=attempt))
+            tries += 1
+            v = judge(ms[0], ms[1], self.objective, self.rules)
+            spent = self._spent()
+            if v.needs == REMEASURE:
+                if attempt < self.budget.remeasure and not spent:
+                    attempt += 1
+                    self.echo(f"  re-measuring ({attempt}/{self.budget.remeasure}): {v.reason}")
+                    continue
+                return Verdict(UNDECIDED_, f"too noisy after {attempt + 1} measurement(s) ({v.reason})", v.ratio,
+                               v.accuracy), ms, tries
+            if v.needs == MORE_ITEMS:
+                nxt = min(2 * (limit or self.eval_limit or 50), self.budget.max_items)
+                if nxt > (limit or self.eval_limit) and not spent:
+                    limit = nxt
+                    self.echo(f"  more items (eval.limit={limit}): {v.reason}")
+                    continue
+                return Verdict(UNDECIDED_, v.reason, v.ratio, v.accuracy), ms, tries
+            return v, ms, tries
+
+    # --- the walk --------------------------------------------------------------------------------------
+    def run(self) -> ChainResult:
+        self._t0 = self.clock()
+        inc = dict(self.baseline)
+        (m0,) = self._run(Request((inc,)))
+        rows = [Row(0, "baseline", describe(inc), BASELINE if m0.ok else FAILED,
+                    "" if m0.ok else (m0.error.splitlines()[0] if m0.error else m0.status),
+                    regime_before=m0.regime, regime_after=m0.regime, hashes=(m0.config_hash,))]
+        path = [dict(inc)]
+        if not m0.ok:
+            return ChainResult(rows, inc, None, "baseline failed", self.trials, self.reused, path)
+        inc_m = m0
+        stop = "end of chain"
+        for i, step in enumerate(plan(self.space, self.baseline), start=1):
+            ok, why = pays_off(step.key, inc_m.labels)
+            if ok is False and self.trust_regime:
+                rows.append(Row(i, step.label, f"{step.key}={','.join(step.variants)}", SKIPPED,
+                                f"regime: {why}", regime_before=inc_m.regime))
+                continue
+            for variant in step.variants:
+                stop = self._spent()
+                if stop:
+                    break
+                cand = {**inc, step.key: variant}
+                self.echo(f"step {i} ({step.label}): {describe(cand, inc)} vs incumbent")
+                v, ms, tries = self._pair(inc, cand)
+                rows.append(Row(i, step.label, describe(cand, inc), v.decision, v.reason,
+                                v.ratio.cell() if v.ratio else "", accuracy_cell(v.accuracy),
+                                inc_m.regime, ms[1].regime, tuple(m.config_hash for m in ms), tries))
+                self.echo(f"  -> {v.decision}: {v.reason}")
+                if v.decision == ACCEPTED:
+                    inc, inc_m = cand, ms[1]
+                    path.append(dict(inc))
+                    break
+            if stop:
+                break
+        else:
+            stop = "end of chain"
+        return ChainResult(rows, inc, inc_m, stop or "end of chain", self.trials, self.reused, path)
+

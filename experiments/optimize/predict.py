@@ -1,0 +1,80 @@
+"""Cost-model skips for the search: a configuration the roofline (engine/measure/costmodel.py) predicts to
+lose is not spent as a trial.
+
+"Lose" is judged only where the prediction can be trusted to rank: against another configuration of the space
+with the same numerics (model, dtype, quantization: the same answers, so accuracy cannot differ) whose
+predicted time per generated token is shorter by more than `margin` and whose predicted weight bytes are no
+larger. That catches what the roofline is sure of (no KV cache recomputing the sequence, an attention kernel
+that writes the score matrix at long context) and leaves what it cannot see (kernel quality: bitsandbytes on a
+CPU is slower than its bytes predict) to measurement.
+"""
+from __future__ import annotations
+
+import itertools
+from typing import Mapping, Optional
+
+from .measurement import Point, describe, point_key
+
+NUMERICS = ("model", "model.name", "model.dtype", "quant", "quant.level", "engine", "engine.backend", "engine_variant")
+
+
+class CostModelSkip:
+    def __init__(self, disp, space: Mapping[str, list[str]], margin: float = 0.25):
+        self.disp, self.space, self.margin = disp, dict(space), margin
+        self._pred: dict[tuple, Optional[tuple[float, float]]] = {}
+        self._peaks: dict[tuple, object] = {}  # one probe per dtype: a loaded machine is re-probed on every call
+
+    def _node_peaks(self, dtype: str, threads):
+        if (dtype, threads) not in self._peaks:
+            import torch
+
+            from engine.measure.hardware import node_peaks
+
+            self._peaks[(dtype, threads)] = node_peaks(torch.device("cpu"), dtype, threads)
+        return self._peaks[(dtype, threads)]
+
+    def predicted(self, p: Point) -> Optional[tuple[float, float]]:
+        """(seconds per generated token, weight bytes) the roofline predicts for `p`; None when it cannot."""
+        key = point_key(p)
+        if key not in self._pred:
+            self._pred[key] = self._predict(p)
+        return self._pred[key]
+
+    def _predict(self, p: Point) -> Optional[tuple[float, float]]:
+        try:
+            from engine import axes, engines
+            from engine.measure.costmodel import Precision, Workload, predict
+            from engine.model_facts import facts_or_none
+
+            trial = self.disp.spec(p).trial
+            facts = facts_or_none(trial.model)
+            if facts is None or facts.shape is None or trial.workload.serving:
+                return None
+            eng = engines.get(trial.engine.backend)
+            q = trial.quant
+            prec = Precision.of(trial.model.dtype, q.level, "lm_head" in q.skip_modules, q.keep_last_layers,
+                                eng.kv_element_bytes(trial))
+            wl = trial.workload
+            work = Workload(wl.batch_size, wl.context_len, wl.max_new_tokens,
+                            axes.KV_CACHE.applied({axes.KV_CACHE.key: trial.kv_cache.mode}),
+                            eng.materializes_scores(trial))
+            peaks = self._node_peaks(trial.model.dtype, trial.engine.threads or None)
+            pred = predict(facts.shape, prec, work, peaks)
+            return (pred.prefill_s + pred.decode_s) / max(1, wl.batch_size * wl.max_new_tokens), prec.weight_bytes(facts.shape)
+        except Exception:
+            return None  # no prediction: measure it
+
+    def __call__(self, p: Point, done) -> str:
+        mine = self.predicted(p)
+        if mine is None:
+            return ""
+        same = {k: v for k, v in p.items() if k in NUMERICS}
+        others = [dict(zip(self.space, vs)) for vs in itertools.product(*self.space.values())]
+        for q in others:
+            if q == p or any(q.get(k) != v for k, v in same.items()):
+                continue
+            theirs = self.predicted(q)
+            if theirs is not None and theirs[0] * (1 + self.margin) < mine[0] and theirs[1] <= mine[1]:
+                return (f"predicted {mine[0] / theirs[0]:.1f}x slower per token than {describe(q, p)} "
+                        f"(same numerics, no more weight bytes)")
+        return ""

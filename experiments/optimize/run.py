@@ -1,0 +1,216 @@
+"""`infersweep optimize`: validate everything, open one `optimize` run, let the strategy decide through the
+dispatcher, and leave the chain table (or the Pareto front), the final configuration with its hash and a plot
+of the path in that run."""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+import yaml
+
+from ..errors import UserError
+from .chain import Chain, ChainResult, baseline_of
+from .dispatch import Dispatcher
+from .measurement import describe
+from .objective import Objective
+from .search import ACCURACY, Search, SearchResult, format_front
+from .settings import OptimizeConf, budget_of, from_dict, problems, rules_of
+from .space import Space, read_space
+from .table import order_notes, plot_path, to_markdown
+
+KIND = "optimize"
+TABLE_ARTIFACT, ROWS_ARTIFACT, PLOT_ARTIFACT = "optimize/chain.md", "optimize/chain.json", "optimize/path.png"
+FRONT_ARTIFACT, FINAL_ARTIFACT = "optimize/front.md", "optimize/final_config.yaml"
+
+
+class OptimizeError(UserError):
+    heading = "invalid optimize"
+
+
+@dataclass
+class OptimizeResult:
+    strategy: str
+    experiment: str
+    run_id: Optional[str]
+    final: dict[str, str]
+    final_hash: str
+    stop: str
+    trials: int
+    reused: int
+    wall_s: float
+    table: str = ""  # chain: the markdown table
+    rows_json: str = "[]"  # chain: the table's rows (chain.json)
+    notes: list[str] = field(default_factory=list)
+    front: list[str] = field(default_factory=list)  # search: the Pareto front's lines
+    skipped: list[str] = field(default_factory=list)  # search: configurations never measured, and why
+
+
+def prepare(overrides: list[str]) -> tuple[Space, OptimizeConf, Dispatcher]:
+    """Everything checked before any trial: the settings, the space, and the baseline trial's config."""
+    space = read_space(overrides)
+    o = from_dict(space.config.get("optimize") or {})
+    found = problems(o, space.axes, space.config)
+    if o.strategy == "search" and ACCURACY in o.search.objectives and not (space.config.get("eval") or {}).get("tasks"):
+        found.append("optimize.search.objectives: 'accuracy' needs task accuracy (eval=tasks); drop it from the list "
+                     "or choose eval=tasks")
+    tracking = space.config["tracking"]
+    disp = Dispatcher(space.fixed, space.config["sweep_name"], tracking, None, o.rounds,
+                      "infersweep optimize " + " ".join(overrides))
+    if space.axes and not found:
+        base = baseline_of(space.axes)
+        found += [f"baseline ({describe(base)}): {p}" for p in disp.validate(base)]
+    if found:
+        raise OptimizeError(found)
+    return space, o, disp
+
+
+def study_storage(tracking: dict[str, Any]) -> str:
+    """The Optuna study's RDB storage: a sqlite file beside a local tracking store (mlflow/optuna.db)."""
+    uri = str(tracking["uri"])
+    if uri.startswith("sqlite:///"):
+        return f"sqlite:///{Path(uri[len('sqlite:///'):]).parent / 'optuna.db'}"
+    return "sqlite:///mlflow/optuna.db"
+
+
+def _study_name(experiment: str, space: Space, o: OptimizeConf) -> str:
+    """Same overrides and settings -> same study (a rerun resumes it); anything else -> a new one."""
+    key = json.dumps({"fixed": sorted(space.fixed), "axes": space.axes, "optimize": o.__dict__ | {
+        "gate": o.gate.__dict__, "search": o.search.__dict__}}, sort_keys=True, default=str)
+    return f"{experiment}-{hashlib.sha256(key.encode()).hexdigest()[:10]}"
+
+
+def run_optimize(overrides: list[str], in_process: bool = False, echo=print) -> OptimizeResult:
+    from ..tracking.store import Tracker, driver_id
+
+    t0 = time.perf_counter()
+    space, o, disp = prepare(overrides)
+    experiment = space.config["sweep_name"]
+    objective = Objective.parse(o.objective)
+    ev = space.config.get("eval") or {}
+    gate = bool(o.gate.enabled and ev.get("tasks"))
+    tracker = Tracker(space.config["tracking"])
+    tracker.reap_stale_sweeps(experiment)
+    exp_id = tracker.experiment_id(experiment)
+    run = tracker.client.create_run(exp_id, run_name=f"optimize ({o.strategy})", tags={
+        "kind": KIND, "optimize.strategy": o.strategy, "optimize.objective": o.objective,
+        "driver": driver_id(), "command": disp.command[:4000]})
+    rid = run.info.run_id
+    tracker.client.log_text(rid, yaml.safe_dump({"space": space.axes, "fixed": space.fixed, "optimize": o.__dict__ | {
+        "gate": o.gate.__dict__, "search": o.search.__dict__}}, sort_keys=False, default_flow_style=None), "optimize/settings.yaml")
+    disp.parent_run_id, disp.in_process, disp.echo = rid, in_process, echo
+    echo(f"optimize ({o.strategy}, objective {objective.label}) over {len(space.axes)} axes: "
+         + ", ".join(f"{k}={','.join(v)}" for k, v in space.axes.items()) + f"; experiment '{experiment}', run {rid}")
+    status = "FAILED"
+    try:
+        if o.strategy == "chain":
+            res = _chain(space, o, objective, gate, disp, echo)
+        else:
+            res = _search(space, o, gate, disp, echo, study_storage(space.config["tracking"]),
+                          _study_name(experiment, space, o))
+        res.experiment, res.run_id, res.wall_s = experiment, rid, time.perf_counter() - t0
+        _log(tracker.client, rid, res, disp)
+        status = "FINISHED"
+        return res
+    except KeyboardInterrupt:
+        status = "KILLED"
+        raise
+    finally:
+        tracker.client.set_terminated(rid, status=status)
+
+
+def _chain(space: Space, o: OptimizeConf, objective: Objective, gate: bool, disp: Dispatcher, echo) -> OptimizeResult:
+    limit = int((space.config.get("eval") or {}).get("limit") or 0)
+    c = Chain(space.axes, objective, rules_of(o, gate), budget_of(o), disp, eval_limit=limit,
+              trust_regime=o.trust_regime, echo=echo)
+    r: ChainResult = c.run()
+    final_hash = r.incumbent_measurement.config_hash if r.incumbent_measurement else ""
+    return OptimizeResult("chain", "", None, r.incumbent, final_hash, r.stop, r.trials, r.reused, 0.0,
+                          table=to_markdown(r.rows), notes=order_notes(r.rows),
+                          rows_json=json.dumps([row.as_dict() for row in r.rows], indent=1))
+
+
+def _search(space: Space, o: OptimizeConf, gate: bool, disp: Dispatcher, echo, storage: str, name: str) -> OptimizeResult:
+    from cluster import ClusterConfig
+
+    cl = ClusterConfig.from_dict(space.config["cluster"])
+    batch = o.search.batch or max(1, int((os.cpu_count() or 1) // max(1.0, float(cl.num_cpus_per_trial))))
+    predict = None
+    if o.search.skip_predicted:
+        from .predict import CostModelSkip
+
+        predict = CostModelSkip(disp, space.axes, o.search.predicted_loss)
+    goals = [g for g in o.search.objectives if g != ACCURACY or gate or (space.config.get("eval") or {}).get("tasks")]
+    s = Search(space.axes, goals, rules_of(o, gate), budget_of(o), disp, batch=batch, validate=disp.validate,
+               predict=predict or (lambda p, done: ""), storage=storage, study_name=name, seed=o.search.seed, echo=echo)
+    r: SearchResult = s.run()
+    best = r.best
+    skipped = [f"refused by validation: {describe(p)} -- {why}" for p, why in r.invalid]
+    skipped += [f"cost model predicts a loss: {describe(p)} -- {why}" for p, why in r.predicted]
+    skipped += [f"failed: {describe(p)} -- {why}" for p, why in r.failed]
+    return OptimizeResult("search", "", None, dict(best.point) if best else {}, best.config_hash if best else "", r.stop,
+                          r.trials, r.reused, 0.0, front=format_front(r), skipped=skipped,
+                          notes=[f"objectives: {', '.join(goals)}; {len(r.evaluated)} configuration(s) measured, "
+                                 f"{r.duplicates} repeated proposal(s) answered from earlier results"])
+
+
+def _log(client, rid: str, res: OptimizeResult, disp: Dispatcher) -> None:
+    """The run's artifacts and tags: the table / front, the final configuration and its hash, the plot."""
+    tags = {"optimize.stop": res.stop[:250], "optimize.trials": str(res.trials), "optimize.reused": str(res.reused)}
+    if res.final_hash:
+        tags["final_config_hash"] = res.final_hash
+    for k, v in tags.items():
+        client.set_tag(rid, k, v)
+    if res.final:
+        try:
+            spec = disp.spec(res.final)
+            client.log_text(rid, yaml.safe_dump(spec.config, sort_keys=True), FINAL_ARTIFACT)
+            tags["final_config_hash"] = spec.config_hash
+            client.set_tag(rid, "final_config_hash", spec.config_hash)
+            res.final_hash = spec.config_hash
+        except Exception:
+            pass
+    from mlflow.entities import Metric
+
+    now = int(time.time() * 1000)
+    client.log_batch(rid, metrics=[Metric(k, float(v), now, 0) for k, v in (
+        ("optimize_trials", res.trials), ("optimize_reused", res.reused), ("optimize_wall_s", res.wall_s))])
+    if res.strategy == "chain":
+        rows_json = res.rows_json
+        client.log_text(rid, res.table + "\n\n" + "\n".join(f"- {n}" for n in res.notes) + "\n", TABLE_ARTIFACT)
+        client.log_text(rid, rows_json, ROWS_ARTIFACT)
+        from .chain import Row
+
+        rows = [Row(**{**d, "hashes": tuple(d["hashes"])}) for d in json.loads(rows_json)]
+        with tempfile.TemporaryDirectory() as d:
+            path = plot_path(rows, Path(d) / "path.png", f"optimize ({res.experiment}): final {describe(res.final)}")
+            if path is not None:
+                client.log_artifact(rid, str(path), "optimize")
+    else:
+        client.log_text(rid, "\n".join(res.front + [""] + res.skipped + res.notes) + "\n", FRONT_ARTIFACT)
+
+
+def print_result(res: OptimizeResult, echo=print) -> None:
+    echo("")
+    if res.strategy == "chain":
+        echo(res.table)
+        for n in res.notes:
+            echo(f"note: {n}")
+    else:
+        echo("Pareto front (feasible):" if res.front else "Pareto front: no feasible configuration measured")
+        for line in res.front:
+            echo("  " + line)
+        for line in res.skipped:
+            echo("  " + line)
+        for n in res.notes:
+            echo(f"note: {n}")
+    echo(f"\nstopped: {res.stop}; {res.trials} trial(s) run, {res.reused} reused from the store; "
+         f"{res.wall_s / 60:.1f} min")
+    echo(f"final: {describe(res.final) if res.final else '(none)'}  config_hash {res.final_hash[:12] or '?'}"
+         + (f"  (infersweep reproduce {res.final_hash[:12]})" if res.final_hash else ""))
+    echo(f"MLflow: experiment '{res.experiment}', optimize run {res.run_id} (artifacts optimize/)")

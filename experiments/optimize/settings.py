@@ -1,0 +1,116 @@
+"""`optimize.*`: the settings of one `infersweep optimize` (conf/optimize/<strategy>.yaml), typed; and every
+problem with them and with the space, found at once before anything runs."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from .accuracy import TESTS
+from .chain import Budget
+from .decide import Rules
+from .objective import Objective, ObjectiveError
+from .search import GOALS
+
+STRATEGIES = ("chain", "search")
+
+
+@dataclass
+class GateConf:
+    enabled: bool = True  # judge task accuracy (needs eval.tasks)
+    max_drop: float = 0.03  # the accuracy drop (share of items) tolerated against the incumbent
+    alpha: float = 0.05
+    test: str = "mcnemar-midp"  # mcnemar | mcnemar-midp | bootstrap
+    max_items: int = 200  # an undecided pair is measured again on more items (eval.limit doubled) up to this
+
+
+@dataclass
+class SearchConf:
+    objectives: list[str] = field(default_factory=lambda: ["tpot", "accuracy", "peak_memory"])
+    batch: int = 0  # configurations measured at once; 0: the cluster's trial slots
+    seed: int = 0
+    skip_predicted: bool = True  # skip configurations the cost model predicts to lose
+    predicted_loss: float = 0.25  # ... by more than this share of the best predicted decode time
+
+
+@dataclass
+class OptimizeConf:
+    strategy: str = "chain"
+    objective: str = "tpot"  # tpot | ttft | output_tok_s | max_rate | peak_memory | 0.7*tpot+0.3*peak_memory | tpot>peak_memory
+    min_effect: float = 0.03  # the smallest gain a step must clear (3%)
+    max_trials: int = 24  # trials run now (FINISHED ones reused by hash are free)
+    max_minutes: float = 0.0  # 0: no time limit
+    remeasure: int = 2  # re-measurements of a pair with an unstable trial
+    rounds: int = 5  # interleaved rounds of a pair (cluster.interleave)
+    trust_regime: bool = True  # skip chain steps the measured regime says cannot pay off
+    slo: dict[str, float] = field(default_factory=dict)  # metric -> limit, e.g. {ttft_ms_p99: 500}
+    max_memory_gb: float = 0.0  # 0: no limit
+    gate: GateConf = field(default_factory=GateConf)
+    search: SearchConf = field(default_factory=SearchConf)
+
+
+def from_dict(d: dict[str, Any]) -> OptimizeConf:
+    d = dict(d or {})
+    gate = GateConf(**(d.pop("gate", None) or {}))
+    search = SearchConf(**(d.pop("search", None) or {}))
+    return OptimizeConf(**d, gate=gate, search=search)
+
+
+def rules_of(o: OptimizeConf, gate: bool) -> Rules:
+    return Rules(min_effect=o.min_effect, alpha=o.gate.alpha, max_drop=o.gate.max_drop, test=o.gate.test, gate=gate,
+                 slo={str(k): float(v) for k, v in (o.slo or {}).items()}, max_memory_bytes=o.max_memory_gb * 1e9)
+
+
+def budget_of(o: OptimizeConf) -> Budget:
+    return Budget(max_trials=o.max_trials, max_s=60 * o.max_minutes, remeasure=o.remeasure, max_items=o.gate.max_items)
+
+
+def problems(o: OptimizeConf, space: dict[str, list[str]], config: dict[str, Any]) -> list[str]:
+    """Every problem with the settings, the space and the trial config they apply to, each naming its key."""
+    out: list[str] = []
+    if o.strategy not in STRATEGIES:
+        out.append(f"optimize.strategy: unknown strategy {o.strategy!r}; use {' or '.join(STRATEGIES)} (optimize=search)")
+    try:
+        Objective.parse(o.objective)
+    except ObjectiveError as e:
+        out.append(f"optimize.objective: {e}")
+    if o.strategy == "search":
+        bad = [g for g in o.search.objectives if g not in GOALS]
+        if bad or not o.search.objectives:
+            out.append(f"optimize.search.objectives: unknown {', '.join(map(repr, bad)) or '(empty list)'}; use a list of "
+                       f"{', '.join(GOALS)}")
+        if o.search.batch < 0:
+            out.append(f"optimize.search.batch: must be >= 0 (0: the cluster's trial slots), got {o.search.batch}")
+    if o.max_trials < 1:
+        out.append(f"optimize.max_trials: the budget must allow at least one trial (>= 1), got {o.max_trials}; "
+                   f"e.g. optimize.max_trials=24")
+    if o.max_minutes < 0:
+        out.append(f"optimize.max_minutes: must be >= 0 (0: no time limit), got {o.max_minutes}")
+    if o.min_effect < 0:
+        out.append(f"optimize.min_effect: must be >= 0 (0.03 = a 3% gain), got {o.min_effect}")
+    if o.remeasure < 0:
+        out.append(f"optimize.remeasure: must be >= 0, got {o.remeasure}")
+    if o.rounds < 2:
+        out.append(f"optimize.rounds: a pair needs >= 2 interleaved rounds for an interval, got {o.rounds}")
+    if o.gate.test not in TESTS:
+        out.append(f"optimize.gate.test: unknown test {o.gate.test!r}; use one of {', '.join(TESTS)}")
+    if not 0 < o.gate.alpha < 1:
+        out.append(f"optimize.gate.alpha: must be in (0, 1), got {o.gate.alpha}")
+    if not 0 <= o.gate.max_drop < 1:
+        out.append(f"optimize.gate.max_drop: must be in [0, 1) (a share of the items), got {o.gate.max_drop}")
+    ev = config.get("eval") or {}
+    if o.gate.enabled and not (ev.get("enabled", True) and ev.get("tasks")):
+        out.append("optimize.gate.enabled: the accuracy gate needs task accuracy, and eval.tasks is empty; choose "
+                   "eval=tasks (or eval.tasks=[...]), or turn the gate off with optimize.gate.enabled=false")
+    wl = config.get("workload") or {}
+    if o.slo and wl.get("kind", "static") not in ("serving", "multi-turn"):
+        out.append(f"optimize.slo: an SLO ({', '.join(o.slo)}) needs a serving workload (requests arriving over "
+                   f"time), but workload.kind is {wl.get('kind', 'static')!r}; choose workload=serving-mixed, or drop "
+                   f"optimize.slo")
+    if not space:
+        out.append("the space is empty: give at least one axis with several values to choose from, e.g. "
+                   "`infersweep optimize kv_cache=off,contiguous attention=eager,sdpa` (or experiment=optimize-cpu)")
+    for k, vs in space.items():
+        if len(vs) < 2:
+            out.append(f"{k}: an optimize axis needs at least two values to choose from, got [{', '.join(vs)}]; "
+                       f"pin it as {k}={vs[0] if vs else 'VALUE'} or list more values ({k}=a,b)")
+    return out

@@ -1,0 +1,51 @@
+"""The space an `optimize` explores: the axes a sweep of the same overrides would fan out over (the chosen
+experiment's `hydra.sweeper.params`, then the command line's comma lists), and the fixed overrides around them."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from ..config.compose import Composer, SweepError, _first_lines, _key, _parse, _values, describe_error
+
+
+@dataclass
+class Space:
+    fixed: list[str]  # the overrides every point shares (model=..., eval=tasks, optimize.*)
+    axes: dict[str, list[str]]  # axis key -> values, in the order given
+    config: dict[str, Any]  # the composed config of the fixed overrides (optimize settings included)
+
+
+def read_space(overrides: list[str]) -> Space:
+    """Split `overrides` into the fixed part and the axes; composing errors are the user's (SweepError)."""
+    # a new SLO metric is a key the user adds to an open mapping: Hydra wants `++` for that
+    overrides = [("++" + o) if o.startswith("optimize.slo.") else o for o in overrides]
+    try:
+        parsed = _parse(overrides)
+    except Exception as e:
+        raise SweepError([f"override syntax: {_first_lines(e)}"]) from None
+    fixed = [o for o in parsed if not o.is_sweep_override()]
+    sweeps = [o for o in parsed if o.is_sweep_override()]
+    problems = [f"{_key(o)}: optimize settings take one value, not a list" for o in sweeps
+                if _key(o).split(".")[0] == "optimize" or _key(o) == "experiment"]
+    fixed_strs = [o.input_line for o in fixed]
+    with Composer() as c:
+        for o in fixed:
+            if (msg := c.missing_option(_key(o), o.value())) is not None:
+                problems.append(msg)
+        if problems:
+            raise SweepError(problems)
+        try:
+            config, params = c.compose(fixed_strs, optimize=True)
+        except Exception as e:
+            raise SweepError([describe_error("overrides", e)]) from None
+    pinned = {_key(o).lstrip("+") for o in fixed}
+    axes: dict[str, list[str]] = {}
+    for k, v in params.items():
+        if k in pinned:
+            continue
+        (o,) = _parse([f"{k}={v}"])
+        axes[_key(o)] = _values(o)
+    for o in sweeps:
+        if _key(o).split(".")[0] != "optimize":
+            axes[_key(o)] = _values(o)
+    return Space(fixed_strs, axes, config)

@@ -1,0 +1,98 @@
+"""`infersweep optimize` through the real CLI: bad input refused before any trial (exit 2, naming the key and
+the fix), the optimize run's lifecycle, and one small real chain on the tiny model (slow tier)."""
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from experiments.cli import main
+
+GATE_OFF = "optimize.gate.enabled=false"
+
+
+@pytest.mark.parametrize("args, key, fix", [
+    (["kv_cache=off,contiguous", GATE_OFF, "optimize.objective=speed"], "optimize.objective: unknown objective 'speed'",
+     "use one of tpot"),
+    ([GATE_OFF], "the space is empty", "kv_cache=off,contiguous"),
+    (["kv_cache=off,contiguous", GATE_OFF, "optimize.max_trials=0"], "optimize.max_trials", "optimize.max_trials=24"),
+    (["kv_cache=off,contiguous"], "optimize.gate.enabled: the accuracy gate needs task accuracy", "eval=tasks"),
+    (["kv_cache=off,contiguous", GATE_OFF, "optimize.slo.ttft_ms_p99=500"], "optimize.slo: an SLO (ttft_ms_p99) needs a serving workload",
+     "workload=serving-mixed"),
+    (["kv_cache=choice(off)", "attention=eager,sdpa", GATE_OFF, "optimize=search",
+      "optimize.search.objectives=[tpot]"], "kv_cache: an optimize axis needs at least two values", "pin it as kv_cache=off"),
+])
+def test_bad_input_is_refused_before_any_trial(args, key, fix, tiny_overrides, mlflow_client, capsys):
+    rc = main(["optimize", *tiny_overrides, "sweep_name=t-opt-bad", *args])
+    err = capsys.readouterr().err
+    assert rc == 2 and key in err and fix in err
+    assert mlflow_client.get_experiment_by_name("t-opt-bad") is None  # nothing ran, nothing was recorded
+
+
+def test_every_problem_at_once_through_the_installed_command(tiny_overrides):
+    p = subprocess.run([sys.executable, "-m", "experiments.cli", "optimize", *tiny_overrides, "sweep_name=t-opt-bad",
+                        "optimize.objective=fastest", "optimize.max_trials=0"], capture_output=True, text=True, timeout=300)
+    assert p.returncode == 2
+    assert "optimize.objective" in p.stderr and "optimize.max_trials" in p.stderr and "the space is empty" in p.stderr
+
+
+def test_help_explains_the_strategies(capsys):
+    with pytest.raises(SystemExit):
+        main(["optimize", "--help"])
+    out = capsys.readouterr().out
+    assert "optimize=search" in out and "optimize.min_effect" in out and "interleaved pair" in out
+
+
+def test_interrupt_leaves_the_optimize_run_killed(tiny_overrides, mlflow_client, monkeypatch):
+    from experiments.optimize import run as optimize_run
+
+    def interrupted(*a, **k):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(optimize_run, "_chain", interrupted)  # Ctrl-C while the strategy runs
+    assert main(["optimize", *tiny_overrides, "sweep_name=t-opt-int", "kv_cache=off,contiguous", GATE_OFF]) == 130
+    exp = mlflow_client.get_experiment_by_name("t-opt-int")
+    (run,) = mlflow_client.search_runs([exp.experiment_id], "tags.kind = 'optimize'")
+    assert run.info.status == "KILLED"
+
+
+@pytest.mark.slow
+def test_real_chain_on_the_tiny_model_resumes_by_hash(tiny_overrides, mlflow_client, ray_local, capsys):
+    args = ["optimize", *tiny_overrides, "sweep_name=t-opt-real", "kv_cache=off,contiguous", GATE_OFF,
+            "optimize.max_trials=3", "optimize.remeasure=0", "optimize.rounds=3"]
+    main(args)
+    out = capsys.readouterr().out
+    assert "| 0 baseline | kv_cache=off | baseline |" in out and "| 1 KV cache | kv_cache=contiguous |" in out
+    exp = mlflow_client.get_experiment_by_name("t-opt-real")
+    (opt,) = mlflow_client.search_runs([exp.experiment_id], "tags.kind = 'optimize'")
+    assert opt.info.status == "FINISHED" and opt.data.tags["optimize.trials"] == "3"
+    trials = mlflow_client.search_runs([exp.experiment_id], f"tags.`mlflow.parentRunId` = '{opt.info.run_id}'")
+    assert len(trials) == 3 and all(t.data.tags.get("config_hash") for t in trials)
+    arts = {a.path for a in mlflow_client.list_artifacts(opt.info.run_id, "optimize")}
+    assert {"optimize/chain.md", "optimize/chain.json", "optimize/final_config.yaml"} <= arts
+    assert opt.data.tags["final_config_hash"] in {t.data.tags["config_hash"] for t in trials}
+    # the same command again: every trial FINISHED by hash is reused, nothing runs
+    main(args)
+    again = capsys.readouterr().out
+    assert "0 trial(s) run, 3 reused from the store" in again
+    assert main(["report", "t-opt-real", *tiny_overrides[-2:], "--no-log"]) == 0
+    assert "| 1 KV cache | kv_cache=contiguous |" in capsys.readouterr().out
+
+
+@pytest.mark.slow
+def test_real_search_on_the_tiny_model_resumes_its_study(tiny_overrides, tracking_dir, mlflow_client, ray_local, capsys):
+    args = ["optimize", *tiny_overrides, "sweep_name=t-opt-search", "kv_cache=off,contiguous", "attention=eager,sdpa",
+            GATE_OFF, "optimize=search", "optimize.search.objectives=[tpot,peak_memory]", "optimize.max_trials=3",
+            "optimize.search.batch=2", "optimize.search.skip_predicted=false"]
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    assert "Pareto front (feasible):" in out and "3 trial(s) run" in out
+    assert (tracking_dir / "optuna.db").exists()  # the study beside the tracking store
+    exp = mlflow_client.get_experiment_by_name("t-opt-search")
+    (opt,) = mlflow_client.search_runs([exp.experiment_id], "tags.kind = 'optimize'")
+    assert opt.info.status == "FINISHED" and opt.data.tags.get("final_config_hash")
+    # the same command again: the study resumes with its 3 configurations and measures the 4th (space exhausted)
+    assert main(args) == 0
+    again = capsys.readouterr().out
+    assert "3 configuration(s) already measured" in again and "1 trial(s) run" in again
