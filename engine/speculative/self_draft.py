@@ -41,8 +41,8 @@ def model_problem(facts, num_tokens: int) -> str | None:
     """Why the self-draft cannot run a model with these facts (engine.model_facts.ModelFacts) over
     `num_tokens` positions: its draft runs on the native runtime whatever the engine, so that runtime's own
     rules apply (architecture, sliding window); None when it can."""
-    from ..engines.native.support import unsupported, window_exceeded
+    from ..engines.native.support import unhonoured_window, unsupported, window_exceeded
 
     if facts is None or facts.config is None:
         return None
-    return unsupported(facts.config) or window_exceeded(facts.sliding_window, num_tokens)
+    return unsupported(facts.config) or window_exceeded(unhonoured_window(facts.config), num_tokens)

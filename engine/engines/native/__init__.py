@@ -1,4 +1,4 @@
-"""Engine `native`: a compact Llama-family runtime (gpt-fast / nano-vllm style).
+"""Engine `native`: a compact Llama-family and Gemma 3 runtime (gpt-fast / nano-vllm style).
 
 One concept per file:
   rope.py           rotary position embedding, incl. the checkpoint's rope scaling
@@ -34,12 +34,12 @@ class NativeEngine(LogitsEngine):
     def check(self, trial: TrialConfig, facts, gpu_available: bool):
         p = torch_checks(trial, gpu_available)
         if facts is not None and facts.config is not None and not trial.model.path.startswith("tiny://"):
-            from .support import unsupported, window_exceeded
+            from .support import unhonoured_window, unsupported, window_exceeded
 
             why = unsupported(facts.config)
             if why is None:
                 try:
-                    why = window_exceeded(facts.sliding_window, _tokens_needed(trial))
+                    why = window_exceeded(unhonoured_window(facts.config), _tokens_needed(trial))
                 except Exception:  # invalid request lengths: validation reports them
                     why = None
             if why is not None:
