@@ -22,6 +22,7 @@ from .models import PREPARED_SCHEME, TINY_SCHEME, prepared_dir, tiny_llama_confi
 # Known without converting anything, so a sweep can be validated before `prepare` has ever run:
 # (max positions, sliding window of its windowed layers or None)
 PREPARED_LIMITS = {"smollm2-135m-instruct": (8192, None), "gemma-3-270m": (32768, 512)}
+PREPARED_VOCAB = {"smollm2-135m-instruct": 49152, "gemma-3-270m": 262144}
 # architectures whose MLP has no gate (two matmuls, not SwiGLU's three)
 NON_GATED_MLP = {"gpt2", "gpt_neox", "gptj", "opt", "bloom", "falcon", "phi", "starcoder2", "gpt_bigcode"}
 # integer fields of config.json that decide the shape; each may be absent, but never of another type

