@@ -141,6 +141,20 @@ def test_limits_are_known_before_prepare(tmp_path, monkeypatch):
                                             "draft must share the target's tokenizer") in p
 
 
+def test_the_model_is_a_swept_axis_and_each_model_has_its_own_limits():
+    from experiments.config.compose import SweepError, expand
+
+    specs = expand(["model=smollm2-135m,gemma-3-270m", "engine=native", "workload.context_len=128"])
+    assert sorted(s.swept["model"] for s in specs) == ["gemma-3-270m", "smollm2-135m"]
+    assert len({s.config_hash for s in specs}) == 2
+    with pytest.raises(SweepError) as e:
+        expand(["model=smollm2-135m,gemma-3-270m,nosuch", "engine=native", "workload.context_len=9000"])
+    text = "\n".join(e.value.problems)
+    assert "model=nosuch: unknown option; available: gemma-3-270m, smollm2-135m, tiny-llama" in text
+    # 9000 + 32 positions: beyond SmolLM2's 8192, within Gemma's 32768
+    assert "exceeds the model's maximum of 8192 positions" in text and "32768" not in text
+
+
 # ---------------------------------------------------------------- slow tier: the real weights
 
 
