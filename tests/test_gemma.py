@@ -155,6 +155,25 @@ def test_the_model_is_a_swept_axis_and_each_model_has_its_own_limits():
     assert "exceeds the model's maximum of 8192 positions" in text and "32768" not in text
 
 
+def test_task_prompts_start_with_the_tokenizers_own_bos():
+    """lm-eval's requests get the special tokens the tokenizer itself puts first (as lm-eval's HF model
+    does): Gemma's BOS, nothing for SmolLM2 -- whose task scores therefore do not change."""
+    from types import SimpleNamespace
+
+    from engine.models import local_tokenizer
+    from engine.tasks.lmeval import SessionLM
+
+    gemma_tok = local_tokenizer(GEMMA)
+    smol_tok = local_tokenizer(ModelConfig(name="s", path="prepared://smollm2-135m-instruct"))
+    if gemma_tok is None or smol_tok is None:
+        pytest.skip("needs both models prepared (`infersweep prepare smollm2-135m-instruct gemma-3-270m`)")
+    assert gemma_tok.prefix_ids == [2] and smol_tok.prefix_ids == []
+    for tok, prefix in ((gemma_tok, [2]), (smol_tok, [])):
+        lm = SessionLM(SimpleNamespace(tokenizer=tok), max_length=64)
+        assert lm.tok_encode("Paris") == prefix + tok.encode("Paris")
+        assert lm.tok_encode("Paris", add_special_tokens=False) == tok.encode("Paris")
+
+
 # ---------------------------------------------------------------- slow tier: the real weights
 
 
