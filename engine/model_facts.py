@@ -20,8 +20,10 @@ from .config import EngineError, ModelConfig
 from .safetensors_check import checkpoint_problem
 from .models import PREPARED_SCHEME, TINY_SCHEME, prepared_dir, tiny_llama_config
 
-# Known without converting anything, so a sweep can be validated before `prepare` has ever run.
-PREPARED_MAX_POSITIONS = {"smollm2-135m-instruct": 8192}
+# Known without converting anything, so a sweep can be validated before `prepare` has ever run:
+# (max positions, sliding window of its windowed layers or None)
+PREPARED_LIMITS = {"smollm2-135m-instruct": (8192, None), "gemma-3-270m": (32768, 512)}
+PREPARED_VOCAB = {"smollm2-135m-instruct": 49152, "gemma-3-270m": 262144}
 # architectures whose MLP has no gate (two matmuls, not SwiGLU's three)
 NON_GATED_MLP = {"gpt2", "gpt_neox", "gptj", "opt", "bloom", "falcon", "phi", "starcoder2", "gpt_bigcode"}
 # integer fields of config.json that decide the shape; each may be absent, but never of another type
@@ -47,6 +49,9 @@ class ModelShape:
     vocab: int
     tied_embeddings: bool = True
     gated_mlp: bool = True
+    # per layer, the sliding window of its attention (None: global); () = every layer global. Gemma 3's
+    # windowed layers attend (and read the K/V of) at most `window` keys whatever the context.
+    layer_windows: tuple = ()
 
     @classmethod
     def from_hf_config(cls, cfg: Any) -> "ModelShape":
@@ -73,6 +78,7 @@ class ModelShape:
             vocab=int(get("vocab_size")),
             tied_embeddings=bool(getattr(cfg, "tie_word_embeddings", True)),
             gated_mlp=getattr(cfg, "model_type", "llama") not in NON_GATED_MLP,
+            layer_windows=_layer_windows(cfg),
         )
 
     @property
@@ -95,6 +101,13 @@ class ModelShape:
     def kv_bytes_per_token(self, elt_bytes: float) -> float:
         """K and V of one token in every layer."""
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * elt_bytes
+
+    def attended_keys(self, context: float) -> float:
+        """Keys the newest query attends per layer, averaged over layers, at `context` tokens (a windowed
+        layer stops at its window): what one decode step reads of the KV cache, in tokens."""
+        if not self.layer_windows:
+            return float(context)
+        return sum(min(context, w or context) for w in self.layer_windows) / len(self.layer_windows)
 
 
 @dataclass(frozen=True)
@@ -120,6 +133,14 @@ class ModelFacts:
         return self.shape.kv_bytes_per_token(elt_bytes) if self.shape else None
 
 
+def _layer_windows(cfg: Any) -> tuple:
+    """Gemma 3 style `layer_types` with a `sliding_window`: the window per layer; () otherwise."""
+    window, types = getattr(cfg, "sliding_window", None), getattr(cfg, "layer_types", None)
+    if not window or not types:
+        return ()
+    return tuple(int(window) if t == "sliding_attention" else None for t in types)
+
+
 def prepared_name(spec: ModelConfig) -> Optional[str]:
     return spec.path[len(PREPARED_SCHEME):] if spec.path.startswith(PREPARED_SCHEME) else None
 
@@ -138,7 +159,7 @@ def inspect(spec: ModelConfig) -> Optional[ModelFacts]:
     if name is not None:
         d = prepared_dir(name)
         if not (d / "config.json").is_file():  # not prepared yet: only the table's limit is known
-            return ModelFacts(None, None, PREPARED_MAX_POSITIONS.get(name), None)
+            return ModelFacts(None, None, *PREPARED_LIMITS.get(name, (None, None)))
         return _dir_facts(str(d), _mtime(d / "config.json"), False)
     if is_local_path(spec.path):
         if not os.path.isdir(spec.path):

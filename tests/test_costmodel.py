@@ -42,6 +42,48 @@ def test_from_hf_config_reads_llama_fields():
     assert ModelShape.from_hf_config(cfg) == SMOL
 
 
+# Gemma 3 270M (its prepared config.json): 18 layers (5 windowed of 512 : 1 global), hidden 640, MLP 2048,
+# 4 heads / 1 KV head of 256, vocab 262144, tied: the LM head is most of what a decode step reads
+GEMMA_WINDOWS = tuple(None if (i + 1) % 6 == 0 else 512 for i in range(18))
+GEMMA = ModelShape(num_layers=18, hidden=640, intermediate=2048, num_heads=4, num_kv_heads=1, head_dim=256,
+                   vocab=262144, layer_windows=GEMMA_WINDOWS)
+
+
+def test_gemma3_shape_lm_head_dominates_decode_bytes():
+    from transformers import Gemma3TextConfig
+
+    cfg = Gemma3TextConfig(vocab_size=262144, hidden_size=640, intermediate_size=2048, num_hidden_layers=18,
+                           num_attention_heads=4, num_key_value_heads=1, head_dim=256, sliding_window=512)
+    assert ModelShape.from_hf_config(cfg) == GEMMA
+    # q,o: 2*640*1024; k,v: 2*640*256; gated MLP: 3*640*2048
+    assert GEMMA.layer_params == 1310720 + 327680 + 3932160 == 5570560
+    assert GEMMA.lm_head_params == 262144 * 640 == 167772160
+    assert GEMMA.matmul_params == 18 * 5570560 + 167772160 == 268042240  # the 268M of the model
+    c = forward_cost(GEMMA, FP32, batch=1, new_tokens=1, past_tokens=100, cached=True, materialize_scores=False)
+    assert c.weight_bytes == 268042240 * 4
+    assert GEMMA.lm_head_params * 4 / c.weight_bytes > 0.62  # the head: 63% of the weight bytes per token
+    # int8 layers with the head kept at fp32 save little on this model: the head stays 167.8M * 4 bytes
+    q8 = Precision.of("float32", "int8-weight")
+    assert q8.weight_bytes(GEMMA) == pytest.approx(18 * 5570560 * q8.quant_bytes + 167772160 * 4)
+
+
+def test_sliding_window_caps_kv_reads_and_attention_flops():
+    kv_token = GEMMA.kv_bytes_per_token(4)
+    assert kv_token == 2 * 18 * 256 * 4
+    short = forward_cost(GEMMA, FP32, batch=1, new_tokens=1, past_tokens=299, cached=True, materialize_scores=False)
+    assert short.kv_bytes == 300 * kv_token  # within the window every layer reads its whole past
+    long = forward_cost(GEMMA, FP32, batch=1, new_tokens=1, past_tokens=1999, cached=True, materialize_scores=False)
+    # 15 windowed layers read 512 tokens, 3 global ones all 2000
+    assert long.kv_bytes == pytest.approx((15 * 512 + 3 * 2000) / 18 * kv_token)
+    attn = long.flops - 2 * GEMMA.matmul_params
+    assert attn == 4 * 4 * 256 * (15 * 512 + 3 * 2000)
+    # a 1000-token prefill: query i of a windowed layer sees min(i + 1, 512) keys
+    pre = forward_cost(GEMMA, FP32, batch=1, new_tokens=1000, past_tokens=0, cached=True, materialize_scores=False)
+    windowed = 512 * 513 / 2 + (1000 - 512) * 512
+    assert pre.flops - 2 * 1000 * 18 * 5570560 - 2 * GEMMA.lm_head_params == 4 * 4 * 256 * (
+        15 * windowed + 3 * 1000 * 1001 / 2)
+
+
 def test_decode_step_bytes_flops_and_intensity_by_hand():
     # one new token against 2048 cached ones, batch 1, fp32
     c = forward_cost(SMOL, FP32, batch=1, new_tokens=1, past_tokens=2048, cached=True, materialize_scores=False)

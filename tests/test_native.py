@@ -1,7 +1,9 @@
 """Backend `native`: parity with transformers, KV cache modes, attention kernels, block manager.
 
 Fast tier: tiny seeded random models built from transformers config classes (Llama tied/untied, Qwen2 with
-QKV bias, Mistral, Llama 3 rope scaling, linear rope scaling). Slow tier: the real SmolLM2-135M.
+QKV bias, Mistral, Llama 3 rope scaling, linear rope scaling, Gemma 3 with a sliding window of 8 shorter
+than the test sequences, so windowed and global layers differ). Slow tier: the real SmolLM2-135M and
+Gemma 3 270M.
 """
 from __future__ import annotations
 
@@ -51,6 +53,16 @@ def hf_tiny(kind: str, attn: str = "sdpa", seed: int = 0):
         cfg, cls = tf.Qwen2Config(**SMALL, tie_word_embeddings=False), tf.Qwen2ForCausalLM
     elif kind == "mistral":
         cfg, cls = tf.MistralConfig(**SMALL, sliding_window=None, head_dim=32), tf.MistralForCausalLM
+    elif kind in ("gemma3", "gemma3-softcap"):
+        # Gemma 3's shape in miniature: one KV head, head_dim != hidden/heads, a query_pre_attn_scalar that is
+        # not head_dim, local/global RoPE bases, windowed and global layers (window 8 < the 20-29 tokens here)
+        gemma = dict(SMALL, num_key_value_heads=1, head_dim=32, num_hidden_layers=3, sliding_window=8,
+                     layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+                     query_pre_attn_scalar=24, rope_parameters=dict(
+                         sliding_attention=dict(rope_type="default", rope_theta=10000.0),
+                         full_attention=dict(rope_type="linear", rope_theta=1000000.0, factor=2.0)),
+                     final_logit_softcapping=3.0 if kind == "gemma3-softcap" else None)
+        cfg, cls = tf.Gemma3TextConfig(**gemma), tf.Gemma3ForCausalLM
     else:
         raise ValueError(kind)
     cfg._attn_implementation = attn
@@ -61,6 +73,10 @@ def hf_tiny(kind: str, attn: str = "sdpa", seed: int = 0):
             for layer in model.model.layers:
                 for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
                     torch.nn.init.normal_(proj.bias, std=0.5)
+        if kind.startswith("gemma3"):  # HF initializes Gemma's (1 + w) norm weights to w = 0; make them matter
+            for name, p in model.named_parameters():
+                if name.endswith("norm.weight"):
+                    torch.nn.init.normal_(p, std=0.3)
     return LoadedModel(model=model.eval(), tokenizer=ByteTokenizer(), spec=ModelConfig(name=kind, path="tiny://" + kind),
                        load_s=0.0)
 
@@ -83,7 +99,7 @@ def incremental_logits(session, ids, prefill: int, chunk: int = 1):
     return torch.cat(outs, dim=1)
 
 
-VARIANTS = ("llama", "llama-untied", "qwen2", "mistral", "llama3-rope", "linear-rope")
+VARIANTS = ("llama", "llama-untied", "qwen2", "mistral", "llama3-rope", "linear-rope", "gemma3", "gemma3-softcap")
 
 
 @pytest.fixture(scope="module")
@@ -122,6 +138,34 @@ def test_cached_decode_matches_transformers(variants, ids, kind):
             s = be.new_session(2, 40)
             chunked = incremental_logits(s, ids, prefill=8, chunk=3)  # 21 = 7 chunks of 3 after the prompt
             assert (chunked - ref).abs().max().item() <= TOL, (kind, attn, kv, "chunked")
+
+
+@pytest.mark.parametrize("attn", ATTN)
+def test_varlen_batch_matches_transformers_under_a_sliding_window(variants, ids, attn):
+    """Continuous batching's path (forward_varlen over a paged pool): prefills, a chunk appended to a cached
+    prefix and decode rows in one step, each sequence longer than Gemma 3's window of 8."""
+    from engine.engines.native.kv_cache import KVPool
+    from engine.engines.native.varlen import VarlenBatch
+
+    loaded = variants["gemma3"]
+    ref = hf_logits(loaded, ids)  # [2, 29, V]
+    be = native(loaded, attn=attn)
+    a = be.model.args
+    pool = KVPool(a.num_layers, 32, 4, a.num_kv_heads, a.head_dim, torch.float32, torch.device("cpu"))
+    tables = [list(range(0, 8)), list(range(8, 16))]  # 8 blocks of 4 = 32 positions each
+
+    def step(q_lens, ctx_lens):
+        toks = torch.cat([ids[i, c - q:c] for i, (q, c) in enumerate(zip(q_lens, ctx_lens))])
+        batch = VarlenBatch(pool, q_lens, ctx_lens, tables)
+        with torch.inference_mode():
+            out = be.model.forward_varlen(toks, batch, be.kernel, torch.arange(len(toks)))
+        want = torch.cat([ref[i, c - q:c] for i, (q, c) in enumerate(zip(q_lens, ctx_lens))])
+        assert (out - want).abs().max().item() <= TOL, (attn, q_lens, ctx_lens)
+
+    step([17, 12], [17, 12])  # two prompts, both past the window
+    step([1, 5], [18, 17])  # a decode row beside a chunk appended to a cached prefix
+    step([1, 1], [19, 18])  # all decodes (one padded gather, per-row window masks)
+    step([10, 11], [29, 29])
 
 
 def test_model_shares_weights_with_transformers(variants):

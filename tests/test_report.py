@@ -511,3 +511,39 @@ def test_experiment_report_covers_the_latest_sweeps_plan_including_resumed_trial
     run_sweep(tiny_overrides + ["sweep_name=t-scope", "kv_cache=off,contiguous", "workload.context_len=32"], echo=quiet)
     assert len(build("t-scope", tracking, out_dir=tmp_path, log_artifacts=False, progress=False).lines) == 2
     assert len(build("t-scope", tracking, out_dir=tmp_path, log_artifacts=False, progress=False, all_trials=True).lines) == 6
+
+
+def _model_row(i, model, weights, tok_s, scores):
+    """One trial of `model` (the model is a swept axis) with task scores {task: (score, stderr)}."""
+    m = {"weights_bytes": weights, "tpot_ms": 1000 / tok_s, "ttft_ms": 50.0}
+    for t, (score, se) in scores.items():
+        m[f"task_score.{t}"], m[f"task_score_stderr.{t}"] = score, se
+    return _row(i, tok_s=tok_s, extra_params={"model.name": model, "model.path": f"prepared://{model}"}, metrics=m)
+
+
+def test_right_size_row_says_the_smaller_model_suffices_within_noise():
+    rows = [_model_row(1, "small", 5e8, 20.0, {"arith": (0.40, 0.05), "qa": (0.60, 0.04)}),
+            _model_row(2, "large", 1e9, 10.0, {"arith": (0.45, 0.05), "qa": (0.58, 0.04)})]
+    step = _advice(rows).steps[-1]
+    assert step.step == "right-size the model" and step.status == adv.SMALLER_SUFFICES and step.pays_off is True
+    # arith: -0.05 +- 1.96 * sqrt(0.05^2 + 0.05^2) = -0.05 +- 0.139
+    assert "arith -0.050 [-0.189, +0.089]" in step.verdict and "x2.00 the throughput of large" in step.verdict
+    assert "tpot_ms 50.0 vs 100.0" in step.verdict
+
+
+def test_right_size_row_names_the_task_that_needs_the_larger_model():
+    rows = [_model_row(1, "small", 5e8, 20.0, {"arith": (0.20, 0.02), "qa": (0.60, 0.04)}),
+            _model_row(2, "large", 1e9, 10.0, {"arith": (0.32, 0.02), "qa": (0.58, 0.04)})]
+    step = _advice(rows).steps[-1]
+    assert step.status == adv.LARGER_NEEDED and step.pays_off is False
+    assert step.verdict.startswith("the larger model large is needed for arith (small - large: arith -0.120 "
+                                   "[-0.175, -0.065]; qa +0.020")
+    assert "right-size the model | small | measured: the larger model is needed" in adv.to_markdown([_advice(rows)], axes(rows))
+
+
+def test_right_size_without_task_accuracy_reports_speed_only_and_without_a_second_model_stays_advice():
+    rows = [_model_row(1, "small", 5e8, 20.0, {}), _model_row(2, "large", 1e9, 10.0, {})]
+    step = _advice(rows).steps[-1]
+    assert step.status == adv.SPEED_ONLY and "add eval=tasks" in step.verdict
+    alone = _advice([_model_row(1, "small", 5e8, 20.0, {})]).steps[-1]
+    assert alone.status in (adv.NEXT, adv.LATER) and "sweep a smaller model" in alone.verdict

@@ -148,17 +148,27 @@ def forward_cost(
     """
     b, t, p = batch, new_tokens, past_tokens
     s = shape
-    pairs = t * p + t * (t + 1) / 2  # (query, key) pairs per sequence per head, causal
+    # (query, key) pairs per sequence per head, causal, summed over layers (a sliding window caps a layer's)
+    pairs = sum(_pairs(t, p, w) for w in s.layer_windows) if s.layer_windows else s.num_layers * _pairs(t, p, None)
     flops = 2 * b * t * s.num_layers * s.layer_params + 2 * b * logits_tokens * s.lm_head_params
-    flops += 4 * b * s.num_layers * s.num_heads * s.head_dim * pairs  # QK^T and PV, 2 FLOPs per MAC each
+    flops += 4 * b * s.num_heads * s.head_dim * pairs  # QK^T and PV, 2 FLOPs per MAC each
     weight = prec.weight_bytes(s)
-    kv = b * (p + t) * s.kv_bytes_per_token(prec.kv_bytes) if cached else 0.0  # read past, write new
+    # read the attended past (a windowed layer: its window), write the new
+    kv = b * s.attended_keys(p + t) * s.kv_bytes_per_token(prec.kv_bytes) if cached else 0.0
     scores = 0.0
     if materialize_scores:
         # the full T x (P+T) matrix per head (masked entries too): scores written, read by softmax,
         # probabilities written, read by PV
         scores = 4 * b * s.num_layers * s.num_heads * t * (p + t) * prec.act_bytes
     return PhaseCost(flops=flops, weight_bytes=weight, kv_bytes=kv, attn_score_bytes=scores)
+
+
+def _pairs(t: int, p: int, window: Optional[int]) -> float:
+    """(query, key) pairs of `t` new queries after `p` cached tokens: query i sees min(p + i + 1, window)."""
+    if window is None or p + t <= window:
+        return t * p + t * (t + 1) / 2
+    k = max(0, min(t, window - p))  # queries that still see their whole past
+    return k * p + k * (k + 1) / 2 + (t - k) * window
 
 
 @dataclass(frozen=True)

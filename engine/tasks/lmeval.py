@@ -39,7 +39,10 @@ class SessionLM(TemplateLM):
         return self._max_length
 
     def tok_encode(self, string: str, add_special_tokens: Optional[bool] = None, **kwargs) -> list[int]:
-        return list(self.tok.encode(string))
+        # A task's text starts with the tokenizer's own leading special tokens, as lm-eval's HF model adds
+        # them (Gemma is trained with a BOS first and scores far worse without it); SmolLM2 adds none.
+        prefix = getattr(self.tok, "prefix_ids", []) if add_special_tokens is not False else []
+        return list(prefix) + list(self.tok.encode(string))
 
     def tok_decode(self, tokens) -> str:
         return self.tok.decode(list(tokens))

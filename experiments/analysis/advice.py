@@ -21,6 +21,10 @@ from .results import SPREAD, WHAT_TO_DO, TrialRow, causes, compare, counterpart,
 APPLIED, NEXT, LATER, NO_GAIN, WITHIN, UNLIKELY, NOT_APPLICABLE, MISSING = (
     "applied", "next", "later", "measured: no gain", "measured: within noise", "unlikely to pay off",
     "not applicable", "not measured (feature missing)")
+SMALLER_SUFFICES, LARGER_NEEDED, SPEED_ONLY = (
+    "measured: the smaller model suffices", "measured: the larger model is needed",
+    "measured: speed only (no task accuracy)")
+Z95 = 1.96  # a task score difference's 95% interval from the two scores' standard errors
 
 
 CHAIN: tuple[Axis, ...] = axes.CHAIN
@@ -208,9 +212,10 @@ def advise(rows: list[TrialRow], ax: list[str], workload: str = "") -> Optional[
             continue
         adv.steps.append(StepAdvice(step.label, value, LATER if have_next else NEXT, why, pays))
         have_next = True
-    adv.steps.append(StepAdvice(RIGHT_SIZE, best.params.get("model.name"), LATER if have_next else NEXT,
-                                "often worth more than all of the above: sweep a smaller model (model=...) and "
-                                "compare accuracy", None))
+    adv.steps.append(right_size(rows, best, ax)
+                     or StepAdvice(RIGHT_SIZE, best.params.get("model.name"), LATER if have_next else NEXT,
+                                   "often worth more than all of the above: sweep a smaller model (model=...) and "
+                                   "compare accuracy", None))
     return adv
 
 
@@ -227,6 +232,60 @@ def _best_line(a: Advice, ax: list[str]) -> str:
     return (f"Best so far: **{opt_label(b, ax)}** ({b.hash}) -- {b.num('output_tok_s'):.2f} output tok/s; "
             f"prefill {preg or '?'}-bound ({phow or 'unknown'}), decode {dreg or '?'}-bound ({dhow or 'unknown'})"
             + note + ".\n")
+
+
+def task_difference(a: TrialRow, b: TrialRow, task: str) -> Optional[tuple[float, float, float]]:
+    """(a - b, lo, hi) of one task's score with its 95% interval (the two standard errors combined)."""
+    sa, sb = a.num(f"task_score.{task}"), b.num(f"task_score.{task}")
+    if sa is None or sb is None:
+        return None
+    se = ((a.num(f"task_score_stderr.{task}") or 0.0) ** 2 + (b.num(f"task_score_stderr.{task}") or 0.0) ** 2) ** 0.5
+    d = sa - sb
+    return d, d - Z95 * se, d + Z95 * se
+
+
+def _tasks(row: TrialRow) -> list[str]:
+    return sorted(k[len("task_score."):] for k in row.metrics
+                  if k.startswith("task_score.") and "." not in k[len("task_score."):])
+
+
+def right_size(rows: list[TrialRow], best: TrialRow, ax: list[str]) -> Optional[StepAdvice]:
+    """The seed's last step, measured: the same configuration on another model in this sweep (model is an
+    axis). Per task, the smaller model's score minus the larger's with its 95% interval; the smaller model
+    suffices where no interval lies wholly below zero. None where the sweep has no other model."""
+    name = best.params.get("model.name")
+    changes: dict = {k: (lambda v: True) for k in ax if k.startswith("model.") and k != "model.dtype"}
+    changes["model.name"] = lambda v: v is not None and v != name
+    other = counterpart(rows, best, changes, ax)
+    if other is None:
+        return None
+    wb, wo = best.num("weights_bytes"), other.num("weights_bytes")
+    small, large = (best, other) if (wb or 0) <= (wo or 0) else (other, best)
+    sname, lname = small.params.get("model.name"), large.params.get("model.name")
+    cmp = compare(large, small, "output_tok_s")
+    speed = cmp.cell() if cmp is not None else (
+        f"x{small.num('output_tok_s') / large.num('output_tok_s'):.2f}" if small.num("output_tok_s") and large.num("output_tok_s") else "?")
+    cost = (f"{sname} runs at {speed} the throughput of {lname}"
+            + "".join(f", {m} {small.num(m):.1f} vs {large.num(m):.1f}" for m in ("tpot_ms", "ttft_ms")
+                      if small.num(m) is not None and large.num(m) is not None))
+    tasks = [t for t in _tasks(small) if t in _tasks(large)]
+    if not tasks:
+        return StepAdvice(RIGHT_SIZE, name, SPEED_ONLY, f"measured here: {cost}{unstable_note([small, large])}; "
+                          "add eval=tasks to judge whether the smaller model is accurate enough", None)
+    cells, needed = [], []
+    for t in tasks:
+        d, lo, hi = task_difference(small, large, t)
+        cells.append(f"{t} {d:+.3f} [{lo:+.3f}, {hi:+.3f}]")
+        if hi < 0:
+            needed.append(t)
+    diffs = "; ".join(cells)
+    if needed:
+        return StepAdvice(RIGHT_SIZE, name, LARGER_NEEDED,
+                          f"the larger model {lname} is needed for {', '.join(needed)} ({sname} - {lname}: {diffs}); "
+                          f"{cost}{unstable_note([small, large])}", False)
+    return StepAdvice(RIGHT_SIZE, name, SMALLER_SUFFICES,
+                      f"the smaller model {sname} is within noise of {lname} or better on every task ({sname} - "
+                      f"{lname}: {diffs}) and {cost}{unstable_note([small, large])}", True)
 
 
 def to_markdown(advices: list[Advice], ax: list[str]) -> str:
@@ -263,4 +322,4 @@ def to_markdown(advices: list[Advice], ax: list[str]) -> str:
 
 
 __all__ = ["Advice", "CHAIN", "StepAdvice", "advise", "applied", "chain_label", "chain_order", "describe",
-           "n_applied", "regime", "step_value", "to_markdown"]
+           "n_applied", "regime", "right_size", "step_value", "task_difference", "to_markdown"]

@@ -33,14 +33,13 @@ import torch
 from ...config import EngineError, ModelConfig
 from ...model_facts import read_config_json
 from ...models import (
-    PREPARED_MODELS,
     PREPARED_SCHEME,
     TINY_SCHEME,
-    _package_dir,
     _sha256,
     cache_root,
     prepare_model,
     prepared_dir,
+    source_gguf,
     tiny_checkpoint,
 )
 
@@ -85,10 +84,9 @@ def source_of(spec: ModelConfig, say: Callable[[str], None]) -> Source:
     if spec.path.startswith(PREPARED_SCHEME):
         name = spec.path[len(PREPARED_SCHEME):]
         path = prepare_model(name, progress=say)
-        src = PREPARED_MODELS[name]
         marker = json.loads((prepared_dir(name) / "infersweep-prepared.json").read_text())
         return Source(path, {"prepared": name, "gguf_sha256": marker["gguf_sha256"]},
-                      tokenizer_gguf=_package_dir(src.package) / src.gguf_file)
+                      tokenizer_gguf=source_gguf(name, say))
     path = Path(spec.path)
     if not path.is_dir():
         try:  # a hub id: only what is already in the local HF cache (no downloads from a trial)

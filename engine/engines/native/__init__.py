@@ -1,4 +1,4 @@
-"""Engine `native`: a compact Llama-family runtime (gpt-fast / nano-vllm style).
+"""Engine `native`: a compact Llama-family and Gemma 3 runtime (gpt-fast / nano-vllm style).
 
 One concept per file:
   rope.py           rotary position embedding, incl. the checkpoint's rope scaling
@@ -35,12 +35,12 @@ class NativeEngine(LogitsEngine):
     def check(self, trial: TrialConfig, facts, gpu_available: bool):
         p = torch_checks(trial, gpu_available)
         if facts is not None and facts.config is not None and not trial.model.path.startswith("tiny://"):
-            from .support import unsupported, window_exceeded
+            from .support import unhonoured_window, unsupported, window_exceeded
 
             why = unsupported(facts.config)
             if why is None:
                 try:
-                    why = window_exceeded(facts.sliding_window, _tokens_needed(trial))
+                    why = window_exceeded(unhonoured_window(facts.config), _tokens_needed(trial))
                 except Exception:  # invalid request lengths: validation reports them
                     why = None
             if why is not None:
@@ -87,11 +87,11 @@ class NativeEngine(LogitsEngine):
 
     def self_draft_problem(self, facts, num_tokens: int):
         """The native runtime's own rules (architecture, sliding window) for the self-draft's truncated model."""
-        from .support import unsupported, window_exceeded
+        from .support import unhonoured_window, unsupported, window_exceeded
 
         if facts is None or facts.config is None:
             return None
-        return unsupported(facts.config) or window_exceeded(facts.sliding_window, num_tokens)
+        return unsupported(facts.config) or window_exceeded(unhonoured_window(facts.config), num_tokens)
 
 
 # The self-draft's draft is a truncated native model, so a model the native runtime cannot run has no self-draft on

@@ -3,6 +3,9 @@
 Every kernel computes causal attention of T new queries (at positions start..start+T-1) over the
 S = start + T keys of their sequence, with grouped-query attention (Hq query heads share Hkv KV heads).
 Shapes: q [B, Hq, T, D]; k, v [B, Hkv, S, D]; output [B, Hq, T, D].
+Two per-layer options (Gemma 3): `window` W, a sliding window (query p sees keys j with p - W < j <= p,
+transformers' rule; keys no query of the call can see are sliced off first, so a window also saves work),
+and `scale`, the score scaling (default 1/sqrt(D); Gemma's query_pre_attn_scalar**-0.5).
 
 Each kernel also records `peak_bytes`: the largest transient memory one call materialized beyond its
 inputs and output. That is where the O(N^2) (eager: the full scores matrix) vs O(N) (fused kernels)
@@ -20,10 +23,20 @@ from ...config import ATTENTION_IMPLS, EngineError
 from .varlen import VarlenBatch
 
 
-def causal_mask(start: int, t: int, s: int, device: torch.device) -> torch.Tensor:
-    """[T, S] bool, True where query start+i may attend key j (j <= start + i)."""
+def causal_mask(start: int, t: int, s: int, device: torch.device, window: int | None = None,
+                key_start: int = 0) -> torch.Tensor:
+    """[T, S - key_start] bool, True where query start+i may attend key j (key_start <= j <= start + i, and
+    j > start + i - window under a sliding window)."""
     q_pos = torch.arange(start, start + t, device=device)[:, None]
-    return torch.arange(s, device=device)[None, :] <= q_pos
+    k_pos = torch.arange(key_start, s, device=device)[None, :]
+    if window is None:
+        return k_pos <= q_pos
+    return (k_pos <= q_pos) & (k_pos > q_pos - window)
+
+
+def window_start(start: int, window: int | None) -> int:
+    """The first key any query at positions >= start can see under `window` (0 without one)."""
+    return 0 if window is None else max(0, start - window + 1)
 
 
 class AttentionKernel:
@@ -41,19 +54,22 @@ class AttentionKernel:
         if not torch.compiler.is_compiling():
             self.peak_bytes = max(self.peak_bytes, int(nbytes))
 
-    def __call__(self, q, k, v, cache, layer: int, start: int) -> torch.Tensor:
+    def __call__(self, q, k, v, cache, layer: int, start: int, window: int | None = None,
+                 scale: float | None = None) -> torch.Tensor:
         """q [B,Hq,T,D] and the new k, v [B,Hkv,T,D]; `cache` (or None when caching is off) stores the new
         keys/values and returns all S of them. Returns [B, Hq, T, D]. A `VarlenBatch` in place of the cache
         (B = 1, T = N flattened tokens of sequences at different positions) attends per sequence."""
         if isinstance(cache, VarlenBatch):
-            return cache.attend(self, layer, q, k, v)
+            return cache.attend(self, layer, q, k, v, window, scale)
         if cache is not None:
             k, v = cache.update(layer, k, v)
-        return self.attend(q, k, v, start)
+        return self.attend(q, k, v, start, window=window, scale=scale)
 
-    def attend(self, q, k, v, start: int, key_mask: torch.Tensor | None = None) -> torch.Tensor:
-        """`key_mask` [B, S] bool (True = a real key) masks the padding of decode rows of different
-        lengths gathered into one batch; only for one query per sequence (T == 1)."""
+    def attend(self, q, k, v, start: int, key_mask: torch.Tensor | None = None, window: int | None = None,
+               scale: float | None = None) -> torch.Tensor:
+        """`key_mask` [B, S] bool (True = a key to attend) masks the padding of decode rows of different
+        lengths gathered into one batch; only for one query per sequence (T == 1), and it must already
+        exclude the keys outside `window` (each row has its own position)."""
         raise NotImplementedError
 
 
@@ -62,20 +78,22 @@ class EagerAttention(AttentionKernel):
 
     name = "eager"
 
-    def attend(self, q, k, v, start, key_mask=None):
+    def attend(self, q, k, v, start, key_mask=None, window=None, scale=None):
         b, hq, t, d = q.shape
+        lo = 0 if key_mask is not None else window_start(start, window)
+        k, v = k[:, :, lo:], v[:, :, lo:]  # keys outside every query's window never enter the scores
         hkv, s = k.shape[1], k.shape[2]
         g = hq // hkv
         # GQA without copying K/V: the g query heads of one KV head become g*T query rows of it.
         qg = q.reshape(b, hkv, g * t, d)
         scores = torch.matmul(qg, k.transpose(-1, -2))  # [B, Hkv, g*T, S]
-        scores.mul_(1.0 / math.sqrt(d))
+        scores.mul_(1.0 / math.sqrt(d) if scale is None else scale)
         transient = scores.numel() * scores.element_size()
         if key_mask is not None:
             assert t == 1, "key_mask is for one query per sequence"
             scores.masked_fill_(~key_mask[:, None, None, :], float("-inf"))
-        if t > 1:  # a single new query is the newest position: it may see every key
-            mask = causal_mask(start, t, s, q.device)  # [T, S]
+        if t > 1:  # a single new query is the newest position: it may see every (windowed) key
+            mask = causal_mask(start, t, lo + s, q.device, window, lo)  # [T, S]
             scores.view(b, hkv, g, t, s).masked_fill_(~mask, float("-inf"))
             transient += 2 * mask.numel()  # the mask and its negation (bool)
         probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)  # [B, Hkv, g*T, S]
@@ -90,23 +108,26 @@ class SdpaAttention(AttentionKernel):
 
     name = "sdpa"
 
-    def attend(self, q, k, v, start, key_mask=None):
+    def attend(self, q, k, v, start, key_mask=None, window=None, scale=None):
         b, hq, t, d = q.shape
+        lo = 0 if key_mask is not None else window_start(start, window)
+        k, v = k[:, :, lo:], v[:, :, lo:]  # keys outside every query's window are never read
         s = k.shape[2]
         if key_mask is not None:  # decode rows of different lengths, padded to one S
             assert t == 1, "key_mask is for one query per sequence"
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=key_mask[:, None, None, :], enable_gqa=True)
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=key_mask[:, None, None, :], enable_gqa=True,
+                                                 scale=scale)
             mask_bytes = key_mask.numel()
-        elif t == s and start == 0:
-            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        elif t == s and start == 0 and (window is None or s <= window):
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True, scale=scale)
             mask_bytes = 0
         elif t == 1:
-            # One new query is the newest position of its sequence: it sees every key, no mask needed.
-            out = F.scaled_dot_product_attention(q, k, v, enable_gqa=True)
+            # One new query is the newest position of its sequence: it sees every (windowed) key, no mask.
+            out = F.scaled_dot_product_attention(q, k, v, enable_gqa=True, scale=scale)
             mask_bytes = 0
-        else:  # a chunk appended to a cached prefix (speculative verification, chunked prefill)
-            mask = causal_mask(start, t, s, q.device)
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+        else:  # a chunk appended to a cached prefix (speculative verification, chunked prefill), or a window
+            mask = causal_mask(start, t, lo + s, q.device, window, lo)
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True, scale=scale)
             mask_bytes = mask.numel()
         if not torch.compiler.is_compiling():
             self._record(sdpa_transient_bytes(b, hq, t, s, d, q.element_size(), q.device) + mask_bytes)
@@ -143,16 +164,18 @@ class FlashAttention(AttentionKernel):
         self._func = flash_attn_func
         self._with_kvcache = flash_attn_with_kvcache
 
-    def __call__(self, q, k, v, cache, layer, start):
+    def __call__(self, q, k, v, cache, layer, start, window=None, scale=None):
         if isinstance(cache, VarlenBatch):
             raise EngineError("attention=flash has no varlen (continuous batching) path yet; use sdpa")
         b, hq, t, d = q.shape
         # flash-attn's layout is [B, T, H, D]; a transpose of ours is a view with unit last-dim stride.
         qt, kt, vt = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+        # flash-attn's window (left, right): query i sees keys i-left..i+right; (-1, -1) is unlimited
+        opts = dict(causal=True, softmax_scale=scale, window_size=(-1, -1) if window is None else (window - 1, 0))
         if cache is None:
-            out = self._func(qt, kt, vt, causal=True)
+            out = self._func(qt, kt, vt, **opts)
         else:
-            out = self._with_kvcache(qt, k=kt, v=vt, causal=True, **cache.flash_kwargs(layer))
+            out = self._with_kvcache(qt, k=kt, v=vt, **opts, **cache.flash_kwargs(layer))
         self._record(b * hq * t * 4)  # logsumexp; tiles live in SRAM
         return out.transpose(1, 2)
 

@@ -1,10 +1,11 @@
-"""Rotary position embedding (RoPE), as the Llama family applies it.
+"""Rotary position embedding (RoPE), as the Llama family (and Gemma 3) applies it.
 
 The inverse frequencies follow the checkpoint's rope parameters (transformers 5 stores them in
 `config.rope_parameters`; older configs in `rope_theta` + `rope_scaling`). Supported types: `default`,
 `linear` (position interpolation) and `llama3` (Llama 3.1's frequency-dependent smoothing). Others
 (yarn, dynamic, longrope, ...) change more than the frequencies, so they raise instead of silently
-producing different logits.
+producing different logits. Gemma 3 gives parameters per layer type (a local base of 10k for its
+sliding-window layers, a global 1M for the full-attention ones): one frequency table per layer type.
 
 cos/sin are computed per call from the positions (a [T, D/2] outer product) rather than from a table
 sized by max_position_embeddings: a 128k-position Llama 3 table would cost more memory than the cache
@@ -25,35 +26,50 @@ def _raw_parameters(config) -> dict:
     return dict(getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {})
 
 
+def layer_rope_types(config) -> tuple[str | None, ...]:
+    """The rope-parameter keys the config holds per layer type (Gemma 3: sliding_attention with the local
+    base, full_attention with the global one); (None,) where one set serves every layer."""
+    raw = _raw_parameters(config)
+    if raw and all(isinstance(v, dict) for v in raw.values()):
+        return tuple(sorted(raw))
+    return (None,)
+
+
 def rope_problem(config) -> str | None:
     """Why these rope parameters cannot be reproduced here, or None (part of support.unsupported)."""
-    if any(isinstance(v, dict) for v in _raw_parameters(config).values()):
-        return "per-layer-type rope parameters are not supported"
-    p = rope_parameters(config)
-    if p["rope_type"] not in SUPPORTED_ROPE_TYPES:
-        return f"rope type {p['rope_type']!r} is not supported (supported: {', '.join(SUPPORTED_ROPE_TYPES)})"
-    if float(p.get("partial_rotary_factor", 1.0)) != 1.0:
-        return "partial rotary embeddings are not supported"
+    raw = _raw_parameters(config)
+    nested = [isinstance(v, dict) for v in raw.values()]
+    if any(nested) and not all(nested):
+        return "rope parameters mixing per-layer-type and shared entries are not supported"
+    for layer_type in layer_rope_types(config):
+        p = rope_parameters(config, layer_type)
+        if p["rope_type"] not in SUPPORTED_ROPE_TYPES:
+            return f"rope type {p['rope_type']!r} is not supported (supported: {', '.join(SUPPORTED_ROPE_TYPES)})"
+        if float(p.get("partial_rotary_factor", 1.0)) != 1.0:
+            return "partial rotary embeddings are not supported"
     return None
 
 
-def rope_parameters(config) -> dict:
-    """The config's rope parameters as one flat dict with at least `rope_type` and `rope_theta`."""
+def rope_parameters(config, layer_type: str | None = None) -> dict:
+    """The config's rope parameters (of `layer_type`, where they are given per layer type) as one flat dict
+    with at least `rope_type` and `rope_theta`."""
     params = _raw_parameters(config)
-    if any(isinstance(v, dict) for v in params.values()):
-        raise EngineError("per-layer-type rope parameters are not supported by backend native; use backend hf")
+    if layer_type is not None:
+        params = dict(params[layer_type])
+    elif any(isinstance(v, dict) for v in params.values()):
+        raise EngineError("per-layer-type rope parameters need a layer type")
     params.setdefault("rope_type", params.get("type", "default"))
     if "rope_theta" not in params:
         params["rope_theta"] = float(getattr(config, "rope_theta", 10000.0))
     return params
 
 
-def inv_frequencies(config, head_dim: int) -> torch.Tensor:
-    """[head_dim / 2] float32 inverse frequencies, scaled as the config asks."""
+def inv_frequencies(config, head_dim: int, layer_type: str | None = None) -> torch.Tensor:
+    """[head_dim / 2] float32 inverse frequencies (of `layer_type`'s parameters), scaled as the config asks."""
     why = rope_problem(config)
     if why is not None:
         raise EngineError(f"backend native: {why}; use backend hf")
-    p = rope_parameters(config)
+    p = rope_parameters(config, layer_type)
     kind = p["rope_type"]
     base = float(p["rope_theta"])
     inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))

@@ -65,11 +65,23 @@ class VarlenBatch:
             padded = [t + [t[-1]] * (width - len(t)) for t in dec_tables]  # padding gathers a real block, masked
             self.dec_rows = torch.tensor(dec_rows, dtype=torch.long, device=dev)  # [Bd]
             self.dec_blocks = torch.tensor(padded, dtype=torch.long, device=dev).reshape(-1)  # [Bd * width]
-            lens = torch.tensor(dec_lens, device=dev)
-            self.dec_mask = torch.arange(width * bs, device=dev)[None, :] < lens[:, None]  # [Bd, S_max]
+            self._dec_lens = torch.tensor(dec_lens, device=dev)[:, None]  # [Bd, 1]
+            self._dec_keys = torch.arange(width * bs, device=dev)[None, :]  # [1, S_max]
+            self.dec_mask = self._dec_keys < self._dec_lens  # [Bd, S_max]
+            self._window_masks: dict[int, torch.Tensor] = {}
         self.all_decode = not self.prefills
 
-    def attend(self, kernel, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def decode_mask(self, window: int | None) -> torch.Tensor:
+        """[Bd, S_max] the keys each decode row attends: its real keys, and under a sliding window only the
+        last `window` of them (a row's query is its newest position, ctx_len - 1); shared by all layers."""
+        if window is None:
+            return self.dec_mask
+        if window not in self._window_masks:
+            self._window_masks[window] = self.dec_mask & (self._dec_keys >= self._dec_lens - window)
+        return self._window_masks[window]
+
+    def attend(self, kernel, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+               window: int | None = None, scale: float | None = None) -> torch.Tensor:
         """q [1, Hq, N, D], the new k, v [1, Hkv, N, D] -> attention output [1, Hq, N, D]."""
         pool = self.pool
         _, hkv, n, d = k.shape
@@ -82,7 +94,7 @@ class VarlenBatch:
             kg = kp.index_select(0, self.dec_blocks).view(bd, -1, hkv, d).transpose(1, 2)  # [Bd, Hkv, S_max, D]
             vg = vp.index_select(0, self.dec_blocks).view(bd, -1, hkv, d).transpose(1, 2)
             qd = q[0].index_select(1, self.dec_rows).transpose(0, 1).unsqueeze(2)  # [Bd, Hq, 1, D]
-            od = kernel.attend(qd, kg, vg, 0, key_mask=self.dec_mask)  # [Bd, Hq, 1, D]
+            od = kernel.attend(qd, kg, vg, 0, key_mask=self.decode_mask(window), scale=scale)  # [Bd, Hq, 1, D]
             if self.all_decode:
                 return od.squeeze(2).transpose(0, 1).unsqueeze(0)  # rows are in order: [1, Hq, N, D]
             out[0].index_copy_(1, self.dec_rows, od.squeeze(2).transpose(0, 1))
@@ -90,5 +102,5 @@ class VarlenBatch:
             kg = kp.index_select(0, p.blocks).view(1, -1, hkv, d)[:, : p.ctx_len].transpose(1, 2)  # [1, Hkv, ctx, D]
             vg = vp.index_select(0, p.blocks).view(1, -1, hkv, d)[:, : p.ctx_len].transpose(1, 2)
             rows = slice(p.q_start, p.q_start + p.q_len)
-            out[:, :, rows] = kernel.attend(q[:, :, rows], kg, vg, p.ctx_len - p.q_len)
+            out[:, :, rows] = kernel.attend(q[:, :, rows], kg, vg, p.ctx_len - p.q_len, window=window, scale=scale)
         return out
