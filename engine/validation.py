@@ -88,7 +88,8 @@ def _speculative(trial: TrialConfig) -> list[tuple[str, str]]:
             why = weights_problem(d.resolve(trial.model))
             if why:
                 p.append(("speculative.draft_model.path", why))
-            p += _draft_vocabulary(trial)
+            else:  # a damaged draft's vocabulary is not worth a second message under the same key
+                p += _draft_vocabulary(trial)
         if d.dtype is not None:  # None follows the target
             p += _choice("speculative.draft_model.dtype", d.dtype, DTYPES)
     if s.method == "prompt-lookup":

@@ -204,7 +204,13 @@ def _print_optimize(ref: str, tracking: dict, out: str | None) -> bool:
     from .optimize.report import find_optimize_run, render
     from .tracking.store import resolve_uri
 
-    client = MlflowClient(tracking_uri=resolve_uri(tracking["uri"]))
+    from .tracking.store import sqlite_path
+
+    uri = resolve_uri(tracking["uri"])
+    db = sqlite_path(uri)
+    if db is not None and not db.exists():  # no store: `build` says so (MLflow would create an empty one here)
+        return False
+    client = MlflowClient(tracking_uri=uri)
     run = find_optimize_run(client, ref)
     if run is None:
         return False

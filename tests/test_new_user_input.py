@@ -453,7 +453,7 @@ def test_ui_and_prepare_refuse_bad_arguments_without_a_traceback(tmp_path):
     r = _cli("prepare", "no-such-model")
     assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
     assert r.stderr.startswith("error: cannot prepare:\n  - 'no-such-model': not a model infersweep can prepare; "
-                               "known: smollm2-135m-instruct")
+                               "known: gemma-3-270m, smollm2-135m-instruct")
 
 
 def test_a_corrupt_cached_archive_is_reported_and_replaced(tmp_path):
