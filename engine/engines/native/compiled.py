@@ -7,7 +7,9 @@ A one-token step whose every shape is fixed for the session, so one graph serves
   - the step is `torch.compile`d with inductor `freezing`: the weights become constants, so inductor
     prepacks them for its GEMM kernels once instead of reading the module per call; `static-autotune`
     adds `max_autotune`, which lets inductor pick its C++ GEMM template per shape (minutes of compile on a
-    small CPU, the fastest CPU GEMV measured in issue 28); on a GPU mode="reduce-overhead" adds CUDA graphs.
+    small CPU, the fastest CPU GEMV measured in issue 28); on a GPU CUDA graphs are asked for (what
+    mode="reduce-overhead" sets), but torch 2.11 skips them ("mutated inputs": the step writes the K/V
+    tensors it is given); gpt-fast's way, the caches as module buffers, is still to do.
 Prefill stays eager (its length varies) and writes into the same tensors through the contiguous-cache
 `update` (the per-layer views of the static tensors).
 
@@ -119,7 +121,7 @@ class CompiledDecodeStep:
             if mode == "static-autotune":
                 options["max_autotune"] = True
             if self.device.type == "cuda":
-                options["triton.cudagraphs"] = True  # what mode="reduce-overhead" sets
+                options["triton.cudagraphs"] = True  # what mode="reduce-overhead" sets (skipped today, see above)
             try:
                 self._fn = torch.compile(self.step, dynamic=False, fullgraph=True, options=options)
             except Exception as e:  # pragma: no cover - depends on the toolchain
