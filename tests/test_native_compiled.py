@@ -39,14 +39,14 @@ def prompts():
     return torch.randint(3, 300, (2, 21), generator=torch.Generator().manual_seed(3))
 
 
-DTYPES = ["float32", pytest.param("bfloat16", marks=pytest.mark.skipif(
+CASES = [("float32", "static"), ("float32", "static-autotune"), pytest.param("bfloat16", "static", marks=pytest.mark.skipif(
     not cpu_bf16_support(), reason="no bf16 units on this CPU (avx512_bf16/amx_bf16): bf16 would be emulated"))]
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
-def test_compiled_static_step_greedy_tokens_equal_eager_native_and_hf(dtype, prompts):
+@pytest.mark.parametrize("dtype,mode", CASES)
+def test_compiled_static_step_greedy_tokens_equal_eager_native_and_hf(dtype, mode, prompts):
     loaded = load_model(ModelConfig(name="tiny", path="tiny://llama", dtype=dtype), attention="sdpa")
-    compiled = make_backend(loaded, _trial(dtype))
+    compiled = make_backend(loaded, _trial(dtype, mode=mode))
     assert isinstance(compiled.decode_step, CompiledDecodeStep)
     got = _greedy(compiled, prompts)
     assert compiled.extra_metrics()["compile_s"] > 0  # the first step compiled, and its time was kept
