@@ -28,14 +28,11 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from engine.config import ModelConfig, SamplingConfig, replace  # noqa: E402
+from engine.config import AttentionConfig, EngineConfig, KVCacheConfig, ModelConfig, SamplingConfig, TrialConfig  # noqa: E402
 from engine.engines import make_backend  # noqa: E402
 from engine.generate import device_synchronizer, generate  # noqa: E402
 from engine.models import LoadedModel, load_model, weights_bytes  # noqa: E402
 from engine.tokenizer import ByteTokenizer  # noqa: E402
-
-sys.path.insert(0, str(ROOT / "tests"))
-from support import make_trial  # noqa: E402
 
 
 def cpu_model() -> str:
@@ -70,8 +67,9 @@ def load(args, dtype: str, device: str) -> LoadedModel:
 
 
 def trial_for(loaded, mode: str):
-    t = make_trial(loaded.spec, backend="native", attention="sdpa", kv_cache="contiguous", compile=mode != "eager")
-    return replace(t, "engine.compile_mode", "dynamic" if mode == "eager" else mode)
+    return TrialConfig(model=loaded.spec, attention=AttentionConfig(impl="sdpa"), kv_cache=KVCacheConfig(mode="contiguous"),
+                       engine=EngineConfig(backend="native", compile=mode != "eager",
+                                           compile_mode="dynamic" if mode == "eager" else mode))
 
 
 def main() -> None:
