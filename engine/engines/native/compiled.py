@@ -117,7 +117,9 @@ class CompiledDecodeStep:
         self._seen: set = set()
         self._fn = self.step
         if compile:
-            options = {"freezing": True}  # weights as constants: prepacked once for inductor's GEMMs
+            # freezing: weights as constants, prepacked once for inductor's GEMMs; emulate_precision_casts:
+            # fused kernels round 16-bit intermediates where eager does (else greedy tokens drift in bf16)
+            options = {"freezing": True, "emulate_precision_casts": True}
             if mode == "static-autotune":
                 options["max_autotune"] = True
             if self.device.type == "cuda":
