@@ -28,6 +28,10 @@ QUANT_LEVELS = ("none", "int8-weight", "int8-dynamic", "bnb-int8", "bnb-nf4", "b
 # int8-weight matmul: dequant = cast the int8 weight to the activation dtype per call, then a float GEMM;
 # int8pack = torch._weight_int8pack_mm (gpt-fast's op; CPU/MPS only; unvectorized in some CPU builds)
 INT8_KERNELS = ("dequant", "int8pack")
+# how engine.compile=true compiles (engine=native): dynamic = torch.compile(dynamic=True) of the whole forward;
+# static = a static KV cache and a one-token step compiled with inductor freezing (gpt-fast style);
+# static-autotune = static plus inductor max_autotune (its C++ GEMM templates; long compile)
+COMPILE_MODES = ("dynamic", "static", "static-autotune")
 WORKLOAD_KINDS = ("static", "serving", "multi-turn")
 BATCHING_MODES = ("static", "continuous")
 ARRIVALS = ("all-at-once", "fixed-rate", "poisson")
@@ -113,6 +117,8 @@ class EngineConfig:
 
     backend: str = "hf"  # hf (transformers forward, our decode loop) | native (engine/native) | llamacpp
     compile: bool = False  # torch.compile the forward
+    # one of COMPILE_MODES (engine/engines/native/compiled.py); added after the first schema
+    compile_mode: str = field(default="dynamic", metadata=added("dynamic"))
     threads: int = 0  # torch intra-op threads; 0 = the CPUs the trial was given
 
 

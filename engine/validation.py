@@ -16,6 +16,7 @@ from .config import (
     BATCHING_MODES,
     DTYPES,
     INT8_KERNELS,
+    COMPILE_MODES,
     KV_CACHE_MODES,
     LENGTH_DISTS,
     EngineError,
@@ -109,6 +110,7 @@ def check_trial(trial: TrialConfig, gpu_available: bool) -> list[tuple[str, str]
     p += _choice("attention.impl", trial.attention.impl, ATTENTION_IMPLS)
     p += _choice("kv_cache.mode", trial.kv_cache.mode, KV_CACHE_MODES)
     p += _choice("kv_cache.dtype", trial.kv_cache.dtype, engines.values("kv_cache.dtype"))
+    p += _choice("engine.compile_mode", trial.engine.compile_mode, COMPILE_MODES)
     p += _choice("workload.kind", w.kind, WORKLOAD_KINDS)
     facts, why = _facts(m)
     if why:

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from engine import engines
-from engine.config import (ATTENTION_IMPLS, BATCHING_MODES, KV_CACHE_MODES, QUANT_LEVELS, SPECULATIVE_METHODS,
+from engine.config import (ATTENTION_IMPLS, COMPILE_MODES, BATCHING_MODES, KV_CACHE_MODES, QUANT_LEVELS, SPECULATIVE_METHODS,
                            KVCacheConfig, AttentionConfig, EngineConfig, ModelConfig, TrialConfig)
 from engine.config import replace
 from engine.engines import _get
@@ -20,7 +20,7 @@ ROOT = Path(__file__).resolve().parents[1]
 ALLOWED = {"kv_cache.mode": KV_CACHE_MODES, "batching.mode": BATCHING_MODES, "attention.impl": ATTENTION_IMPLS,
            "quant.level": engines.values("quant.level"), "speculative.method": SPECULATIVE_METHODS,
            "kv_cache.dtype": engines.values("kv_cache.dtype"),
-           "engine.compile": ("True", "False")}
+           "engine.compile": ("True", "False"), "engine.compile_mode": COMPILE_MODES}
 
 
 def _trial(engine: str, **kw) -> TrialConfig:

@@ -58,6 +58,8 @@ METRICS: dict[str, str] = {
     "model_load_s": "seconds this trial spent loading the model, outside every timed region; 0.0 when a warm "
     "worker reused the model an earlier trial of the same model key loaded (tag env.model_cache=hit)",
     "attn_peak_bytes": "largest transient attention memory (scores/probs or kernel scratch) of one call, last run",
+    "compile_s": "seconds spent compiling the static decode step (engine.compile_mode=static*), paid in the warm-up, "
+                 "never inside a timed run",
     # speculative decoding (engine/speculative): a step = one target forward verifying the drafted tokens
     "acceptance_rate": "alpha: per-token probability that the target accepts a drafted token = accepted / "
                        "(accepted + rejections), the drafts the target judged (after a rejection the rest are not)",

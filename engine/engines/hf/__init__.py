@@ -25,6 +25,7 @@ class HFEngine(LogitsEngine):
     support = {
         "kv_cache.mode": Support(("off", "contiguous"), "transformers' DynamicCache is contiguous; paged is engine=native's"),
         "batching.mode": Support(("static",), "engine=hf runs one static batch; continuous batching is engine=native's"),
+        "engine.compile_mode": Support(("dynamic",), "the static compiled decode step (compile_mode=static*) is engine=native's"),
         **TORCH_SUPPORT,
     }
 

@@ -39,6 +39,7 @@ class LlamaCppEngine(LogitsEngine):
                                                                 "model or self-draft would need a second llama.cpp model"),
         "kv_cache.dtype": Support(KV_CACHE_DTYPES, "llama.cpp's K/V types (auto = f16)"),
         "engine.compile": Support(("False",), "llama.cpp runs its own C++ graph: torch.compile does not apply"),
+        "engine.compile_mode": Support(("dynamic",), "llama.cpp runs its own C++ graph: torch.compile does not apply"),
     }
 
     def missing(self) -> Optional[str]:

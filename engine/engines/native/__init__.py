@@ -47,6 +47,8 @@ class NativeEngine(LogitsEngine):
                 p.append(("engine.backend", f"native cannot run {trial.model.path}: {why}; use engine=hf"))
         if trial.workload.serving:
             p += _serving_checks(trial)
+        if trial.engine.compile_mode != "dynamic":
+            p += _static_step_checks(trial, facts)
         return p
 
     def materializes_scores(self, trial: TrialConfig) -> bool:
@@ -107,6 +109,25 @@ def _tokens_needed(trial: TrialConfig) -> int:
 
         return max_request_tokens(w)
     return w.context_len + w.max_new_tokens
+
+
+def _static_step_checks(trial: TrialConfig, facts):
+    """What the static compiled decode step (compiled.py) needs."""
+    from .compiled import STATIC_FAMILY
+
+    mode, p = trial.engine.compile_mode, []
+    if not trial.engine.compile:
+        p.append(("engine.compile_mode", f"{mode} is how the decode step is compiled: set engine.compile=true "
+                                         "(or leave compile_mode=dynamic)"))
+    if trial.kv_cache.mode != "contiguous":
+        p.append(("kv_cache.mode", f"engine.compile_mode={mode} preallocates a static contiguous cache: use kv_cache=contiguous"))
+    if trial.attention.impl not in ("eager", "sdpa"):
+        p.append(("attention.impl", f"engine.compile_mode={mode} runs attention eager or sdpa"))
+    kind = getattr(getattr(facts, "config", None), "model_type", None)
+    if kind is not None and kind not in STATIC_FAMILY:
+        p.append(("engine.compile_mode", f"{mode} drives the Llama-family block ({', '.join(STATIC_FAMILY)}), "
+                                         f"not model_type {kind!r}; use compile_mode=dynamic"))
+    return p
 
 
 def _serving_checks(trial: TrialConfig):

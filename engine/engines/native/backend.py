@@ -4,6 +4,8 @@ Switchable parts (config keys):
   attention.impl  eager | sdpa | flash      (attention.py)
   kv_cache.mode   off | contiguous | paged  (kv_cache.py; `kv_cache.block_size` tokens per paged block)
   engine.compile  torch.compile of the decode step (one new token per sequence); prefill stays eager
+  engine.compile_mode  dynamic: torch.compile(dynamic=True) of the forward; static, static-autotune: a static
+                  KV cache and a one-token step compiled with inductor freezing (compiled.py)
 """
 from __future__ import annotations
 
@@ -12,6 +14,7 @@ import torch
 from ...config import KV_CACHE_MODES, EngineError, TrialConfig
 from ...models import LoadedModel, weights_bytes
 from .attention import make_attention
+from .compiled import CompiledDecodeStep, StaticKVCache
 from .kv_cache import ContiguousKVCache, PagedKVCache
 from .model import Transformer
 from .support import window_exceeded
@@ -28,7 +31,9 @@ class NativeSession:
         args, mode = backend.model.args, backend.trial.kv_cache.mode
         dims = (args.num_layers, batch_size, max_len, args.num_kv_heads, args.head_dim)
         dtype, device = backend.dtype, backend.device
-        if mode == "contiguous":
+        if mode == "contiguous" and backend.static_step:
+            self.cache = StaticKVCache(*dims, dtype=dtype, device=device)
+        elif mode == "contiguous":
             self.cache = ContiguousKVCache(*dims, dtype=dtype, device=device)
         elif mode == "paged":
             self.cache = PagedKVCache(*dims, block_size=backend.trial.kv_cache.block_size, dtype=dtype, device=device)
@@ -87,7 +92,11 @@ class NativeBackend:
         self.dtype = self.model.embed_tokens.weight.dtype
         self.kernel = make_attention(trial, self.device)
         self.decode_step = self.model
-        if trial.engine.compile:
+        self.static_step = trial.engine.compile and trial.engine.compile_mode != "dynamic"
+        if self.static_step:
+            self.decode_step = CompiledDecodeStep(self.model, trial.attention.impl, self.device,
+                                                  mode=trial.engine.compile_mode)
+        elif trial.engine.compile:
             self.decode_step = compile_decode_step(self.model, self.device)
         self._sessions = 0
 
@@ -110,7 +119,10 @@ class NativeBackend:
         return weights_bytes(self.model)
 
     def extra_metrics(self) -> dict[str, float]:
-        return {"attn_peak_bytes": float(self.kernel.peak_bytes)}
+        out = {"attn_peak_bytes": float(self.kernel.peak_bytes)}
+        if self.static_step:  # wall time of compiling the step (warm-up), never inside a timed step
+            out["compile_s"] = float(self.decode_step.compile_s)
+        return out
 
 
 def compile_decode_step(model: Transformer, device: torch.device):

@@ -47,6 +47,7 @@ class VLLMEngine(Engine):
         "speculative.method": Support(("off", "prompt-lookup", "draft"), "vLLM has ngram (prompt-lookup) and "
                                                                          "draft-model speculation, no self-draft"),
         "kv_cache.dtype": Support(("auto", "fp8"), "vLLM's kv_cache_dtype (auto = model.dtype)"),
+        "engine.compile_mode": Support(("dynamic",), "the static compiled decode step (compile_mode=static*) is engine=native's"),
     }
 
     def missing(self) -> Optional[str]:

@@ -1,0 +1,147 @@
+"""The compiled decode step (`engine.compile=true engine.compile_mode=static`), gpt-fast style.
+
+A one-token step whose every shape is fixed for the session, so one graph serves every step:
+  - the KV cache is one preallocated [L, B, Hkv, max_len, D] tensor per K and V (`StaticKVCache`); a step
+    writes its new K/V with `index_copy_` at `input_pos` (a tensor, not a Python int: no guard on the
+    position) and attends over all max_len slots with a mask `slot <= input_pos`;
+  - the step is `torch.compile`d with inductor `freezing`: the weights become constants, so inductor
+    prepacks them for its GEMM kernels once instead of reading the module per call; `static-autotune`
+    adds `max_autotune`, which lets inductor pick its C++ GEMM template per shape (minutes of compile on a
+    small CPU, the fastest CPU GEMV measured in issue 28); on a GPU CUDA graphs are asked for (what
+    mode="reduce-overhead" sets), but torch 2.11 skips them ("mutated inputs": the step writes the K/V
+    tensors it is given); gpt-fast's way, the caches as module buffers, is still to do.
+Prefill stays eager (its length varies) and writes into the same tensors through the contiguous-cache
+`update` (the per-layer views of the static tensors).
+
+Compilation happens on the first call of each session shape (batch, max_len), i.e. in the warm-up; its
+wall time is kept in `compile_s` and reported as its own metric, never inside a timed step.
+"""
+from __future__ import annotations
+
+import math
+import time
+
+import torch
+import torch.nn.functional as F
+
+from ...config import COMPILE_MODES, EngineError
+from .attention import AttentionKernel
+from .kv_cache import ContiguousKVCache
+from .rope import rope_cos_sin
+
+# the decoder layout the static step drives (model.py's Block); other families keep the dynamic path
+STATIC_FAMILY = ("llama", "mistral", "qwen2")
+
+
+class StaticKVCache(ContiguousKVCache):
+    """ContiguousKVCache whose per-layer tensors are views of one [L, B, Hkv, max_len, D] tensor each for
+    K and V, so the compiled step takes two inputs (two guards) instead of 2L."""
+
+    def __init__(self, num_layers: int, batch_size: int, max_len: int, num_kv_heads: int, head_dim: int,
+                 dtype: torch.dtype, device: torch.device):
+        shape = (num_layers, batch_size, num_kv_heads, max_len, head_dim)
+        self.k_all = torch.zeros(shape, dtype=dtype, device=device)
+        self.v_all = torch.zeros(shape, dtype=dtype, device=device)
+        self.k, self.v = list(self.k_all.unbind(0)), list(self.v_all.unbind(0))
+        self.batch_size, self.max_len = batch_size, max_len
+        self.length, self._start = 0, 0  # as ContiguousKVCache: the one owner of the sequence length
+        self._token_bytes = 2 * num_layers * num_kv_heads * head_dim * self.k_all.element_size()
+
+
+class _StaticSlots:
+    """The cache as the compiled step sees it: write at `input_pos`, read all max_len slots."""
+
+    def __init__(self, k_all: torch.Tensor, v_all: torch.Tensor, input_pos: torch.Tensor):
+        self.k_all, self.v_all, self.input_pos = k_all, v_all, input_pos
+        # [1, 1, 1, S] True where a slot holds a token this query may see (every slot up to its own)
+        self.mask = (torch.arange(k_all.shape[3], device=k_all.device) <= input_pos)[None, None, None, :]
+
+    def update(self, layer: int, k: torch.Tensor, v: torch.Tensor):
+        kc, vc = self.k_all[layer], self.v_all[layer]  # [B, Hkv, S, D]
+        kc.index_copy_(2, self.input_pos, k)
+        vc.index_copy_(2, self.input_pos, v)
+        return kc, vc
+
+
+class _StaticAttention(AttentionKernel):
+    """One query per sequence over the masked static cache, with the trial's kernel (eager | sdpa)."""
+
+    def __init__(self, impl: str):
+        super().__init__()
+        self.name = impl
+
+    def __call__(self, q, k, v, cache: _StaticSlots, layer: int, start: int) -> torch.Tensor:
+        k, v = cache.update(layer, k, v)
+        if self.name == "sdpa":
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=cache.mask, enable_gqa=True)
+        b, hq, t, d = q.shape  # eager: the textbook form, as EagerAttention computes it
+        hkv, s = k.shape[1], k.shape[2]
+        scores = torch.matmul(q.reshape(b, hkv, (hq // hkv) * t, d), k.transpose(-1, -2)) * (1.0 / math.sqrt(d))
+        scores = scores.masked_fill(~cache.mask, float("-inf"))
+        probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+        return torch.matmul(probs, v).view(b, hq, t, d)
+
+
+class StaticStep(torch.nn.Module):
+    """tokens [B, 1], input_pos [1] long, the static K/V tensors -> logits [B, 1, V] float32. Runs the
+    model's own blocks (weights shared), only the cache and attention are the static ones."""
+
+    def __init__(self, model, attention_impl: str):
+        super().__init__()
+        self.model = model
+        self.kernel = _StaticAttention(attention_impl)
+
+    def forward(self, tokens, input_pos, k_all, v_all):
+        m = self.model
+        b = tokens.shape[0]
+        x = m.embed_tokens(tokens.reshape(-1))  # [B, hidden]
+        cos, sin = rope_cos_sin(m.inv_freq, input_pos, x.dtype)  # [1, D]
+        slots = _StaticSlots(k_all, v_all, input_pos)
+        for i, block in enumerate(m.layers):
+            x = block(x, b, cos, sin, self.kernel, slots, i, 0)
+        return m.lm_head(m.norm(x)).float().view(b, 1, -1)
+
+
+class CompiledDecodeStep:
+    """The backend's `decode_step` (same call as the model: tokens, start, kernel, cache) for a
+    `StaticKVCache`. `compile_s`: wall time of the calls that compiled (first call per session shape)."""
+
+    def __init__(self, model, attention_impl: str, device: torch.device, mode: str = "static", compile: bool = True):
+        if mode not in COMPILE_MODES[1:]:
+            raise EngineError(f"engine.compile_mode {mode!r} is not a static mode; choose one of {COMPILE_MODES[1:]}")
+        if attention_impl not in ("eager", "sdpa"):
+            raise EngineError(f"engine.compile_mode={mode} runs attention eager or sdpa, not {attention_impl!r}")
+        self.step = StaticStep(model, attention_impl).eval()
+        self.device = torch.device(device)
+        self.compile_s = 0.0
+        self._seen: set = set()
+        self._fn = self.step
+        if compile:
+            # freezing: weights as constants, prepacked once for inductor's GEMMs; emulate_precision_casts:
+            # fused kernels round 16-bit intermediates where eager does (else greedy tokens drift in bf16)
+            options = {"freezing": True, "emulate_precision_casts": True}
+            if mode == "static-autotune":
+                options["max_autotune"] = True
+            if self.device.type == "cuda":
+                options["triton.cudagraphs"] = True  # what mode="reduce-overhead" sets (skipped today, see above)
+            try:
+                self._fn = torch.compile(self.step, dynamic=False, fullgraph=True, options=options)
+            except Exception as e:  # pragma: no cover - depends on the toolchain
+                raise EngineError(f"engine.compile_mode={mode} failed to set up torch.compile on {device}: {e}") from e
+
+    def __call__(self, tokens: torch.Tensor, start: int, kernel, cache) -> torch.Tensor:
+        if not isinstance(cache, StaticKVCache):
+            raise EngineError("the static compiled decode step needs the static KV cache (kv_cache.mode=contiguous)")
+        pos = torch.tensor([start], dtype=torch.long, device=tokens.device)
+        key = (tuple(tokens.shape), tuple(cache.k_all.shape), cache.k_all.dtype)
+        if key in self._seen:
+            out = self._fn(tokens, pos, cache.k_all, cache.v_all)
+        else:  # this call compiles: time it apart from every timed step
+            t0 = time.perf_counter()
+            out = self._fn(tokens, pos, cache.k_all, cache.v_all)
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+            self.compile_s += time.perf_counter() - t0
+            self._seen.add(key)
+        # CUDA graphs reuse their output buffer at the next replay
+        return out.clone() if self.device.type == "cuda" else out
