@@ -27,7 +27,6 @@ import torch.nn.functional as F
 from ...config import COMPILE_MODES, EngineError
 from .attention import AttentionKernel
 from .kv_cache import ContiguousKVCache
-from .rope import rope_cos_sin
 
 # the decoder layout the static step drives (model.py's Block); other families keep the dynamic path
 STATIC_FAMILY = ("llama", "mistral", "qwen2")
@@ -70,13 +69,17 @@ class _StaticAttention(AttentionKernel):
         super().__init__()
         self.name = impl
 
-    def __call__(self, q, k, v, cache: _StaticSlots, layer: int, start: int) -> torch.Tensor:
+    def __call__(self, q, k, v, cache: _StaticSlots, layer: int, start: int, window: int | None = None,
+                 scale: float | None = None) -> torch.Tensor:
+        # the static step runs the Llama family only (validation refuses the rest): no sliding window here
+        assert window is None, "the static decode step has no sliding window"
         k, v = cache.update(layer, k, v)
         if self.name == "sdpa":
-            return F.scaled_dot_product_attention(q, k, v, attn_mask=cache.mask, enable_gqa=True)
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=cache.mask, enable_gqa=True, scale=scale)
         b, hq, t, d = q.shape  # eager: the textbook form, as EagerAttention computes it
         hkv, s = k.shape[1], k.shape[2]
-        scores = torch.matmul(q.reshape(b, hkv, (hq // hkv) * t, d), k.transpose(-1, -2)) * (1.0 / math.sqrt(d))
+        scale = (1.0 / math.sqrt(d)) if scale is None else scale
+        scores = torch.matmul(q.reshape(b, hkv, (hq // hkv) * t, d), k.transpose(-1, -2)) * scale
         scores = scores.masked_fill(~cache.mask, float("-inf"))
         probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
         return torch.matmul(probs, v).view(b, hq, t, d)
@@ -94,12 +97,13 @@ class StaticStep(torch.nn.Module):
     def forward(self, tokens, input_pos, k_all, v_all):
         m = self.model
         b = tokens.shape[0]
-        x = m.embed_tokens(tokens.reshape(-1))  # [B, hidden]
-        cos, sin = rope_cos_sin(m.inv_freq, input_pos, x.dtype)  # [1, D]
+        x = m._embed(tokens.reshape(-1))  # [B, hidden]
+        rope = m._rope(input_pos, x.dtype)  # per RoPE parameter set: cos, sin [1, D]
         slots = _StaticSlots(k_all, v_all, input_pos)
         for i, block in enumerate(m.layers):
+            cos, sin = rope[m.layer_rope[i]]
             x = block(x, b, cos, sin, self.kernel, slots, i, 0)
-        return m.lm_head(m.norm(x)).float().view(b, 1, -1)
+        return m._logits(x).view(b, 1, -1)
 
 
 class CompiledDecodeStep:
