@@ -61,7 +61,9 @@ def ensure_ray(cluster: ClusterConfig | Mapping[str, Any], say: Callable[[str], 
                 # what a driver killed with SIGKILL left of its embedded Ray: ended before ours starts, and
                 # again in the temp dir ours actually uses (where Ray's default is not known)
                 end_dead_sessions(_default_ray_temp_dir(), say)
-                ctx = ray.init(**kwargs)
+                # "local": always a new embedded cluster; a bare ray.init() would join any cluster `ray start` left
+                # on this machine (and refuse our num_cpus: "When connecting to an existing cluster, ...")
+                ctx = ray.init(address="local", **kwargs)
                 session = (getattr(ctx, "address_info", None) or {}).get("session_dir")
                 if session:
                     end_dead_sessions(os.path.dirname(session), say)

