@@ -202,13 +202,10 @@ def _print_optimize(ref: str, tracking: dict, out: str | None) -> bool:
     from mlflow.tracking import MlflowClient
 
     from .optimize.report import find_optimize_run, render
-    from .tracking.store import resolve_uri
-
-    from .tracking.store import sqlite_path
+    from .tracking.store import missing_store, resolve_uri
 
     uri = resolve_uri(tracking["uri"])
-    db = sqlite_path(uri)
-    if db is not None and not db.exists():  # no store: `build` says so (MLflow would create an empty one here)
+    if missing_store(uri) is not None:  # `build` says so
         return False
     client = MlflowClient(tracking_uri=uri)
     run = find_optimize_run(client, ref)
@@ -366,7 +363,7 @@ def cmd_prepare(args) -> int:
                     path = prepare_model(name, force=args.force, install=True,
                                          progress=lambda m: print(f"  {m}", flush=True))
                 except EngineError as e:
-                    raise EngineError(f"{name}: {e}") from None
+                    raise PrepareError([f"{name}: {e}"]) from None
                 print(f"{name}: {path}")
         if args.data:
             from engine.tasks.data import prepare_data

@@ -600,13 +600,13 @@ def build(
 
     from ..config.compose import PROJECT_ROOT
     from .results import NotFound
-    from ..tracking.store import open_store, resolve_uri, sqlite_path
+    from ..tracking.store import missing_store, open_store, resolve_uri
 
     # everything that can refuse (the baseline's syntax, the store, the reference) before a bar is drawn
     spec = parse_baseline(baseline)
     uri = resolve_uri(tracking["uri"])
-    db = sqlite_path(uri)
-    if db is not None and not db.exists():  # MLflow would create an empty store there and report "not found"
+    db = missing_store(uri)
+    if db is not None:
         raise NotFound(f"no tracking store at {db} (tracking.uri={tracking['uri']})")
     client = open_store(uri)
     sel = load(client, ref, all_trials=all_trials)

@@ -58,6 +58,13 @@ def sqlite_path(uri: str) -> Optional[Path]:
     return None if path in ("", ":memory:") else Path(path)
 
 
+def missing_store(uri: str):
+    """The SQLite file `uri` names where it does not exist yet, else None: a reader must not touch it, since
+    MLflow would create an empty store there (and then report "not found")."""
+    db = sqlite_path(uri)
+    return db if db is not None and not db.exists() else None
+
+
 def open_store(uri: str):
     """An `MlflowClient` on `uri` whose store exists. MLflow creates a missing schema in whichever process
     touches a SQLite store first, without a lock: two sweeps started together on a new store both run
