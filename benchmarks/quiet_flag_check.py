@@ -3,11 +3,12 @@ machine with torch and transformers.
 
 1. Solo: the quickstart's grid (KV cache off/on x eager/sdpa x context 128/512) twice over -- 16 trials, each
    with the default adaptive repeats -- on a tiny random Llama sized so a run takes tens of ms. Each trial
-   is judged by the legacy rule (a judged timing's CV > 10%) and by the current one
-   (engine.measure.metrics.instability: load, or the median's interval half-width > 10%).
+   is judged by the legacy rule (a judged timing's CV > 10%) and by the current one (the trial's
+   `unstable` label, engine.measure.metrics.instability: load, or the median's interval half-width > 10%).
 2. Interleaved: the four variants at context 512, `--rounds` rounds, measured as before issue 26 (each
    variant's warm-up, then the timed rounds) and as now (`engine.run_interleaved`: an untimed round between),
-   with how far each variant's first timed round sat from the median of the others (TTFT), and the flags.
+   with how far each variant's first timed round sat from the median of the others (TTFT), and the flags
+   (now: a variant's spread judged on its paired ratios, engine.measure.metrics.paired_instability).
    Also each variant's peak_mem_bytes (own footprint) against group_peak_mem_bytes.
 
     CUDA_VISIBLE_DEVICES= python benchmarks/quiet_flag_check.py [--rounds 6] [--layers 4 --hidden 256]
@@ -80,7 +81,6 @@ def main() -> None:
 
     from engine import EvalConfig, ModelConfig, TrialConfig, WorkloadConfig, run_engine_trial, run_interleaved
     from engine.config import TinyModelConfig
-    from engine.measure.metrics import instability
 
     base = TrialConfig(model=ModelConfig(name="tiny-q", path="tiny://llama", tiny=TinyModelConfig(
                            num_layers=args.layers, hidden_size=args.hidden, intermediate_size=4 * args.hidden,
@@ -94,8 +94,9 @@ def main() -> None:
     t0 = time.perf_counter()
     for _ in range(args.solo_passes):
         for t in grid(base):
-            m = run_engine_trial(t).metrics
-            old, new = legacy(m), instability(m)
+            r = run_engine_trial(t)
+            m = r.metrics
+            old, new = legacy(m), r.labels.get("unstable", "")
             n, n_old, n_new = n + 1, n_old + bool(old), n_new + bool(new)
             print(f"| kv={t.kv_cache.mode} attn={t.attention.impl} ctx={t.workload.context_len} | "
                   f"{m['timed_repeats']:.0f} | {old or '-'} | {new or '-'} |", flush=True)
@@ -107,9 +108,9 @@ def main() -> None:
         print(f"interleaved, {name}: first-round TTFT / median of the rest = "
               + ", ".join(first_round(r) for r in res)
               + f"; flagged legacy {sum(bool(legacy(r.metrics)) for r in res)}/{len(res)}, "
-                f"current {sum(bool(instability(r.metrics)) for r in res)}/{len(res)}")
+                f"current {sum(bool(r.labels.get('unstable')) for r in res)}/{len(res)}")
         for r in res:
-            why = instability(r.metrics)
+            why = r.labels.get("unstable", "")
             if why:
                 print(f"  {why}")
         if "group_peak_mem_bytes" in res[0].metrics:

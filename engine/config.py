@@ -269,7 +269,7 @@ class TimingConfig:
     section is outside the config hash, like placement."""
 
     target_ci: float = 0.05  # relative half-width of the 95% interval of the median
-    max_repeats: int = 10
+    max_repeats: int = 30  # runs of tens of ms need ~20-30 for a +-5% median through 100-250 ms stalls; budget_s bounds slow ones
     budget_s: float = 20.0  # seconds of extra timed runs a trial may spend to reach the target
 
 

@@ -18,7 +18,7 @@ import torch
 from . import engines
 from .config import EngineError, TrialConfig
 from .engines.base import Engine, Runs, ServingPlan, StaticPlan, TrialSession
-from .measure.metrics import STABILITY_KEYS, TIMINGS, UNSTABLE, instability, median_metrics, request_metrics, static_batch_metrics, timing_spread, tokens_equal
+from .measure.metrics import STABILITY_KEYS, TIMINGS, UNSTABLE, instability, median_metrics, paired_instability, request_metrics, static_batch_metrics, timing_spread, tokens_equal
 from .measure.noise import NoiseMonitor
 from .model_facts import facts_or_none
 
@@ -348,7 +348,7 @@ class Measurement:
         metrics["model_load_s"] = float(session.load_s)
         metrics.update(session.metrics())
         labels = {} if serving else roofline(trial, engine, session.device, metrics)
-        why = instability(metrics)
+        why = instability(metrics, own_spread=not grouped)
         if why:
             labels[UNSTABLE] = why
         evaluate(trial, session, self.loaded, metrics, self.say)
@@ -464,4 +464,8 @@ def run_interleaved(trials: list[TrialConfig], rounds: int, progress: Optional[C
         runs = Runs([t for p in parts for t in p.traces], [x for p in parts for x in p.extra], group_peak)
         own = None if grew is None else int(m.session.weights_bytes()) + grew
         out.append(m.finish(runs, f"interleaved: {rounds} round(s)", noise.result, grouped=True, own_mem_bytes=own))
+    for i, res in enumerate(out):  # spread of a group's variant: judged on the paired ratios its verdicts read
+        why = paired_instability(res.samples, [o.samples for j, o in enumerate(out) if j != i])
+        if why:
+            res.labels[UNSTABLE] = "; ".join(filter(None, (res.labels.get(UNSTABLE), why)))
     return out

@@ -394,3 +394,25 @@ def test_each_interleaved_variant_logs_its_own_memory_not_the_groups():
         assert w <= o < w + 32e6, (w, o)
     assert max(own) < groups.pop()  # the process also holds the other variants and the runtime
     assert "interleaved: one untimed warm-up round" in said
+
+
+def test_an_interleaved_variant_is_judged_on_its_paired_ratios_not_its_own_interval():
+    """Drift shared by every variant widens each one's own interval (+-20% here) but cancels in the per-round
+    ratios, so neither variant is flagged; a pair whose ratio interval holds x1 and is wider than +-10%
+    is (hand-made rounds: the second variant's rounds scatter +-30% around the first's)."""
+    from engine.measure.metrics import instability, paired_instability
+
+    drift = [10.0, 14.0, 9.0, 16.0, 11.0, 8.0]
+    a = {"tpot_ms_p50": drift}
+    b = {"tpot_ms_p50": [x * 0.8 for x in drift]}  # x1.25 faster in every round
+    own = _logged("tpot_ms_p50", drift)
+    assert instability(own).startswith("spread: tpot_ms_p50 CI half-width ")  # alone: too wide
+    assert instability(own, own_spread=False) == ""  # in a group its own interval is not the measure
+    assert paired_instability(a, [b]) == paired_instability(b, [a]) == ""  # the pair decides: x1.25
+    same = {"tpot_ms_p50": [x * 1.001 for x in drift]}
+    assert paired_instability(a, [same]) == ""  # within noise, and narrowly: a verdict too
+    scattered = {"tpot_ms_p50": [x * f for x, f in zip(drift, (0.7, 1.3, 0.75, 1.3, 0.7, 1.25))]}
+    why = paired_instability(a, [b, scattered])
+    assert why.startswith("spread: 1 of 2 paired comparisons undecided, widest tpot_ms_p50 x")
+    assert why.endswith("> 10.0%") and "~" in why
+    assert paired_instability({"tpot_ms_p50": [10.0]}, [{"tpot_ms_p50": [11.0]}]) == ""  # one round: no interval

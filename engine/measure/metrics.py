@@ -425,11 +425,13 @@ def timing_spread(per_run: list[dict[str, float]], runs, serving: bool) -> dict[
     return out
 
 
-def instability(metrics: dict[str, float]) -> str:
+def instability(metrics: dict[str, float], own_spread: bool = True) -> str:
     """Why a trial's timings cannot decide a comparison ('' when they can), each reason led by its cause
     (noise.LOAD / noise.SPREAD) with the figures that triggered it, to one decimal: other processes' CPU
     share over UNSTABLE_OTHER_CPU or other processes on the GPU (load), a judged timing's interval
-    half-width over UNSTABLE_HALF_WIDTH of its median (spread; one repeat has no interval to judge)."""
+    half-width over UNSTABLE_HALF_WIDTH of its median (spread; one repeat has no interval to judge).
+    `own_spread=False`: a trial of an interleaved group, whose verdicts read paired ratios, not its own
+    interval; its spread is judged by `paired_instability` instead."""
     from .noise import LOAD, SPREAD
     from .spread import spread_of
 
@@ -443,8 +445,41 @@ def instability(metrics: dict[str, float]) -> str:
     gpu_procs = metrics.get("noise_gpu_other_procs")
     if gpu_procs:
         why.append(f"{LOAD}: {gpu_procs:.0f} other process(es) on the GPU")
-    for k in STABILITY_KEYS:
+    for k in STABILITY_KEYS if own_spread else ():
         s = spread_of(metrics, k)
         if s is not None and s.n > 1 and over(s.half_width, UNSTABLE_HALF_WIDTH):
             why.append(f"{SPREAD}: {k} CI half-width {100 * s.half_width:.1f}% > {100 * UNSTABLE_HALF_WIDTH:.1f}%")
     return "; ".join(why)
+
+
+def paired_instability(own: dict[str, list[float]], others: list[dict[str, list[float]]]) -> str:
+    """The spread reason ('' when none) of one variant of an interleaved group, judged on what its verdicts
+    read: the paired ratio against each other variant (`spread.paired_ratio`, per-round ratios, free of the
+    drift all variants shared). A pair decides when its interval excludes x1 (an effect larger than the
+    noise) or is narrow enough to call it within MIN_EFFECT; it cannot when the interval holds x1 and is
+    wider than that. The variant's own interval is no measure here: drift that hits every variant alike
+    widens it (four of four quiet-machine variants at +-10-13%) yet cancels in every ratio it is judged by."""
+    from .noise import SPREAD
+    from .spread import LOWER_IS_BETTER, WITHIN_NOISE, paired_ratio
+
+    worst, undecided, pairs = None, 0, 0
+    for k in STABILITY_KEYS:
+        if len(own.get(k, ())) < 2:
+            continue
+        for other in others:
+            if len(other.get(k, ())) != len(own[k]):
+                continue
+            r = paired_ratio(other[k], own[k], higher_is_better=k not in LOWER_IS_BETTER)
+            if r is None:
+                continue
+            pairs += 1
+            hw = (r.hi - r.lo) / 2 / r.value
+            if r.verdict == WITHIN_NOISE and round(100 * hw, 1) > round(100 * UNSTABLE_HALF_WIDTH, 1):
+                undecided += 1
+                if worst is None or hw > worst[0]:
+                    worst = (hw, k, r)
+    if worst is None:
+        return ""
+    hw, k, r = worst
+    return (f"{SPREAD}: {undecided} of {pairs} paired comparisons undecided, widest {k} {r.cell()} "
+            f"half-width {100 * hw:.1f}% > {100 * UNSTABLE_HALF_WIDTH:.1f}%")
