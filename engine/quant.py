@@ -14,7 +14,8 @@ Levels
   of dequant / int8pack / gemv at one row, timed once per machine and cached (`choose_kernel`); the choice
   is in the trial's info (`kernel_info`).
 - `int4-weight`: weight-only INT4, symmetric per group of 32 inputs (packed two per byte, fp32 scale per
-  group); `kernel` gemv (our fused kernel) or dequant (unpack to float, GEMM), or auto (gemv vs dequant).
+  group, llama.cpp Q4_0's scaling); `kernel` gemv (our fused kernel) or dequant (unpack to float, GEMM), or
+  auto (gemv vs dequant). The LM head, when not skipped, gets INT8 (`WIDER`).
 - `int8-dynamic`: INT8 weights + INT8 activations (W8A8): per-token dynamic activation scales, an int8 x
   int8 -> int32 matmul (`torch._int_mm`), rescaled by both scales. No outlier handling: this is the
   "naive activation quantization" the seed warns about.
@@ -237,6 +238,11 @@ SWAPS = {
     "int8-dynamic": lambda lin, spec: DynamicInt8Linear(lin),
     "int4-weight": lambda lin, spec: WeightOnlyInt4Linear(lin, spec.kernel),
 }
+# modules a level keeps at a wider type when they are quantized at all: a 4-bit LM head costs most of INT4's
+# quality on a small model (SmolLM2-135M), so int4-weight gives it INT8, as llama.cpp's Q4_0 gives its output matrix 6 bits
+WIDER = {
+    "int4-weight": {"lm_head": lambda lin, spec: WeightOnlyInt8Linear(lin, spec.kernel)},  # int4's kernels are int8's
+}
 
 
 def quantize_model(model: nn.Module, spec: QuantConfig, num_layers: int) -> int:
@@ -245,10 +251,11 @@ def quantize_model(model: nn.Module, spec: QuantConfig, num_layers: int) -> int:
         raise EngineError(f"quantize_model handles {OWN_LEVELS}, not {spec.level!r}")
     swap = SWAPS[spec.level]
     targets = [(n, m) for n, m in model.named_modules() if type(m) is nn.Linear and not skipped(n, spec, num_layers)]
+    wider = WIDER.get(spec.level, {})
     for name, lin in targets:
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
-        setattr(parent, child, swap(lin, spec))
+        setattr(parent, child, wider.get(name, swap)(lin, spec))
     return len(targets)
 
 

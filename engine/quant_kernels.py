@@ -23,6 +23,15 @@ import torch
 import torch.nn.functional as F
 
 INT4_GROUP = 32  # inputs per INT4 scale; one group = 16 bytes = one 128-bit load
+# A weight smaller than this per thread runs on fewer threads: an OpenMP region costs a barrier, and on a
+# loaded machine a descheduled thread stalls it for a whole time slice (BENCHMARKS.md, issue 28 section)
+MIN_BYTES_PER_THREAD = int(os.environ.get("INFERSWEEP_GEMV_MIN_BYTES", 1 << 20))
+
+
+def _grain(rows_out: int, weight_bytes: int) -> int:
+    """at::parallel_for's grain (output rows per chunk): at least MIN_BYTES_PER_THREAD of weight per thread."""
+    threads = max(1, min(torch.get_num_threads(), weight_bytes // MIN_BYTES_PER_THREAD))
+    return max(16, -(-rows_out // threads))
 
 _CPP = r"""
 #include <torch/extension.h>
@@ -95,7 +104,7 @@ static void rows_i8(const float* x, int64_t K, const int8_t* w, const float* s, 
 }
 
 // x fp32 [R, K], w int8 [N, K], s fp32 [N] -> y fp32 [R, N]
-torch::Tensor int8_gemv(torch::Tensor x, torch::Tensor w, torch::Tensor s) {
+torch::Tensor int8_gemv(torch::Tensor x, torch::Tensor w, torch::Tensor s, int64_t grain) {
   TORCH_CHECK(x.dtype() == torch::kFloat32 && w.dtype() == torch::kInt8 && s.dtype() == torch::kFloat32);
   TORCH_CHECK(x.is_contiguous() && w.is_contiguous() && s.is_contiguous() && x.size(1) == w.size(1));
   const int64_t R = x.size(0), K = x.size(1), N = w.size(0);
@@ -104,7 +113,7 @@ torch::Tensor int8_gemv(torch::Tensor x, torch::Tensor w, torch::Tensor s) {
   const int8_t* wp = w.data_ptr<int8_t>();
   const float* sp = s.data_ptr<float>();
   float* yp = y.data_ptr<float>();
-  at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
+  at::parallel_for(0, N, grain, [&](int64_t n0, int64_t n1) {
     int64_t r = 0;  // blocks of 4 rows share each widened weight vector
     for (; r + 4 <= R; r += 4) rows_i8<4>(xp + r * K, K, wp, sp, yp + r * N, N, n0, n1);
     for (; r + 2 <= R; r += 2) rows_i8<2>(xp + r * K, K, wp, sp, yp + r * N, N, n0, n1);
@@ -186,7 +195,7 @@ static void rows_i4(const float* x, int64_t G, const uint8_t* w, const float* s,
   }
 }
 
-torch::Tensor int4_gemv(torch::Tensor x, torch::Tensor w, torch::Tensor s) {
+torch::Tensor int4_gemv(torch::Tensor x, torch::Tensor w, torch::Tensor s, int64_t grain) {
   TORCH_CHECK(x.dtype() == torch::kFloat32 && w.dtype() == torch::kUInt8 && s.dtype() == torch::kFloat32);
   TORCH_CHECK(x.is_contiguous() && w.is_contiguous() && s.is_contiguous());
   const int64_t R = x.size(0), N = w.size(0), G = s.size(1);
@@ -197,7 +206,7 @@ torch::Tensor int4_gemv(torch::Tensor x, torch::Tensor w, torch::Tensor s) {
   const float* sp = s.data_ptr<float>();
   float* yp = y.data_ptr<float>();
   const int64_t K = G * 32;
-  at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
+  at::parallel_for(0, N, grain, [&](int64_t n0, int64_t n1) {
     int64_t r = 0;
     for (; r + 4 <= R; r += 4) rows_i4<4>(xp + r * K, G, wp, sp, yp + r * N, N, n0, n1);
     for (; r < R; ++r) rows_i4<1>(xp + r * K, G, wp, sp, yp + r * N, N, n0, n1);
@@ -257,19 +266,22 @@ def int8_gemv(x2: torch.Tensor, q: torch.Tensor, scales: torch.Tensor) -> torch.
     mod = load() if x2.device.type == "cpu" else None
     if mod is None:
         return F.linear(x2, q.to(x2.dtype)) * scales.to(x2.dtype)
-    return mod.int8_gemv(x2.float().contiguous(), q, scales).to(x2.dtype)
+    return mod.int8_gemv(x2.float().contiguous(), q, scales, _grain(q.shape[0], q.numel())).to(x2.dtype)
 
 
 def quantize_int4(w: torch.Tensor, group: int = INT4_GROUP) -> tuple[torch.Tensor, torch.Tensor]:
     """Symmetric INT4 per group of `group` inputs: w [out, in] -> (packed uint8 [out, G*16], fp32 scales [out, G]),
-    G = ceil(in / group); the inputs are zero-padded to G*group. Layout: see the C++ source above."""
+    G = ceil(in / group); the inputs are zero-padded to G*group. As llama.cpp's Q4_0: the scale is the group's
+    largest-magnitude weight / -8, so that weight lands exactly on -8 and all 16 levels are used (absmax / 7
+    leaves -8 unused). Layout: see the C++ source above."""
     if group != 32:
         raise ValueError("the INT4 kernel's layout is fixed at groups of 32 inputs")
     w = w.detach().float()
     out, k = w.shape
     g = -(-k // group)
     wp = F.pad(w, (0, g * group - k)).reshape(out, g, group)
-    scales = wp.abs().amax(dim=2).clamp(min=1e-8) / 7.0
+    peak = wp.gather(2, wp.abs().argmax(dim=2, keepdim=True)).squeeze(2)  # signed
+    scales = torch.where(peak == 0, torch.full_like(peak, 1e-8), peak / -8.0)
     q = torch.clamp(torch.round(wp / scales[..., None]), -8, 7).to(torch.int32) + 8  # [out, G, 32] in 0..15
     packed = (q[..., :16] | (q[..., 16:] << 4)).to(torch.uint8).reshape(out, g * 16)
     return packed.contiguous(), scales.contiguous()
@@ -292,4 +304,4 @@ def int4_gemv(x2: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, in_f
     pad = scales.shape[1] * 32 - in_features
     if pad:
         xf = F.pad(xf, (0, pad))
-    return mod.int4_gemv(xf.contiguous(), packed, scales).to(x2.dtype)
+    return mod.int4_gemv(xf.contiguous(), packed, scales, _grain(packed.shape[0], packed.numel())).to(x2.dtype)
