@@ -5,7 +5,7 @@
 Kernels: `fp32` and `bf16` (F.linear, the float baselines), `dequant` (cast int8 -> float, GEMM, scale: the
 `quant.kernel=dequant` path), `int8pack` (torch._weight_int8pack_mm), `gemv` (our fused dequantize-GEMV,
 engine/quant_kernels.py, `quant.kernel=gemv`) and `int4-gemv` (the same for packed INT4, groups of 32;
-`quant=int4-weight`). Shapes: the LM head (576 -> 49152) and a layer's projections (576 <-> 1536, 576 -> 576).
+`quant=int4-weight`). Shapes: the LM head (576 -> 49152) and a layer's projections (576 <-> 1536, 576 -> 576, 576 -> 192).
 Every kernel is timed interleaved (round-robin, median of N rounds) so machine noise hits all alike; the
 int8 kernels must agree with the dequantized reference (max |difference| printed).
 """
@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from engine import quant_kernels as qk
 from engine.quant import quantize_per_channel
 
-SHAPES = [(576, 49152), (576, 1536), (1536, 576), (576, 576)]  # (in, out)
+SHAPES = [(576, 49152), (576, 1536), (1536, 576), (576, 576), (576, 192)]  # (in, out): LM head, up/gate, down, q/o, k/v
 BYTES = {"fp32": 4, "bf16": 2, "dequant": 1, "int8pack": 1, "gemv": 1, "int4-gemv": 0.5 + 4 / 32}
 
 
