@@ -23,21 +23,22 @@ import torch
 import torch.nn.functional as F
 
 INT4_GROUP = 32  # inputs per INT4 scale; one group = 16 bytes = one 128-bit load
-# A weight smaller than this per thread runs on fewer threads: an OpenMP region costs a barrier, and on a
-# loaded machine a descheduled thread stalls it for a whole time slice (BENCHMARKS.md, issue 28 section)
+# A weight smaller than this per thread runs on fewer threads (grain_for in the C++ source)
 MIN_BYTES_PER_THREAD = int(os.environ.get("INFERSWEEP_GEMV_MIN_BYTES", 1 << 20))
-
-
-def _grain(rows_out: int, weight_bytes: int) -> int:
-    """at::parallel_for's grain (output rows per chunk): at least MIN_BYTES_PER_THREAD of weight per thread."""
-    threads = max(1, min(torch.get_num_threads(), weight_bytes // MIN_BYTES_PER_THREAD))
-    return max(16, -(-rows_out // threads))
 
 _CPP = r"""
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
+#include <algorithm>
 #include <cstdint>
+
+// at::parallel_for's grain (output rows per chunk): at least min_bytes of weight per thread, because an OpenMP
+// region costs a barrier and on a loaded machine a descheduled thread stalls it for a whole time slice
+static int64_t grain_for(int64_t N, int64_t weight_bytes, int64_t min_bytes) {
+  int64_t threads = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), weight_bytes / std::max<int64_t>(1, min_bytes)));
+  return std::max<int64_t>(16, (N + threads - 1) / threads);
+}
 
 static inline float hsum_tail(float acc, const float* x, const int8_t* w, int64_t k, int64_t K) {
   for (; k < K; ++k) acc += x[k] * (float)w[k];
@@ -104,7 +105,7 @@ static void rows_i8(const float* x, int64_t K, const int8_t* w, const float* s, 
 }
 
 // x fp32 [R, K], w int8 [N, K], s fp32 [N] -> y fp32 [R, N]
-torch::Tensor int8_gemv(torch::Tensor x, torch::Tensor w, torch::Tensor s, int64_t grain) {
+torch::Tensor int8_gemv(torch::Tensor x, torch::Tensor w, torch::Tensor s, int64_t min_bytes) {
   TORCH_CHECK(x.dtype() == torch::kFloat32 && w.dtype() == torch::kInt8 && s.dtype() == torch::kFloat32);
   TORCH_CHECK(x.is_contiguous() && w.is_contiguous() && s.is_contiguous() && x.size(1) == w.size(1));
   const int64_t R = x.size(0), K = x.size(1), N = w.size(0);
@@ -113,7 +114,7 @@ torch::Tensor int8_gemv(torch::Tensor x, torch::Tensor w, torch::Tensor s, int64
   const int8_t* wp = w.data_ptr<int8_t>();
   const float* sp = s.data_ptr<float>();
   float* yp = y.data_ptr<float>();
-  at::parallel_for(0, N, grain, [&](int64_t n0, int64_t n1) {
+  at::parallel_for(0, N, grain_for(N, w.numel(), min_bytes), [&](int64_t n0, int64_t n1) {
     int64_t r = 0;  // blocks of 4 rows share each widened weight vector
     for (; r + 4 <= R; r += 4) rows_i8<4>(xp + r * K, K, wp, sp, yp + r * N, N, n0, n1);
     for (; r + 2 <= R; r += 2) rows_i8<2>(xp + r * K, K, wp, sp, yp + r * N, N, n0, n1);
@@ -195,7 +196,7 @@ static void rows_i4(const float* x, int64_t G, const uint8_t* w, const float* s,
   }
 }
 
-torch::Tensor int4_gemv(torch::Tensor x, torch::Tensor w, torch::Tensor s, int64_t grain) {
+torch::Tensor int4_gemv(torch::Tensor x, torch::Tensor w, torch::Tensor s, int64_t min_bytes) {
   TORCH_CHECK(x.dtype() == torch::kFloat32 && w.dtype() == torch::kUInt8 && s.dtype() == torch::kFloat32);
   TORCH_CHECK(x.is_contiguous() && w.is_contiguous() && s.is_contiguous());
   const int64_t R = x.size(0), N = w.size(0), G = s.size(1);
@@ -206,7 +207,7 @@ torch::Tensor int4_gemv(torch::Tensor x, torch::Tensor w, torch::Tensor s, int64
   const float* sp = s.data_ptr<float>();
   float* yp = y.data_ptr<float>();
   const int64_t K = G * 32;
-  at::parallel_for(0, N, grain, [&](int64_t n0, int64_t n1) {
+  at::parallel_for(0, N, grain_for(N, w.numel(), min_bytes), [&](int64_t n0, int64_t n1) {
     int64_t r = 0;
     for (; r + 4 <= R; r += 4) rows_i4<4>(xp + r * K, G, wp, sp, yp + r * N, N, n0, n1);
     for (; r < R; ++r) rows_i4<1>(xp + r * K, G, wp, sp, yp + r * N, N, n0, n1);
@@ -226,12 +227,13 @@ std::string isa() {
 """
 
 _load_error: str | None = None
+_OPS: tuple | None = None  # the custom ops, once load() succeeded
 
 
 @functools.lru_cache(maxsize=1)
 def load():
     """The compiled kernels (a module with int8_gemv, int4_gemv, isa), or None with `load_error()` set."""
-    global _load_error
+    global _load_error, _OPS
     if os.environ.get("INFERSWEEP_NO_CPP_KERNELS"):
         _load_error = "INFERSWEEP_NO_CPP_KERNELS is set"
         return None
@@ -240,14 +242,44 @@ def load():
 
         # the source's hash names the build, so an edited kernel never reuses a stale cached .so
         name = "infersweep_woq_" + hashlib.sha256(_CPP.encode()).hexdigest()[:10]
-        return load_inline(
+        mod = load_inline(
             name=name, cpp_sources=[_CPP], functions=["int8_gemv", "int4_gemv", "isa"],
             # -fopenmp makes at::parallel_for's pragma real; libgomp.so.1 is torch's own, already loaded
             extra_cflags=["-O3", "-march=native", "-fopenmp"], extra_ldflags=["-lgomp"], verbose=False,
         )
+        _OPS = _register_ops(mod)
+        return mod
     except Exception as e:  # no compiler / headers / unsupported platform: the torch path stands in
         _load_error = f"{type(e).__name__}: {str(e).strip().splitlines()[-1] if str(e).strip() else e}"
         return None
+
+
+def _register_ops(mod) -> tuple:
+    """The kernels as torch custom ops (torch.ops.infersweep.*), so that torch.compile (engine.compile_mode=
+    static, fullgraph) traces through them; eager calls go straight to the extension (no dispatcher cost)."""
+
+    @torch.library.custom_op("infersweep::int8_gemv", mutates_args=())
+    def int8_op(x: torch.Tensor, w: torch.Tensor, s: torch.Tensor, min_bytes: int) -> torch.Tensor:
+        return mod.int8_gemv(x, w, s, min_bytes)
+
+    @torch.library.custom_op("infersweep::int4_gemv", mutates_args=())
+    def int4_op(x: torch.Tensor, w: torch.Tensor, s: torch.Tensor, min_bytes: int) -> torch.Tensor:
+        return mod.int4_gemv(x, w, s, min_bytes)
+
+    for op in (int8_op, int4_op):
+        op.register_fake(lambda x, w, s, min_bytes: x.new_empty((x.shape[0], w.shape[0])))
+    return int8_op, int4_op
+
+
+def _entry(i: int, device: torch.device):
+    """Kernel i (0: int8, 1: int4) for a tensor on `device`, or None (then the torch path runs). While
+    torch.compile traces, only module globals are read (it cannot trace the loader) and the custom op is used."""
+    if device.type != "cpu":
+        return None
+    if torch.compiler.is_compiling():
+        return None if _OPS is None else _OPS[i]
+    mod = load()
+    return None if mod is None else (mod.int8_gemv if i == 0 else mod.int4_gemv)
 
 
 def load_error() -> str | None:
@@ -263,10 +295,10 @@ def isa() -> str:
 
 def int8_gemv(x2: torch.Tensor, q: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     """x2 [rows, in] (any float dtype) @ (q int8 [out, in] * scales [out])^T -> [rows, out] in x2's dtype."""
-    mod = load() if x2.device.type == "cpu" else None
-    if mod is None:
+    fn = _entry(0, x2.device)
+    if fn is None:
         return F.linear(x2, q.to(x2.dtype)) * scales.to(x2.dtype)
-    return mod.int8_gemv(x2.float().contiguous(), q, scales, _grain(q.shape[0], q.numel())).to(x2.dtype)
+    return fn(x2.float().contiguous(), q, scales, MIN_BYTES_PER_THREAD).to(x2.dtype)
 
 
 def quantize_int4(w: torch.Tensor, group: int = INT4_GROUP) -> tuple[torch.Tensor, torch.Tensor]:
@@ -297,11 +329,11 @@ def dequantize_int4(packed: torch.Tensor, scales: torch.Tensor, in_features: int
 
 def int4_gemv(x2: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, in_features: int) -> torch.Tensor:
     """x2 [rows, in] @ dequantize_int4(...)^T -> [rows, out] in x2's dtype."""
-    mod = load() if x2.device.type == "cpu" else None
-    if mod is None:
+    fn = _entry(1, x2.device)
+    if fn is None:
         return F.linear(x2, dequantize_int4(packed, scales, in_features).to(x2.dtype))
     xf = x2.float()
     pad = scales.shape[1] * 32 - in_features
     if pad:
         xf = F.pad(xf, (0, pad))
-    return mod.int4_gemv(xf.contiguous(), packed, scales, _grain(packed.shape[0], packed.numel())).to(x2.dtype)
+    return fn(xf.contiguous(), packed, scales, MIN_BYTES_PER_THREAD).to(x2.dtype)

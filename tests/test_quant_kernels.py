@@ -89,7 +89,7 @@ def test_fallback_without_the_compiled_kernels_computes_the_same(monkeypatch):
     q, s = quantize_per_channel(w)
     p4, s4 = qk.quantize_int4(w)
     fused8, fused4 = qk.int8_gemv(x, q, s), qk.int4_gemv(x, p4, s4, 70)
-    monkeypatch.setattr(qk, "load", lambda: None)
+    monkeypatch.setattr(qk, "load", lambda: None)  # the state after a failed build
     torch.testing.assert_close(qk.int8_gemv(x, q, s), fused8, **FP32_TOL)
     torch.testing.assert_close(qk.int4_gemv(x, p4, s4, 70), fused4, **FP32_TOL)
 
@@ -202,3 +202,27 @@ def test_real_model_decode_fidelity(level, max_kl, min_top1):
     assert kl_d < 1e-6 and top_d == 1.0
     kl_f, top_f = kl_top1(lf, lq)
     assert 0 < kl_f < max_kl and top_f >= min_top1, f"KL {kl_f:.4f}, top-1 {top_f:.3f}"
+
+
+@pytest.mark.parametrize("level", ["int8-weight", "int4-weight"])
+def test_compiled_static_step_traces_the_fused_kernels(level):
+    """engine.compile_mode=static compiles the step with fullgraph: the kernels are torch custom ops
+    (torch.ops.infersweep.*) there, and the greedy tokens equal the eager native path's."""
+    from engine.engines import make_backend
+    from engine.generate import generate
+    from engine.config import SamplingConfig, replace
+    from support import make_trial
+
+    spec = QuantConfig(level=level, kernel="gemv", skip_modules=[])
+    loaded = load_model(TINY, quant=spec)
+    prompts = torch.randint(3, 300, (1, 21), generator=torch.Generator().manual_seed(3))
+
+    def greedy(compile):
+        t = replace(make_trial(TINY, backend="native", kv_cache="contiguous", compile=compile), "engine.compile_mode", "static")
+        backend = make_backend(loaded, t)
+        session = backend.new_session(1, 21 + 8)
+        return generate(session, prompts, 8, SamplingConfig(temperature=0.0), seed=0, sync=lambda: None).tokens
+
+    compiled, eager = greedy(True), greedy(False)
+    assert torch.equal(torch.as_tensor(compiled), torch.as_tensor(eager))
+    assert kernel_info(loaded.model)["quant_kernels"].startswith("gemv x")
