@@ -11,7 +11,7 @@ Levels
   has the micro-benchmark. `gemv`: our fused dequantize-GEMV (engine/quant_kernels.py: C++ compiled on
   this machine, reads each int8 weight once) for up to GEMV_MAX_ROWS rows (decode), dequant above
   (prefill is compute-bound, where the float GEMM's blocking wins). `auto`: per weight shape the fastest
-  of dequant / int8pack / gemv at one row, timed once per machine and cached (`choose_kernel`); the choice
+  of dequant / int8pack / gemv at one row, timed once per machine at load and cached (`choose_kernel`); the choice
   is in the trial's info (`kernel_info`).
 - `int4-weight`: weight-only INT4, symmetric per group of 32 inputs (packed two per byte, fp32 scale per
   group, llama.cpp Q4_0's scaling); `kernel` gemv (our fused kernel) or dequant (unpack to float, GEMM), or
@@ -255,7 +255,10 @@ def quantize_model(model: nn.Module, spec: QuantConfig, num_layers: int) -> int:
     for name, lin in targets:
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
-        setattr(parent, child, wider.get(name, swap)(lin, spec))
+        new = wider.get(name, swap)(lin, spec)
+        if getattr(new, "chosen", "") is None:  # kernel=auto: timed now, at load, never inside a timed run
+            new.chosen = choose_kernel(new, lin.weight.dtype, lin.weight.device)
+        setattr(parent, child, new)
     return len(targets)
 
 
