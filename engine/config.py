@@ -22,12 +22,14 @@ KV_CACHE_MODES = ("off", "contiguous", "paged")
 DTYPES = ("float32", "bfloat16", "float16")
 # the levels engine/quant.py implements (the torch engines'); an engine adds its own through its support table
 # (llama.cpp's gguf-* weight types): validation accepts `engine.engines.values("quant.level")`, every engine's
-QUANT_LEVELS = ("none", "int8-weight", "int8-dynamic", "bnb-int8", "bnb-nf4", "bnb-fp4")
+QUANT_LEVELS = ("none", "int8-weight", "int8-dynamic", "bnb-int8", "bnb-nf4", "bnb-fp4", "int4-weight")
 # kv_cache.dtype (the K/V element type) has no engine-independent values but `auto` (the engine's default): each
 # engine declares its own (engine/engines/<name>), and validation accepts `engine.engines.values("kv_cache.dtype")`
 # int8-weight matmul: dequant = cast the int8 weight to the activation dtype per call, then a float GEMM;
 # int8pack = torch._weight_int8pack_mm (gpt-fast's op; CPU/MPS only; unvectorized in some CPU builds)
-INT8_KERNELS = ("dequant", "int8pack")
+INT8_KERNELS = ("dequant", "int8pack", "gemv", "auto")
+# gemv = our fused dequantize-GEMV (engine/quant_kernels.py) for decode-sized batches, dequant+GEMM above;
+# auto = per weight shape the fastest of the kernels the level has, timed once per machine (engine/quant.py)
 # how engine.compile=true compiles (engine=native): dynamic = torch.compile(dynamic=True) of the whole forward;
 # static = a static KV cache and a one-token step compiled with inductor freezing (gpt-fast style);
 # static-autotune = static plus inductor max_autotune (its C++ GEMM templates; long compile)
@@ -126,11 +128,11 @@ class EngineConfig:
 class QuantConfig:
     """Quantization level (engine/quant.py says what each does) and mixed-precision exceptions."""
 
-    level: str = "none"  # none | int8-weight | int8-dynamic | bnb-int8 | bnb-nf4 | bnb-fp4
+    level: str = "none"  # none | int8-weight | int8-dynamic | bnb-int8 | bnb-nf4 | bnb-fp4 | int4-weight
     compute_dtype: str = "float32"  # bnb 4-bit compute dtype (bfloat16/float16 on GPUs)
     skip_modules: list[str] = field(default_factory=lambda: ["lm_head"])  # kept in full precision (fnmatch)
     keep_last_layers: int = 0  # mixed precision: the last N decoder layers stay unquantized
-    kernel: str = "dequant"  # int8-weight matmul, one of INT8_KERNELS
+    kernel: str = "dequant"  # int8-weight / int4-weight matmul, one of INT8_KERNELS (int4: not int8pack)
 
 
 @dataclass

@@ -21,6 +21,7 @@ from .engines.base import Engine, Runs, ServingPlan, StaticPlan, TrialSession
 from .measure.metrics import STABILITY_KEYS, TIMINGS, UNSTABLE, instability, median_metrics, paired_instability, request_metrics, static_batch_metrics, timing_spread, tokens_equal
 from .measure.noise import NoiseMonitor
 from .model_facts import facts_or_none
+from .quant import kernel_info
 
 log = logging.getLogger(__name__)
 
@@ -354,6 +355,9 @@ class Measurement:
         evaluate(trial, session, self.loaded, metrics, self.say)
         answers, correct = evaluate_tasks(trial, session, self.loaded, metrics, self.say)
         info = dict(device_info(session.device), **session.info(), repeats_stop=stop)
+        model = getattr(self.loaded, "model", None)
+        if isinstance(model, torch.nn.Module):  # which weight-only kernels ran (quant.kernel=auto resolves per shape)
+            info.update(kernel_info(model))
         note = dtype_note(trial, engine, session.device)
         if note:  # not an error: the user may want to see it, but should know why the numbers look so
             info["dtype_note"] = note

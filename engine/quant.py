@@ -8,7 +8,14 @@ Levels
   `int8pack` (torch's `_weight_int8pack_mm`, CPU/MPS). On the pinned torch 2.13 CPU wheel int8pack is
   1.6-2.3x slower than dequant at one row and ~40x slower at 128 rows (its time grows linearly in rows,
   an unblocked loop), so a weight-only trial with it prefilled at 1/24 of fp32's speed; BENCHMARKS.md
-  has the micro-benchmark.
+  has the micro-benchmark. `gemv`: our fused dequantize-GEMV (engine/quant_kernels.py: C++ compiled on
+  this machine, reads each int8 weight once) for up to GEMV_MAX_ROWS rows (decode), dequant above
+  (prefill is compute-bound, where the float GEMM's blocking wins). `auto`: per weight shape the fastest
+  of dequant / int8pack / gemv at one row, timed once per machine at load and cached (`choose_kernel`); the choice
+  is in the trial's info (`kernel_info`).
+- `int4-weight`: weight-only INT4, symmetric per group of 32 inputs (packed two per byte, fp32 scale per
+  group, llama.cpp Q4_0's scaling); `kernel` gemv (our fused kernel) or dequant (unpack to float, GEMM), or
+  auto (gemv vs dequant). The LM head, when not skipped, gets INT8 (`WIDER`).
 - `int8-dynamic`: INT8 weights + INT8 activations (W8A8): per-token dynamic activation scales, an int8 x
   int8 -> int32 matmul (`torch._int_mm`), rescaled by both scales. No outlier handling: this is the
   "naive activation quantization" the seed warns about.
@@ -32,10 +39,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from . import quant_kernels as qk
 from .config import INT8_KERNELS, QUANT_LEVELS, EngineError, QuantConfig  # noqa: F401  (re-exported)
 
 BNB_LEVELS = ("bnb-int8", "bnb-nf4", "bnb-fp4")
-OWN_LEVELS = ("int8-weight", "int8-dynamic")
+OWN_LEVELS = ("int8-weight", "int8-dynamic", "int4-weight")
+# decode-sized batches go through the fused GEMV kernels; more rows (prefill) through dequant + float GEMM
+GEMV_MAX_ROWS = 8
+CANDIDATES = {"int8-weight": ("dequant", "int8pack", "gemv"), "int4-weight": ("dequant", "gemv")}
 _LAYER_RE = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 
 
@@ -55,7 +66,10 @@ def quantize_per_channel(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 class WeightOnlyInt8Linear(nn.Module):
-    """y = x @ (W_int8 * s)^T + b, with W stored as int8 [out, in] and s float32 [out]."""
+    """y = x @ (W_int8 * s)^T + b, with W stored as int8 [out, in] and s float32 [out]. `kernel` as the
+    module docstring says; `chosen` is the kernel `auto` resolved to (set at the first call)."""
+
+    level = "int8-weight"
 
     def __init__(self, linear: nn.Linear, kernel: str = "dequant"):
         super().__init__()
@@ -64,22 +78,129 @@ class WeightOnlyInt8Linear(nn.Module):
         q, s = quantize_per_channel(linear.weight)
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.kernel = kernel
+        self.chosen = None if kernel == "auto" else kernel
         self.register_buffer("weight", q)
         self.register_buffer("scales", s)
         self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach().clone(), requires_grad=False)
 
+    def matmul(self, x2: torch.Tensor, kernel: str) -> torch.Tensor:
+        if kernel == "int8pack":
+            if x2.device.type not in ("cpu", "mps"):
+                raise EngineError(f"quant.kernel=int8pack runs on CPU/MPS only, not {x2.device.type}; use kernel=dequant")
+            return torch._weight_int8pack_mm(x2.contiguous(), self.weight, self.scales.to(x2.dtype))
+        if kernel == "gemv" and x2.shape[0] <= GEMV_MAX_ROWS:
+            return qk.int8_gemv(x2, self.weight, self.scales)
+        return F.linear(x2, self.weight.to(x2.dtype)) * self.scales.to(x2.dtype)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x [..., in] -> [..., out]
         shape = x.shape
         x2 = x.reshape(-1, shape[-1])
-        if self.kernel == "int8pack":
-            if x2.device.type not in ("cpu", "mps"):
-                raise EngineError(f"quant.kernel=int8pack runs on CPU/MPS only, not {x2.device.type}; use kernel=dequant")
-            y = torch._weight_int8pack_mm(x2.contiguous(), self.weight, self.scales.to(x2.dtype))
-        else:
-            y = F.linear(x2, self.weight.to(x2.dtype)) * self.scales.to(x2.dtype)
+        if self.chosen is None:
+            self.chosen = choose_kernel(self, x2.dtype, x2.device)
+        y = self.matmul(x2, self.chosen)
         if self.bias is not None:
             y = y + self.bias
         return y.reshape(*shape[:-1], self.out_features)
+
+
+class WeightOnlyInt4Linear(WeightOnlyInt8Linear):
+    """y = x @ W^T + b, W stored as packed INT4 [out, ceil(in/32)*16] uint8 with a float32 scale per group of 32
+    inputs [out, ceil(in/32)] (engine/quant_kernels.py has the layout)."""
+
+    level = "int4-weight"
+
+    def __init__(self, linear: nn.Linear, kernel: str = "gemv"):
+        nn.Module.__init__(self)
+        if kernel not in CANDIDATES["int4-weight"] + ("auto",):
+            raise EngineError(f"int4-weight kernel must be one of {CANDIDATES['int4-weight'] + ('auto',)}, got {kernel!r}")
+        packed, s = qk.quantize_int4(linear.weight)
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.kernel = kernel
+        self.chosen = None if kernel == "auto" else kernel
+        self.register_buffer("weight", packed)
+        self.register_buffer("scales", s)
+        self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach().clone(), requires_grad=False)
+
+    def dequantized(self) -> torch.Tensor:
+        return qk.dequantize_int4(self.weight, self.scales, self.in_features)
+
+    def matmul(self, x2: torch.Tensor, kernel: str) -> torch.Tensor:
+        if kernel == "gemv" and x2.shape[0] <= GEMV_MAX_ROWS:
+            return qk.int4_gemv(x2, self.weight, self.scales, self.in_features)
+        return F.linear(x2, self.dequantized().to(x2.dtype))
+
+
+# (level, in, out, dtype) -> kernel, for this process; backed by a JSON file per machine (choose_kernel)
+_CHOICES: dict[str, str] = {}
+
+
+def _machine_key() -> str:
+    import hashlib
+    import platform
+
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), cpu)
+    except OSError:
+        pass
+    raw = f"{cpu}|{torch.__version__}|{torch.get_num_threads()}|{qk.isa()}"
+    return hashlib.sha256(raw.encode()).hexdigest()[:16]
+
+
+def choose_kernel(mod: WeightOnlyInt8Linear, dtype: torch.dtype, device: torch.device) -> str:
+    """The fastest of the level's kernels for `mod`'s shape at one row (decode), timed once per machine (CPU
+    model, torch version, thread count) and cached in <cache>/kernels/<machine>.json. Off the CPU: dequant."""
+    import json
+    import statistics
+    import time
+
+    if device.type != "cpu":
+        return "dequant"
+    from .models import cache_root  # engine.models imports this module
+
+    key = f"{mod.level}|{mod.in_features}|{mod.out_features}|{str(dtype).removeprefix('torch.')}"
+    path = cache_root() / "kernels" / f"{_machine_key()}.json"
+    if not _CHOICES and path.is_file():
+        try:
+            _CHOICES.update(json.loads(path.read_text()))
+        except ValueError:
+            pass  # a torn write: measure again
+    if key in _CHOICES:
+        return _CHOICES[key]
+    x = torch.randn(1, mod.in_features, dtype=dtype)
+    times: dict[str, list[float]] = {k: [] for k in CANDIDATES[mod.level]}
+    with torch.inference_mode():
+        for _ in range(5):  # interleaved rounds: load on the machine hits every candidate alike
+            for k in times:
+                mod.matmul(x, k)
+                n, t0 = 0, time.perf_counter()
+                while n < 2 or time.perf_counter() - t0 < 0.01:
+                    mod.matmul(x, k)
+                    n += 1
+                times[k].append((time.perf_counter() - t0) / n)
+    _CHOICES[key] = min(times, key=lambda k: statistics.median(times[k]))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(f".{__import__('os').getpid()}.tmp")
+    tmp.write_text(json.dumps(_CHOICES, indent=1, sort_keys=True))
+    tmp.replace(path)
+    return _CHOICES[key]
+
+
+def kernel_info(model: nn.Module) -> dict[str, str]:
+    """What the weight-only modules of `model` ran: {"quant_kernels": "gemv x210, dequant x1", "quant_kernel_isa":
+    "avx512"} (empty for a model without them). `auto` modules that never ran yet count as `auto`."""
+    counts: dict[str, int] = {}
+    for m in model.modules():
+        if isinstance(m, WeightOnlyInt8Linear):
+            k = m.chosen or m.kernel
+            counts[k] = counts.get(k, 0) + 1
+    if not counts:
+        return {}
+    info = {"quant_kernels": ", ".join(f"{k} x{n}" for k, n in sorted(counts.items()))}
+    if "gemv" in counts:
+        info["quant_kernel_isa"] = qk.isa()
+    return info
 
 
 class DynamicInt8Linear(nn.Module):
@@ -115,6 +236,12 @@ class DynamicInt8Linear(nn.Module):
 SWAPS = {
     "int8-weight": lambda lin, spec: WeightOnlyInt8Linear(lin, spec.kernel),
     "int8-dynamic": lambda lin, spec: DynamicInt8Linear(lin),
+    "int4-weight": lambda lin, spec: WeightOnlyInt4Linear(lin, spec.kernel),
+}
+# modules a level keeps at a wider type when they are quantized at all: a 4-bit LM head costs most of INT4's
+# quality on a small model (SmolLM2-135M), so int4-weight gives it INT8, as llama.cpp's Q4_0 gives its output matrix 6 bits
+WIDER = {
+    "int4-weight": {"lm_head": lambda lin, spec: WeightOnlyInt8Linear(lin, spec.kernel)},  # int4's kernels are int8's
 }
 
 
@@ -124,10 +251,14 @@ def quantize_model(model: nn.Module, spec: QuantConfig, num_layers: int) -> int:
         raise EngineError(f"quantize_model handles {OWN_LEVELS}, not {spec.level!r}")
     swap = SWAPS[spec.level]
     targets = [(n, m) for n, m in model.named_modules() if type(m) is nn.Linear and not skipped(n, spec, num_layers)]
+    wider = WIDER.get(spec.level, {})
     for name, lin in targets:
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
-        setattr(parent, child, swap(lin, spec))
+        new = wider.get(name, swap)(lin, spec)
+        if getattr(new, "chosen", "") is None:  # kernel=auto: timed now, at load, never inside a timed run
+            new.chosen = choose_kernel(new, lin.weight.dtype, lin.weight.device)
+        setattr(parent, child, new)
     return len(targets)
 
 

@@ -123,6 +123,8 @@ def check_trial(trial: TrialConfig, gpu_available: bool) -> list[tuple[str, str]
     p += _choice("quant.level", q.level, engines.values("quant.level"))
     p += _choice("quant.compute_dtype", q.compute_dtype, DTYPES)
     p += _choice("quant.kernel", q.kernel, INT8_KERNELS)
+    if q.level == "int4-weight" and q.kernel == "int8pack":
+        p.append(("quant.kernel", "int4-weight runs kernel=gemv, dequant or auto (int8pack is an int8 kernel)"))
     if q.level == "int8-weight" and q.kernel == "int8pack":
         if not hasattr(torch, "_weight_int8pack_mm"):
             p.append(("quant.kernel", f"int8pack needs torch._weight_int8pack_mm, missing in torch {torch.__version__}"))

@@ -47,6 +47,8 @@ def weight_bytes_per_param(dtype: str, quant: str = "none") -> float:
         return GGUF_BYTES[q]
     if "int8" in q or "8bit" in q:
         return 1.0
+    if q == "int4-weight":  # ours (engine/quant.py): one fp32 scale per group of 32
+        return 0.5 + 4 / 32
     if any(s in q for s in ("nf4", "fp4", "int4", "4bit")):
         return 0.5 + 4 / 64
     raise EngineError(f"cost model: unknown quantization {quant!r} (expected none, *int8*, *nf4*, *fp4*, *int4*)")

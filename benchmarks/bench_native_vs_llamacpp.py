@@ -1,0 +1,149 @@
+"""Issue 28's goals table: the native engine (fp32, bf16, weight-only INT8 / INT4) against llama.cpp (f32, Q8_0,
+Q4_0), interleaved in one process on one machine.
+
+    python benchmarks/bench_native_vs_llamacpp.py [--rounds 5] [--threads 2] [--variants a,b,...] [--json PATH]
+
+Every variant is a trial of the platform (engine.run_interleaved: each warms up, then every round runs one
+timed repeat of each, ABBA order), SmolLM2-135M-Instruct (the prepared checkpoint), batch 1, context 128,
+32 new tokens, greedy, the same engine.threads for all. Reported per variant: decode tok/s (median of the
+rounds, 95% interval of the median), TPOT, the share of the cost model's bandwidth roofline
+(`roofline_decode_efficiency`: predicted decode time / measured), and the goals' ratios as per-round paired
+ratios with their intervals (engine.measure.spread.paired_ratio). The weight-only levels quantize the LM head
+too (quant.skip_modules=[]), as llama.cpp's Q8_0 / Q4_0 do; `native-int8-dequant` is the level as it ran
+before (quant.kernel=dequant, LM head fp32). Prints markdown and a JSON line; machine, load and date included.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from engine import run_interleaved  # noqa: E402
+from engine.config import (AttentionConfig, EngineConfig, ModelConfig, QuantConfig, TrialConfig,  # noqa: E402
+                           WorkloadConfig)
+from engine.measure.spread import paired_ratio, spread  # noqa: E402
+
+SMOL = dict(name="smollm2-135m-instruct", path="prepared://smollm2-135m-instruct")
+ALL = {  # name -> (backend, model dtype, attention, quant)
+    "native-fp32": ("native", "float32", "sdpa", QuantConfig()),
+    "native-bf16": ("native", "bfloat16", "sdpa", QuantConfig()),
+    "native-int8-dequant": ("native", "float32", "sdpa", QuantConfig(level="int8-weight", kernel="dequant")),
+    "native-int8-gemv": ("native", "float32", "sdpa", QuantConfig(level="int8-weight", kernel="gemv", skip_modules=[])),
+    "native-int4-gemv": ("native", "float32", "sdpa", QuantConfig(level="int4-weight", kernel="gemv", skip_modules=[])),
+    "llamacpp-f32": ("llamacpp", "float32", "flash", QuantConfig()),
+    "llamacpp-q8_0": ("llamacpp", "float32", "flash", QuantConfig(level="gguf-q8_0")),
+    "llamacpp-q4_0": ("llamacpp", "float32", "flash", QuantConfig(level="gguf-q4_0")),
+}
+# (label, new, base, goal): the issue's goals table, as ratios of decode tok/s
+GOALS = [
+    ("native fp32 vs llama.cpp f32", "native-fp32", "llamacpp-f32", ">= x0.8"),
+    ("native INT8 (gemv) vs native fp32", "native-int8-gemv", "native-fp32", ">= x1.8"),
+    ("native INT8 (gemv) vs llama.cpp Q8_0", "native-int8-gemv", "llamacpp-q8_0", ">= x0.8"),
+    ("native INT8 before (dequant) vs native fp32", "native-int8-dequant", "native-fp32", "-"),
+    ("native INT4 (gemv) vs native fp32", "native-int4-gemv", "native-fp32", ">= x2.5"),
+    ("native INT4 (gemv) vs llama.cpp Q4_0", "native-int4-gemv", "llamacpp-q4_0", ">= x0.7"),
+    ("native bf16 vs native fp32", "native-bf16", "native-fp32", ">= x1.8"),
+]
+
+
+def cpu_model() -> str:
+    try:
+        return next(ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo") if ln.startswith("model name"))
+    except (OSError, StopIteration):
+        return platform.processor() or platform.machine()
+
+
+def cpu_flags() -> set[str]:
+    try:
+        return set(next(ln for ln in open("/proc/cpuinfo") if ln.startswith("flags")).split(":", 1)[1].split())
+    except (OSError, StopIteration):
+        return set()
+
+
+def load() -> str:
+    return " ".join(open("/proc/loadavg").read().split()[:3])
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--context", type=int, default=128)
+    ap.add_argument("--new-tokens", type=int, default=32)
+    ap.add_argument("--variants", default=",".join(ALL))
+    ap.add_argument("--json", default="")
+    a = ap.parse_args()
+    names = a.variants.split(",")
+    flags = cpu_flags()
+    if "native-bf16" in names and "avx512_bf16" not in flags and "amx_bf16" not in flags:
+        print("no avx512_bf16 on this CPU: native-bf16 left out (torch would emulate bf16)")
+        names.remove("native-bf16")
+    torch.set_num_threads(a.threads)
+    wl = WorkloadConfig(context_len=a.context, max_new_tokens=a.new_tokens, batch_size=1, warmup=1, repeats=1)
+    trials = []
+    for n in names:
+        backend, dtype, attn, quant = ALL[n]
+        trials.append(TrialConfig(model=ModelConfig(**SMOL, dtype=dtype), engine=EngineConfig(backend=backend, threads=a.threads),
+                                  attention=AttentionConfig(impl=attn), quant=quant, workload=wl))
+    start = datetime.datetime.now(datetime.timezone.utc)
+    load0 = load()
+    t0 = time.perf_counter()
+    results = run_interleaved(trials, a.rounds, progress=lambda m: print(f"  {m}", file=sys.stderr, flush=True))
+    wall = time.perf_counter() - t0
+    load1 = load()
+    res = dict(zip(names, results))
+
+    print(f"Machine: {cpu_model()}, {os.cpu_count()} CPUs, avx512f={'avx512f' in flags}, avx512_bf16={'avx512_bf16' in flags}; "
+          f"torch {torch.__version__}; {a.threads} threads for every engine.  ")
+    print(f"Run: {start:%Y-%m-%d %H:%M} UTC, {wall:.0f} s, load average {load0} at start, {load1} at end; "
+          f"SmolLM2-135M-Instruct, batch 1, context {a.context}, {a.new_tokens} new tokens, greedy, {a.rounds} interleaved rounds.\n")
+    print("| variant | decode tok/s median [95% CI] | TPOT ms | weights MB | weights GB/s | roofline % (decode) | ppl (2 windows) | kernels |")
+    print("|---|---|---:|---:|---:|---:|---:|---|")
+    out = {"machine": cpu_model(), "threads": a.threads, "date": f"{start:%Y-%m-%d %H:%M}", "load": [load0, load1],
+           "rounds": a.rounds, "variants": {}, "goals": []}
+    for n, r in res.items():
+        s = r.samples["decode_tok_s"]
+        sp = spread(s)
+        tpot = r.metrics.get("tpot_ms_p50", float("nan"))
+        wb = r.metrics["weights_bytes"]
+        eff = r.metrics.get("roofline_decode_efficiency")
+        kern = r.info.get("quant_kernels", "")
+        gbs = wb / (1e6 / statistics.median(s)) / 1e3  # bytes per token x tokens per second
+        print(f"| {n} | {sp.median:.1f} [{sp.ci_lo:.1f}, {sp.ci_hi:.1f}] | {tpot:.1f} | {wb / 1e6:.0f} | {gbs:.1f} | "
+              f"{'-' if eff is None else f'{100 * eff:.0f}%'} | {r.metrics.get('ppl', float('nan')):.2f} | {kern} |")
+        out["variants"][n] = dict(decode_tok_s=s, tpot_ms=tpot, weights_bytes=wb, roofline_decode_efficiency=eff, ppl=r.metrics.get("ppl"),
+                                  kernels=kern, isa=r.info.get("quant_kernel_isa", ""))
+    print("\n| goal | ratio (median of per-round ratios) [95% CI] | goal | met |")
+    print("|---|---|---|---|")
+    for label, new, base, goal in GOALS:
+        if new not in res or base not in res:
+            continue
+        pr = paired_ratio(res[base].samples["decode_tok_s"], res[new].samples["decode_tok_s"])
+        if pr is None:
+            continue
+        met = "-" if goal == "-" else ("yes" if pr.value >= float(goal.split("x")[1]) else "no")
+        print(f"| {label} | x{pr.value:.2f} [{pr.lo:.2f}, {pr.hi:.2f}] | {goal} | {met} |")
+        out["goals"].append(dict(label=label, ratio=pr.value, lo=pr.lo, hi=pr.hi, goal=goal))
+    ref = res.get("native-fp32")
+    if ref is not None:
+        print("\nGreedy tokens equal native fp32's: " + ", ".join(
+            f"{n} {'yes' if r.token_ids == ref.token_ids else 'no'}" for n, r in res.items() if n != "native-fp32"))
+    line = json.dumps(out)
+    print("\n" + line)
+    if a.json:
+        Path(a.json).write_text(line + "\n")
+
+
+if __name__ == "__main__":
+    main()
