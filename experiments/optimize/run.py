@@ -15,7 +15,7 @@ from typing import Any, Optional
 import yaml
 
 from ..errors import UserError
-from .chain import Chain, ChainResult, baseline_of
+from .chain import MODEL_KEYS, Chain, ChainResult, baseline_of
 from .dispatch import Dispatcher
 from .measurement import describe
 from .objective import Objective
@@ -126,8 +126,13 @@ def run_optimize(overrides: list[str], in_process: bool = False, echo=print) -> 
 
 def _chain(space: Space, o: OptimizeConf, objective: Objective, gate: bool, disp: Dispatcher, echo) -> OptimizeResult:
     limit = int((space.config.get("eval") or {}).get("limit") or 0)
+    predict = None
+    if any(k in MODEL_KEYS for k in space.axes):  # right-size: a larger model predicted slower is not measured
+        from .predict import CostModelSkip
+
+        predict = CostModelSkip(disp, space.axes).predicted
     c = Chain(space.axes, objective, rules_of(o, gate), budget_of(o), disp, eval_limit=limit,
-              trust_regime=o.trust_regime, echo=echo)
+              trust_regime=o.trust_regime, echo=echo, predict=predict)
     r: ChainResult = c.run()
     final_hash = r.incumbent_measurement.config_hash if r.incumbent_measurement else ""
     return OptimizeResult("chain", "", None, r.incumbent, final_hash, r.stop, r.trials, r.reused, 0.0,
