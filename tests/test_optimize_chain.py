@@ -241,3 +241,27 @@ def test_paired_accuracy_pairs_by_item_not_by_score():
     a = paired_accuracy("t", inc, cand)
     assert (a.b, a.c, a.delta, a.verdict) == (10, 10, 0.0, UNDECIDED)  # 20 discordant items: a drop not excluded
     assert a.detectable == pytest.approx(9 / 50)  # ceil(1.96 * sqrt(20)) = 9 items
+
+
+def test_a_pair_that_cannot_change_the_task_scores_is_measured_without_the_eval():
+    # kv_cache and speculation touch only generation: their pairs run with eval.enabled=false on both trials;
+    # attention and quantization change the numerics: their pairs are judged by the paired gate
+    neutral = ("kv_cache.mode", "speculative.method")
+    syn = Synthetic(tpot_of({("kv_cache", "contiguous"): 0.5, ("attention", "sdpa"): 0.8,
+                             ("quant", "int8-weight"): 0.8, ("speculative", "prompt-lookup"): 0.8}))
+    res = chain(syn, score_neutral=neutral).run()
+    off = [r.points for r in syn.requests if all(p.get("eval.enabled") == "false" for p in r.points)]
+    on = [r.points for r in syn.requests if not any("eval.enabled" in p for p in r.points)]
+    assert [p[1]["kv_cache"] for p in off[:1]] == ["contiguous"] and len(off) == 2  # the kv and speculative pairs
+    assert off[1][1]["speculative"] == "prompt-lookup"
+    assert len(on) == 3  # the baseline, the attention pair, the quantization pair
+    by = {r.label: r for r in res.rows}
+    assert by["KV cache"].decision == ACCEPTED and by["KV cache"].accuracy == ""
+    assert by["KV cache"].reason.endswith("accuracy equal by construction (kv_cache: task scores do not depend on it)")
+    assert by["quantization"].reason.endswith("accuracy holds")  # measured and judged
+    assert res.incumbent_measurement.point.get("eval.enabled") == "false"  # the speculative pair's trial: the final
+    # the baseline's own accuracy decides nothing: without eval_baseline it runs without the eval
+    syn = Synthetic(tpot_of({("kv_cache", "contiguous"): 0.5}))
+    res = chain(syn, space={"kv_cache": ["off", "contiguous"]}, score_neutral=neutral, eval_baseline=False).run()
+    assert syn.requests[0].points == ({"kv_cache": "off", "eval.enabled": "false"},)
+    assert res.rows[0].candidate == "kv_cache=off" and res.rows[1].decision == ACCEPTED
