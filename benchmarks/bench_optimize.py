@@ -128,8 +128,9 @@ def main() -> int:
                 "optimize search": configs("bench-opt-search")}
 
     # 4. each pick against the grid's best: one interleaved pair (the drift of the machine cancels)
-    check = Dispatcher(sp.fixed, "bench-opt-check", sp.config["tracking"], None, args.rounds,
-                       "bench_optimize check", echo=lambda s: None)
+    check = Dispatcher([o for o in sp.fixed if not o.startswith("sweep_name=")] + ["sweep_name=bench-opt-check"],
+                       "bench-opt-check", sp.config["tracking"], None, args.rounds, "bench_optimize check",
+                       echo=lambda s: None)
     out = []
     for label, pick, trials, wall, verdict in rows:
         grid_tpot = tpot_of.get(tuple(sorted(pick.items())))
@@ -137,7 +138,9 @@ def main() -> int:
             if pick == best.point:
                 verdict = "yes: the grid's best itself"
             else:
-                b, c = check([Request((best.point, pick), interleaved=True)])[0]
+                # the same pick twice (chain and search agree): its check pair is measured again (attempt 1)
+                attempt = sum(1 for r in out if r[1] == describe(pick))
+                b, c = check([Request((best.point, pick), interleaved=True, attempt=attempt)])[0]
                 r = objective.compare(b, c)
                 if r is None:
                     verdict = "? (the check pair failed)"
