@@ -184,3 +184,84 @@ def test_judge_reports_slower():
     fast = Measurement({}, rounds={"tpot_ms_p50": [10.0, 10.1, 9.9]}, metrics={})
     v = judge(fast, slow, Objective.parse("tpot"), Rules())
     assert v.decision == REJECTED and v.reason.startswith("slower x0.83")
+
+
+# --- right-size: the model axis is the chain's last step -------------------------------------------------
+MODELS = {"kv_cache": ["off", "contiguous"], "model": ["smollm2-135m", "gemma-3-270m"]}
+
+
+def bytes_of(p):
+    return {"smollm2-135m": 2.7e8, "gemma-3-270m": 5.4e8}[p["model"]]
+
+
+def test_plan_puts_the_model_last_and_keeps_dtype_out_of_right_size():
+    steps = plan({"model": ["smollm2-135m", "gemma-3-270m"], "kv_cache": ["off", "contiguous"],
+                  "model.dtype": ["float32", "bfloat16"]}, {"model": "smollm2-135m", "kv_cache": "off",
+                                                            "model.dtype": "float32"})
+    assert [s.key for s in steps] == ["kv_cache", "model.dtype", "model"]
+    assert steps[-1].label == "right-size the model"
+
+
+def test_right_size_skips_a_larger_model_predicted_slower_without_spending_a_trial():
+    syn = Synthetic(tpot_of({("kv_cache", "contiguous"): 0.5, ("model", "gemma-3-270m"): 1.6}))
+    res = chain(syn, space=MODELS, predict=lambda p: (syn.tpot(p) / 1e3, bytes_of(p))).run()
+    last = res.rows[-1]
+    assert (last.label, last.candidate, last.decision) == ("right-size the model", "model=gemma-3-270m", SKIPPED)
+    assert last.reason.startswith("cost model: predicted x1.60 slower per token with x2.0 the weight bytes")
+    assert not any(p.get("model") == "gemma-3-270m" for r in syn.requests for p in r.points)  # never measured
+    assert res.incumbent == {"kv_cache": "contiguous", "model": "smollm2-135m"}
+    # no prediction (the roofline cannot say): measured, and rejected on the measurement
+    res = chain(Synthetic(syn.tpot), space=MODELS, predict=lambda p: None).run()
+    assert res.rows[-1].decision == REJECTED and res.rows[-1].reason.startswith("slower x0.6")
+
+
+def test_right_size_accepts_a_smaller_model_only_when_faster_and_the_paired_gate_holds():
+    big_first = {"kv_cache": ["off", "contiguous"], "model": ["gemma-3-270m", "smollm2-135m"]}
+    faster = tpot_of({("kv_cache", "contiguous"): 0.5, ("model", "smollm2-135m"): 0.6})
+    # same answers on the items: accepted
+    syn = Synthetic(faster)
+    res = chain(syn, space=big_first, predict=lambda p: (syn.tpot(p) / 1e3, bytes_of(p))).run()
+    assert res.rows[-1].decision == ACCEPTED and res.rows[-1].reason.endswith("accuracy holds")
+    assert res.incumbent == {"kv_cache": "contiguous", "model": "smollm2-135m"}
+    # the smaller model loses 10 of the 50 items the larger one answers: rejected by the paired gate, per item
+    lossy = Synthetic(faster, wrong=lambda p: 10 if p["model"] == "smollm2-135m" else 0)
+    res = chain(lossy, space=big_first, predict=lambda p: (lossy.tpot(p) / 1e3, bytes_of(p))).run()
+    assert res.rows[-1].decision == REJECTED and res.rows[-1].reason.startswith("accuracy gate: emoji_movie -20.0%")
+    assert res.incumbent == {"kv_cache": "contiguous", "model": "gemma-3-270m"}
+    # no faster than noise: rejected, whatever the accuracy
+    near = Synthetic(tpot_of({("kv_cache", "contiguous"): 0.5, ("model", "smollm2-135m"): 1.0}))
+    res = chain(near, space=big_first, predict=lambda p: (near.tpot(p) / 1e3, bytes_of(p))).run()
+    assert res.rows[-1].decision == REJECTED and res.rows[-1].reason.startswith(("within noise", "below min effect"))
+
+
+def test_paired_accuracy_pairs_by_item_not_by_score():
+    # the same accuracy (60%) on different items: unpaired nothing changed, paired 10 items flipped each way
+    inc = [1.0] * 30 + [0.0] * 20
+    cand = [0.0] * 10 + [1.0] * 20 + [1.0] * 10 + [0.0] * 10
+    a = paired_accuracy("t", inc, cand)
+    assert (a.b, a.c, a.delta, a.verdict) == (10, 10, 0.0, UNDECIDED)  # 20 discordant items: a drop not excluded
+    assert a.detectable == pytest.approx(9 / 50)  # ceil(1.96 * sqrt(20)) = 9 items
+
+
+def test_a_pair_that_cannot_change_the_task_scores_is_measured_without_the_eval():
+    # kv_cache and speculation touch only generation: their pairs run with eval.enabled=false on both trials;
+    # attention and quantization change the numerics: their pairs are judged by the paired gate
+    neutral = ("kv_cache.mode", "speculative.method")
+    syn = Synthetic(tpot_of({("kv_cache", "contiguous"): 0.5, ("attention", "sdpa"): 0.8,
+                             ("quant", "int8-weight"): 0.8, ("speculative", "prompt-lookup"): 0.8}))
+    res = chain(syn, score_neutral=neutral).run()
+    off = [r.points for r in syn.requests if all(p.get("eval.enabled") == "false" for p in r.points)]
+    on = [r.points for r in syn.requests if not any("eval.enabled" in p for p in r.points)]
+    assert [p[1]["kv_cache"] for p in off[:1]] == ["contiguous"] and len(off) == 2  # the kv and speculative pairs
+    assert off[1][1]["speculative"] == "prompt-lookup"
+    assert len(on) == 3  # the baseline, the attention pair, the quantization pair
+    by = {r.label: r for r in res.rows}
+    assert by["KV cache"].decision == ACCEPTED and by["KV cache"].accuracy == ""
+    assert by["KV cache"].reason.endswith("accuracy equal by construction (kv_cache: task scores do not depend on it)")
+    assert by["quantization"].reason.endswith("accuracy holds")  # measured and judged
+    assert res.incumbent_measurement.point.get("eval.enabled") == "false"  # the speculative pair's trial: the final
+    # the baseline's own accuracy decides nothing: without eval_baseline it runs without the eval
+    syn = Synthetic(tpot_of({("kv_cache", "contiguous"): 0.5}))
+    res = chain(syn, space={"kv_cache": ["off", "contiguous"]}, score_neutral=neutral, eval_baseline=False).run()
+    assert syn.requests[0].points == ({"kv_cache": "off", "eval.enabled": "false"},)
+    assert res.rows[0].candidate == "kv_cache=off" and res.rows[1].decision == ACCEPTED

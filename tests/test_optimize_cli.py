@@ -71,7 +71,12 @@ def test_real_chain_on_the_tiny_model_resumes_by_hash(tiny_overrides, mlflow_cli
     assert len(trials) == 3 and all(t.data.tags.get("config_hash") for t in trials)
     arts = {a.path for a in mlflow_client.list_artifacts(opt.info.run_id, "optimize")}
     assert {"optimize/chain.md", "optimize/chain.json", "optimize/final_config.yaml"} <= arts
-    assert opt.data.tags["final_config_hash"] in {t.data.tags["config_hash"] for t in trials}
+    final = opt.data.tags["final_config_hash"]
+    assert final in {t.data.tags["config_hash"] for t in trials}
+    assert f"(infersweep reproduce {final[:12]})" in out  # the hash a user copies
+    # ... and it reproduces: the final configuration re-run from its stored config, same tokens
+    assert main(["reproduce", final[:12], *tiny_overrides[-2:]]) == 0
+    assert "MATCH" in capsys.readouterr().out
     # the same command again: every trial FINISHED by hash is reused, nothing runs
     main(args)
     again = capsys.readouterr().out

@@ -4,9 +4,16 @@ Measure the baseline (nothing applied), read its regime, take the next step of t
 CHAIN: KV cache -> continuous batching -> fused attention -> quantization -> speculative decoding, then the
 space's other axes, then a different model: right-size) that the regime says should pay off; measure each of
 its variants against the incumbent as an interleaved pair, in the seed's order (quantization: weight-only INT8
-first); keep the first variant the decision rules accept (decide.py) and go on from it. A pair with an
+first); keep the first variant the decision rules accept (decide.py) and go on from it. Right-sizing is the
+last step: each other model of the space's model axis is a candidate on top of the incumbent's optimizations,
+accepted only like any step (faster beyond noise, paired accuracy gate on the same task items); a model with
+more weight bytes that the cost model predicts to be slower per token is skipped with that reason, never spent
+as a trial. A pair with an
 unstable trial is re-measured up to `remeasure` times, then left "undecided: too noisy"; a pair whose accuracy
-is undecided is measured again on more items (eval.limit doubled) up to `max_items`. It stops at the end of the
+is undecided is measured again on more items (eval.limit doubled) up to `max_items`. A pair that differs only in
+axes that cannot change the task scores (`score_neutral`: the KV cache, batching and speculation, where the tasks
+are log-likelihood ones scored teacher-forced without a cache) is measured without the task eval: its accuracy
+is equal by construction, and the eval is most of a trial's time on this machine. It stops at the end of the
 chain or when the budget (trials, seconds) is spent. Every decision becomes a row of the chain table.
 """
 from __future__ import annotations
@@ -19,11 +26,17 @@ from engine import axes as axis_registry
 
 from .decide import (ACCEPTED, BASELINE, FAILED, MORE_ITEMS, REMEASURE, SKIPPED, UNDECIDED_, Rules, Verdict,
                      accuracy_cell, judge)
-from .measurement import EVAL_LIMIT, Measure, Measurement, Point, Request, describe
+from .measurement import EVAL_LIMIT, EVAL_OFF, Measure, Measurement, Point, Request, describe
 from .objective import Objective
+
+MODEL_KEYS = ("model", "model.name")  # the model axis (right-size); `model.dtype` is the precision axis
 
 # quantization's variants in the seed's order: weight-only INT8 first, then the others as the space lists them
 QUANT_FIRST = ("int8-weight",)
+
+
+# a point -> (predicted seconds per generated token, weight bytes), None where the cost model cannot say
+Predict = Callable[[Point], Optional[tuple[float, float]]]
 
 
 @dataclass(frozen=True)
@@ -64,7 +77,7 @@ def plan(space: Mapping[str, list[str]], baseline: Mapping[str, str]) -> list[St
 
     chain_keys = sorted((k for k in space if _axis(k) is not None and _axis(k).chain is not None),
                         key=lambda k: _axis(k).chain)
-    model = [k for k in space if k.split(".")[0] == "model" and _axis(k) is None]
+    model = [k for k in space if k in MODEL_KEYS]
     others = [k for k in space if k not in chain_keys and k not in model]
     steps = [Step(k, _axis(k).label, variants(k)) for k in chain_keys]
     steps += [Step(k, _axis(k).label if _axis(k) else k, variants(k)) for k in others]
@@ -134,13 +147,37 @@ class ChainResult:
 class Chain:
     def __init__(self, space: Mapping[str, list[str]], objective: Objective, rules: Rules, budget: Budget,
                  measure: Measure, *, baseline: Optional[Point] = None, eval_limit: int = 0,
-                 trust_regime: bool = True, clock: Callable[[], float] = time.monotonic, echo=lambda s: None):
+                 trust_regime: bool = True, clock: Callable[[], float] = time.monotonic, echo=lambda s: None,
+                 predict: Optional[Predict] = None, score_neutral: tuple[str, ...] = (), eval_baseline: bool = True):
         self.space = {k: list(v) for k, v in space.items()}
         self.baseline = dict(baseline or baseline_of(space))
         self.objective, self.rules, self.budget, self._measure = objective, rules, budget, measure
         self.eval_limit, self.trust_regime, self.clock, self.echo = eval_limit, trust_regime, clock, echo
+        self.predict, self.score_neutral, self.eval_baseline = predict, tuple(score_neutral), eval_baseline
         self.trials = self.reused = 0
         self._t0 = 0.0
+
+    def _same_scores(self, inc: Point, cand: Point) -> str:
+        """The keys the pair differs in when none of them can change the task scores ('' otherwise)."""
+        diff = [k for k in cand if cand[k] != inc.get(k)]
+        if diff and all(axis_registry.resolve_key(k) in self.score_neutral for k in diff):
+            return ", ".join(diff)
+        return ""
+
+    def _predicted_loss(self, inc: Point, cand: Point) -> str:
+        """Why right-sizing to `cand`'s model cannot pay off ('' when it may): more weight bytes and a longer
+        predicted time per token than the incumbent (engine/measure/costmodel.py's roofline, same workload and
+        optimizations). A model the roofline cannot predict is measured."""
+        if self.predict is None:
+            return ""
+        mine, theirs = self.predict(cand), self.predict(inc)
+        if mine is None or theirs is None or theirs[0] <= 0 or theirs[1] <= 0:
+            return ""
+        t, b = mine[0] / theirs[0], mine[1] / theirs[1]
+        if t > 1 and b > 1:
+            return (f"cost model: predicted x{t:.2f} slower per token with x{b:.1f} the weight bytes "
+                    f"(roofline): not spent as a trial")
+        return ""
 
     # --- budget ----------------------------------------------------------------------------------------
     def _spent(self) -> str:
@@ -163,11 +200,16 @@ class Chain:
     def _pair(self, inc: Point, cand: Point) -> tuple[Verdict, list[Measurement], int]:
         """Measure `cand` against `inc` (interleaved) until a verdict needs nothing more or the budget ends."""
         attempt, limit, tries = 0, 0, 0
+        same = self._same_scores(inc, cand)
         while True:
             pts = (inc, cand) if not limit else ({**inc, EVAL_LIMIT: str(limit)}, {**cand, EVAL_LIMIT: str(limit)})
+            if same:
+                pts = ({**inc, EVAL_OFF: "false"}, {**cand, EVAL_OFF: "false"})
             ms = self._run(Request(pts, interleaved=True, attempt=attempt))
             tries += 1
             v = judge(ms[0], ms[1], self.objective, self.rules)
+            if same and v.decision == ACCEPTED:
+                v.reason += f"; accuracy equal by construction ({same}: task scores do not depend on it)"
             spent = self._spent()
             if v.needs == REMEASURE:
                 if attempt < self.budget.remeasure and not spent:
@@ -189,7 +231,8 @@ class Chain:
     def run(self) -> ChainResult:
         self._t0 = self.clock()
         inc = dict(self.baseline)
-        (m0,) = self._run(Request((inc,)))
+        # the baseline's own task accuracy decides nothing: every pair measures its incumbent again on the same items
+        (m0,) = self._run(Request((inc if self.eval_baseline else {**inc, EVAL_OFF: "false"},)))
         rows = [Row(0, "baseline", describe(inc), BASELINE if m0.ok else FAILED,
                     "" if m0.ok else (m0.error.splitlines()[0] if m0.error else m0.status),
                     regime_before=m0.regime, regime_after=m0.regime, hashes=(m0.config_hash,))]
@@ -209,6 +252,10 @@ class Chain:
                 if stop:
                     break
                 cand = {**inc, step.key: variant}
+                if step.key in MODEL_KEYS and (why := self._predicted_loss(inc, cand)):
+                    rows.append(Row(i, step.label, describe(cand, inc), SKIPPED, why, regime_before=inc_m.regime))
+                    self.echo(f"step {i} ({step.label}): {describe(cand, inc)} skipped: {why}")
+                    continue
                 self.echo(f"step {i} ({step.label}): {describe(cand, inc)} vs incumbent")
                 v, ms, tries = self._pair(inc, cand)
                 rows.append(Row(i, step.label, describe(cand, inc), v.decision, v.reason,

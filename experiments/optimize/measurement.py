@@ -13,6 +13,7 @@ FINISHED, FAILED, INVALID = "FINISHED", "FAILED", "INVALID"
 # space's axes (config groups or dotted keys) and `eval.limit` when a pair's accuracy needed more items.
 Point = dict[str, str]
 EVAL_LIMIT = "eval.limit"
+EVAL_OFF = "eval.enabled"  # set to "false" on both trials of a pair whose task scores cannot differ (chain.py)
 
 
 def point_key(p: Mapping[str, str]) -> tuple[tuple[str, str], ...]:

@@ -15,7 +15,7 @@ from typing import Any, Optional
 import yaml
 
 from ..errors import UserError
-from .chain import Chain, ChainResult, baseline_of
+from .chain import MODEL_KEYS, Chain, ChainResult, baseline_of
 from .dispatch import Dispatcher
 from .measurement import describe
 from .objective import Objective
@@ -49,6 +49,7 @@ class OptimizeResult:
     notes: list[str] = field(default_factory=list)
     front: list[str] = field(default_factory=list)  # search: the Pareto front's lines
     skipped: list[str] = field(default_factory=list)  # search: configurations never measured, and why
+    measured: dict[str, str] = field(default_factory=dict)  # the final point as its trial ran (eval.enabled=false ...)
 
 
 def prepare(overrides: list[str]) -> tuple[Space, OptimizeConf, Dispatcher]:
@@ -124,14 +125,41 @@ def run_optimize(overrides: list[str], in_process: bool = False, echo=print) -> 
         tracker.client.set_terminated(rid, status=status)
 
 
+def score_neutral(space: Space) -> tuple[str, ...]:
+    """The axes that cannot change this space's task scores: the KV cache, batching and speculation touch only
+    generation, and an in-process logits engine (hf, native) scores a log-likelihood task teacher-forced with no
+    cache (engine/engines/logits.py `Backend.score`). Nothing when a task generates or an engine scores otherwise."""
+    from engine import axes, engines
+    from engine.engines.logits import LogitsEngine
+    from engine.tasks.run import needs_generation
+
+    tasks = list((space.config.get("eval") or {}).get("tasks") or [])
+    backends = space.axes.get("engine") or [str((space.config.get("engine") or {}).get("backend", "hf"))]
+    try:
+        logits = all(isinstance(engines.get(b), LogitsEngine) for b in backends)
+    except Exception:
+        return ()
+    if not tasks or any(needs_generation(t) for t in tasks) or not logits:
+        return ()
+    return (axes.KV_CACHE.key, axes.BATCHING.key, axes.SPECULATIVE.key)
+
+
 def _chain(space: Space, o: OptimizeConf, objective: Objective, gate: bool, disp: Dispatcher, echo) -> OptimizeResult:
     limit = int((space.config.get("eval") or {}).get("limit") or 0)
+    predict = None
+    if any(k in MODEL_KEYS for k in space.axes):  # right-size: a larger model predicted slower is not measured
+        from .predict import CostModelSkip
+
+        predict = CostModelSkip(disp, space.axes).predicted
+    neutral = score_neutral(space) if gate else ()
     c = Chain(space.axes, objective, rules_of(o, gate), budget_of(o), disp, eval_limit=limit,
-              trust_regime=o.trust_regime, echo=echo)
+              trust_regime=o.trust_regime, echo=echo, predict=predict, score_neutral=neutral,
+              eval_baseline=not neutral)  # log-likelihood tasks only: the pairs measure every accuracy that decides
     r: ChainResult = c.run()
     final_hash = r.incumbent_measurement.config_hash if r.incumbent_measurement else ""
     return OptimizeResult("chain", "", None, r.incumbent, final_hash, r.stop, r.trials, r.reused, 0.0,
                           table=to_markdown(r.rows), notes=order_notes(r.rows),
+                          measured=dict(r.incumbent_measurement.point) if r.incumbent_measurement else {},
                           rows_json=json.dumps([row.as_dict() for row in r.rows], indent=1))
 
 
@@ -168,7 +196,7 @@ def _log(client, rid: str, res: OptimizeResult, disp: Dispatcher) -> None:
         client.set_tag(rid, k, v)
     if res.final:
         try:
-            spec = disp.spec(res.final)
+            spec = disp.spec(res.measured or res.final)  # the hash of a trial that ran: `reproduce` finds it
             client.log_text(rid, yaml.safe_dump(spec.config, sort_keys=True), FINAL_ARTIFACT)
             tags["final_config_hash"] = spec.config_hash
             client.set_tag(rid, "final_config_hash", spec.config_hash)
