@@ -130,15 +130,17 @@ def main() -> None:
                           speedup_min_max=[round(min(ratios), 2), round(max(ratios), 2)],
                           weight_gbs=round(wbytes / (med / 1e3) / 1e9, 2), warmup_s=compile_s[m],
                           compile_s=round(backends[m].extra_metrics().get("compile_s", 0.0), 1),
-                          tokens_equal_eager=bool(torch.equal(tokens[m], tokens["eager"])))
+                          tokens_equal_eager=bool(torch.equal(tokens[m], tokens["eager"])),
+                          cudagraphs=backends[m].extra_info().get("cudagraphs", "-"))
         results[dtype] = dict(weights_bytes=wbytes, modes=row)
-    print("\n| dtype | mode | TPOT ms median (min-max) | x eager median (min-max) | weight GB/s | compile s | tokens = eager |")
-    print("|---|---|---|---|---|---|---|")
+    print("\n| dtype | mode | TPOT ms median (min-max) | x eager median (min-max) | weight GB/s | compile s | tokens = eager "
+          "| CUDA graphs |")
+    print("|---|---|---|---|---|---|---|---|")
     for dtype, res in results.items():
         for m, r in res["modes"].items():
             print(f"| {dtype} | {m} | {r['tpot_ms']} ({r['tpot_min_max'][0]}-{r['tpot_min_max'][1]}) | "
                   f"x{r['speedup_vs_eager']} ({r['speedup_min_max'][0]}-{r['speedup_min_max'][1]}) | {r['weight_gbs']} | "
-                  f"{r['compile_s']} | {r['tokens_equal_eager']} |")
+                  f"{r['compile_s']} | {r['tokens_equal_eager']} | {r['cudagraphs']} |")
     out = dict(info, end_loadavg=os.getloadavg(), results=results)
     print(json.dumps(out))
     if args.json:

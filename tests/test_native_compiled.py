@@ -58,6 +58,26 @@ def test_compiled_static_step_greedy_tokens_equal_eager_native_and_hf(dtype, mod
     assert torch.equal(got, again)
     assert torch.equal(got, eager)
     assert torch.equal(got, hf)
+    assert compiled.extra_info() == {"cudagraphs": "off (cpu)"}  # graphs are a CUDA thing: said so in the trial
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA device")
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_compiled_static_step_on_cuda_engages_cudagraphs(dtype, prompts):
+    """On CUDA the step replays CUDA graphs (its K/V, token and position tensors at static addresses, so
+    cudagraph trees accept the in-place cache writes) and still gives eager's greedy tokens, session after
+    session (the static K/V tensors are reused and zeroed per session)."""
+    loaded = load_model(ModelConfig(name="tiny", path="tiny://llama", dtype=dtype), attention="sdpa", device="cuda")
+    compiled = make_backend(loaded, _trial(dtype))
+    cuda_prompts = prompts.to("cuda")
+    got = _greedy(compiled, cuda_prompts)
+    assert compiled.extra_info() == {"cudagraphs": "engaged"}
+    first = compiled.extra_metrics()["compile_s"]
+    again = _greedy(compiled, cuda_prompts)
+    assert compiled.extra_metrics()["compile_s"] == first  # no recompile, no re-record for a new session
+    eager = _greedy(make_backend(loaded, _trial(dtype, compile=False, mode="dynamic")), cuda_prompts)
+    assert torch.equal(got, again)
+    assert torch.equal(got, eager)
 
 
 @pytest.mark.parametrize("attention", ["eager", "sdpa"])

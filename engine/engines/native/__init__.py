@@ -183,5 +183,8 @@ class NativeTrialSession(LogitsSession):
     def metrics(self) -> dict[str, float]:
         return dict(super().metrics(), **self.backend.extra_metrics())
 
+    def info(self) -> dict[str, str]:
+        return dict(super().info(), **self.backend.extra_info())
+
 
 ENGINE = NativeEngine()

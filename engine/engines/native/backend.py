@@ -14,7 +14,7 @@ import torch
 from ...config import KV_CACHE_MODES, EngineError, TrialConfig
 from ...models import LoadedModel, weights_bytes
 from .attention import make_attention
-from .compiled import CompiledDecodeStep, StaticKVCache
+from .compiled import CompiledDecodeStep
 from .kv_cache import ContiguousKVCache, PagedKVCache
 from .model import Transformer
 from .support import window_exceeded
@@ -32,7 +32,7 @@ class NativeSession:
         dims = (args.num_layers, batch_size, max_len, args.num_kv_heads, args.head_dim)
         dtype, device = backend.dtype, backend.device
         if mode == "contiguous" and backend.static_step:
-            self.cache = StaticKVCache(*dims, dtype=dtype, device=device)
+            self.cache = backend.decode_step.new_cache(*dims, dtype=dtype, device=device)
         elif mode == "contiguous":
             self.cache = ContiguousKVCache(*dims, dtype=dtype, device=device)
         elif mode == "paged":
@@ -123,6 +123,10 @@ class NativeBackend:
         if self.static_step:  # wall time of compiling the step (warm-up), never inside a timed step
             out["compile_s"] = float(self.decode_step.compile_s)
         return out
+
+    def extra_info(self) -> dict[str, str]:
+        """The static step's CUDA graphs: "engaged", "skipped: <torch's reason>", or "off (cpu)"."""
+        return {"cudagraphs": self.decode_step.cudagraphs} if self.static_step else {}
 
 
 def compile_decode_step(model: Transformer, device: torch.device):

@@ -4,12 +4,15 @@ A one-token step whose every shape is fixed for the session, so one graph serves
   - the KV cache is one preallocated [L, B, Hkv, max_len, D] tensor per K and V (`StaticKVCache`); a step
     writes its new K/V with `index_copy_` at `input_pos` (a tensor, not a Python int: no guard on the
     position) and attends over all max_len slots with a mask `slot <= input_pos`;
-  - the step is `torch.compile`d with inductor `freezing`: the weights become constants, so inductor
+  - the step is `torch.compile`d with inductor `freezing` (CPU): the weights become constants, so inductor
     prepacks them for its GEMM kernels once instead of reading the module per call; `static-autotune`
     adds `max_autotune`, which lets inductor pick its C++ GEMM template per shape (minutes of compile on a
     small CPU, the fastest CPU GEMV measured in issue 28); on a GPU CUDA graphs are asked for (what
-    mode="reduce-overhead" sets), but torch 2.11 skips them ("mutated inputs": the step writes the K/V
-    tensors it is given); gpt-fast's way, the caches as module buffers, is still to do.
+    mode="reduce-overhead" sets). Cudagraph trees refuse a graph that mutates an input ("mutated inputs")
+    unless the input's address is static, so on CUDA, gpt-fast style, the step owns its K/V tensors per
+    session shape (reused by every session of that shape, `torch._dynamo.mark_static_address`) and its
+    token/position inputs are static buffers filled before each replay. Whether graphs engaged, or the
+    reason torch logged for skipping them, is kept in `cudagraphs` (a trial's `info`).
 Prefill stays eager (its length varies) and writes into the same tensors through the contiguous-cache
 `update` (the per-layer views of the static tensors).
 
@@ -18,6 +21,7 @@ wall time is kept in `compile_s` and reported as its own metric, never inside a 
 """
 from __future__ import annotations
 
+import logging
 import math
 import time
 
@@ -37,10 +41,11 @@ class StaticKVCache(ContiguousKVCache):
     K and V, so the compiled step takes two inputs (two guards) instead of 2L."""
 
     def __init__(self, num_layers: int, batch_size: int, max_len: int, num_kv_heads: int, head_dim: int,
-                 dtype: torch.dtype, device: torch.device):
+                 dtype: torch.dtype, device: torch.device, buffers: tuple | None = None):
         shape = (num_layers, batch_size, num_kv_heads, max_len, head_dim)
-        self.k_all = torch.zeros(shape, dtype=dtype, device=device)
-        self.v_all = torch.zeros(shape, dtype=dtype, device=device)
+        if buffers is None:
+            buffers = (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
+        self.k_all, self.v_all = buffers  # `buffers`: the compiled step's static tensors (CUDA), reused
         self.k, self.v = list(self.k_all.unbind(0)), list(self.v_all.unbind(0))
         self.batch_size, self.max_len = batch_size, max_len
         self.length, self._start = 0, 0  # as ContiguousKVCache: the one owner of the sequence length
@@ -106,9 +111,24 @@ class StaticStep(torch.nn.Module):
         return m._logits(x).view(b, 1, -1)
 
 
+# where torch's inductor logs "skipping cudagraphs due to ..." (torch._inductor.cudagraph_utils' artifact logger)
+_CUDAGRAPH_LOG = "torch._inductor.cudagraph_utils.__cudagraphs"
+_CUDAGRAPH_PROBE_CALLS = 3  # cudagraph trees: warm-up run, record, first replay; a skip shows within these
+
+
+class _SkipCapture(logging.Handler):
+    def __init__(self):
+        super().__init__(logging.WARNING)
+        self.messages: list[str] = []
+
+    def emit(self, record):
+        self.messages.append(record.getMessage())
+
+
 class CompiledDecodeStep:
     """The backend's `decode_step` (same call as the model: tokens, start, kernel, cache) for a
-    `StaticKVCache`. `compile_s`: wall time of the calls that compiled (first call per session shape)."""
+    `StaticKVCache`. `compile_s`: wall time of the calls that compiled (first call per session shape).
+    `cudagraphs`: "off (cpu)" | "engaged" | "skipped: <torch's reason>" once the first steps ran on CUDA."""
 
     def __init__(self, model, attention_impl: str, device: torch.device, mode: str = "static", compile: bool = True):
         if mode not in COMPILE_MODES[1:]:
@@ -119,6 +139,11 @@ class CompiledDecodeStep:
         self.device = torch.device(device)
         self.compile_s = 0.0
         self._seen: set = set()
+        self._cuda_graphs = compile and self.device.type == "cuda"
+        self.cudagraphs = "pending" if self._cuda_graphs else f"off ({self.device.type if compile else 'not compiled'})"
+        self._static: dict = {}  # session shape -> (k_all, v_all, tokens, pos): the CUDA-graph static tensors
+        self._probe_calls = 0
+        self._skips: list[str] = []
         self._fn = self.step
         if compile:
             # freezing: weights as constants, prepacked once for inductor's GEMMs; emulate_precision_casts:
@@ -127,25 +152,87 @@ class CompiledDecodeStep:
             if mode == "static-autotune":
                 options["max_autotune"] = True
             if self.device.type == "cuda":
-                options["triton.cudagraphs"] = True  # what mode="reduce-overhead" sets (skipped today, see above)
+                options["triton.cudagraphs"] = True  # as mode="reduce-overhead"; static inputs: new_cache
+                # no freezing on CUDA (its prepacking is a CPU GEMM thing): torch 2.11's freezing path drops the
+                # weights from the inputs without shifting the static-input indices, so the static K/V are
+                # not seen as static and graphs are skipped ("mutated inputs", seen on an H200 2026-12-04)
+                del options["freezing"]
             try:
                 self._fn = torch.compile(self.step, dynamic=False, fullgraph=True, options=options)
             except Exception as e:  # pragma: no cover - depends on the toolchain
                 raise EngineError(f"engine.compile_mode={mode} failed to set up torch.compile on {device}: {e}") from e
 
+    def new_cache(self, num_layers: int, batch_size: int, max_len: int, num_kv_heads: int, head_dim: int,
+                  dtype: torch.dtype, device: torch.device) -> StaticKVCache:
+        """The session's cache. On CUDA with graphs its K/V tensors are this step's static ones for the shape
+        (one live session per shape, as a trial runs them), zeroed; elsewhere fresh tensors, as before."""
+        dims = (num_layers, batch_size, max_len, num_kv_heads, head_dim)
+        if not self._cuda_graphs:
+            return StaticKVCache(*dims, dtype=dtype, device=device)
+        key = (dims, dtype)
+        if key not in self._static:
+            shape = (num_layers, batch_size, num_kv_heads, max_len, head_dim)
+            bufs = (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device),
+                    torch.zeros((batch_size, 1), dtype=torch.long, device=device),
+                    torch.zeros((1,), dtype=torch.long, device=device))
+            for t in bufs:  # a fixed address: dynamo guards on it, cudagraph trees then accept its mutation
+                torch._dynamo.mark_static_address(t)
+            self._static[key] = bufs
+        k_all, v_all = self._static[key][:2]
+        k_all.zero_()
+        v_all.zero_()
+        return StaticKVCache(*dims, dtype=dtype, device=device, buffers=(k_all, v_all))
+
+    def _inputs(self, tokens: torch.Tensor, start: int, cache: StaticKVCache):
+        if not self._cuda_graphs:
+            return tokens, torch.tensor([start], dtype=torch.long, device=tokens.device)
+        for bufs in self._static.values():
+            if bufs[0] is cache.k_all:
+                tok, pos = bufs[2], bufs[3]
+                tok.copy_(tokens)  # into the static inputs the graph was recorded with (device-side, no sync)
+                pos.fill_(start)
+                return tok, pos
+        raise EngineError("the static compiled decode step on CUDA needs a cache from its own new_cache()")
+
+    def _run(self, tokens, pos, cache):
+        if self._cuda_graphs:
+            torch.compiler.cudagraph_mark_step_begin()  # the previous replay's output was cloned: reuse its memory
+        return self._fn(tokens, pos, cache.k_all, cache.v_all)
+
     def __call__(self, tokens: torch.Tensor, start: int, kernel, cache) -> torch.Tensor:
         if not isinstance(cache, StaticKVCache):
             raise EngineError("the static compiled decode step needs the static KV cache (kv_cache.mode=contiguous)")
-        pos = torch.tensor([start], dtype=torch.long, device=tokens.device)
+        tokens, pos = self._inputs(tokens, start, cache)
         key = (tuple(tokens.shape), tuple(cache.k_all.shape), cache.k_all.dtype)
-        if key in self._seen:
-            out = self._fn(tokens, pos, cache.k_all, cache.v_all)
-        else:  # this call compiles: time it apart from every timed step
-            t0 = time.perf_counter()
-            out = self._fn(tokens, pos, cache.k_all, cache.v_all)
-            if self.device.type == "cuda":
-                torch.cuda.synchronize(self.device)
-            self.compile_s += time.perf_counter() - t0
-            self._seen.add(key)
+        probe = self._cuda_graphs and self._probe_calls < _CUDAGRAPH_PROBE_CALLS
+        if probe:  # listen for torch's "skipping cudagraphs due to ..." over the first steps
+            from torch._dynamo.utils import counters
+
+            capture, log = _SkipCapture(), logging.getLogger(_CUDAGRAPH_LOG)
+            log.addHandler(capture)
+            skips_before = counters["inductor"]["cudagraph_skips"]
+        try:
+            if key in self._seen:
+                out = self._run(tokens, pos, cache)
+            else:  # this call compiles: time it apart from every timed step
+                t0 = time.perf_counter()
+                out = self._run(tokens, pos, cache)
+                if self.device.type == "cuda":
+                    torch.cuda.synchronize(self.device)
+                self.compile_s += time.perf_counter() - t0
+                self._seen.add(key)
+        finally:
+            if probe:
+                log.removeHandler(capture)
+        if probe:
+            self._probe_calls += 1
+            self._skips += capture.messages
+            if counters["inductor"]["cudagraph_skips"] > skips_before and not capture.messages:
+                self._skips.append("skipped (reason not logged)")
+            if self._skips:
+                # torch's first line names the reason; the stack trace after it points into this file
+                self.cudagraphs = "skipped: " + " | ".join(dict.fromkeys(m.strip().splitlines()[0] for m in self._skips))
+            elif self._probe_calls == _CUDAGRAPH_PROBE_CALLS:
+                self.cudagraphs = "engaged"
         # CUDA graphs reuse their output buffer at the next replay
         return out.clone() if self.device.type == "cuda" else out
