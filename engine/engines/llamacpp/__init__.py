@@ -79,7 +79,7 @@ class LlamaCppEngine(LogitsEngine):
                                          f"as; {trial.model.path} is not one ({', '.join(sorted(PREPARED_MODELS))} are): "
                                          f"use a re-exported level ({', '.join(GGUF_QUANT)}) or none"))
             return p  # llama.cpp's own file: nothing to convert
-        p += [("model.path", f"{ENGINE_LABEL}: {why}") for why in _conversion_problems(trial, facts)]
+        p += [("model.path", why) for why in _conversion_problems(trial, facts)]
         return p
 
     def weight_level(self, trial: TrialConfig) -> str:
@@ -128,12 +128,12 @@ def _conversion_problems(trial: TrialConfig, facts) -> list[str]:
     if facts is None or facts.model_type is None:
         return []
     if facts.model_type not in ARCHITECTURES:
-        return [f"converts the Llama and Gemma 3 architectures only (model_type {' or '.join(map(repr, ARCHITECTURES))}); "
+        return [f"{ENGINE_LABEL} converts the Llama and Gemma 3 architectures only (model_type {' or '.join(map(repr, ARCHITECTURES))}); "
                 f"{trial.model.path} is {facts.model_type!r}: use engine=hf or engine=native for it"]
     if facts.config is None:
         return []
     why = conversion_problem(facts.config.to_dict())
-    return [why.removeprefix(f"{ENGINE_LABEL}: ")] if why else []
+    return [why] if why else []
 
 
 @functools.lru_cache(maxsize=1)
