@@ -581,3 +581,26 @@ def test_right_size_before_you_tune_claim_is_judged_on_two_models():
     one = [r for r in rows(within) if r.params["model.name"] == "small"]
     assert claim(one).holds == ABSENT
     assert claim(rows({})).holds == ABSENT  # no task accuracy: right-sizing cannot be judged
+
+
+def test_right_size_row_in_the_report_finds_the_other_models_workload_and_survives_machine_load():
+    """The model is not an optimization axis: each model's trials are a workload of their own in the report,
+    and the right-size step looks for the other model among the whole sweep's trials. Under machine load
+    no best trial is named, but the right-size comparison is still shown (task accuracy is untimed)."""
+    from experiments.analysis.results import workload_key
+
+    rows = [_model_row(1, "small", 5e8, 20.0, {"arith": (0.40, 0.05)}),
+            _model_row(2, "large", 1e9, 10.0, {"arith": (0.45, 0.05)})]
+    ax = axes(rows)
+    assert len({workload_key(r, ax) for r in rows}) == 2  # two workloads
+    alone = adv.advise([rows[0]], ax, "small")
+    assert alone.steps[-1].status != adv.SMALLER_SUFFICES  # the other model is not in its workload
+    got = adv.advise([rows[0]], ax, "small", sweep_rows=rows).steps[-1]
+    assert got.status == adv.SMALLER_SUFFICES and "arith -0.050" in got.verdict
+    for r in rows:
+        r.tags["unstable"] = "load"
+    a = adv.advise([rows[0]], ax, "small", sweep_rows=rows)
+    assert a.best is None and a.steps[-1].status == adv.SMALLER_SUFFICES and "unstable: load" in a.steps[-1].verdict
+    md = adv.to_markdown([a], ax)
+    assert "No trial here is fit to decide" in md and "**right-size the model** (measured: the smaller model suffices; " \
+           "task accuracy is untimed, the speed ratio was measured under load): the smaller model small" in md

@@ -628,7 +628,8 @@ def build(
     ls = lines(sel.rows, ax_keys, baselines, label)
     ls.sort(key=lambda ln: (ln.workload, adv.chain_order(ln.row)))
     done("table")
-    advices = [a for k, rows in sorted(groups.items()) if (a := adv.advise(rows, ax_keys, label(k)))]
+    advices = [a for k, rows in sorted(groups.items())
+               if (a := adv.advise(rows, ax_keys, label(k), sweep_rows=sel.rows))]
     done("advice")
     want_claims = claims if claims is not None else sel.experiment in (SEED_CLAIMS, SERVING_CAPACITY, QUANT_ACCURACY,
                                                                                   RIGHT_SIZE)
