@@ -89,6 +89,20 @@ def test_gemma3_checkpoints_pass_validation_and_the_shipped_level_needs_a_prepar
     assert "engine=native cannot honour quant.level=gguf-shipped" in msg
 
 
+def test_the_cost_model_prices_a_shipped_gguf_at_its_own_type():
+    from engine import engines
+    from engine.measure.costmodel import GGUF_BYTES, Precision
+
+    eng = engines.get("llamacpp")
+    for name, level in (("gemma-3-270m", "gguf-q4_k_m"), ("smollm2-135m-instruct", "gguf-q4_1")):
+        trial = replace(make_trial(ModelConfig(name=name, path=f"prepared://{name}"), backend="llamacpp"),
+                        "quant.level", "gguf-shipped")
+        assert eng.weight_level(trial) == level
+        assert Precision.of("float32", eng.weight_level(trial)).quant_bytes == GGUF_BYTES[level]
+    tiny = make_trial(ModelConfig(name="t", path="tiny://llama"), backend="llamacpp")
+    assert eng.weight_level(replace(tiny, "quant.level", "gguf-q8_0")) == "gguf-q8_0"
+
+
 def test_unsupported_architectures_and_gemma3_variants_are_refused_before_launch(checkpoints):
     msg = _problems([f"model.path={checkpoints['qwen2'][0]}", "model.name=q"])
     assert "model.path: engine=llamacpp converts the Llama and Gemma 3 architectures only (model_type 'llama' or " \
