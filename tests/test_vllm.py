@@ -191,6 +191,9 @@ def test_vllm_trials_that_it_can_run_validate():
         assert "needs x86 with AVX-512 or AMX" in ei.value.problems[0]
     assert count(["workload=serving-burst", "batching=continuous", "kv_cache.prefix_caching=true", "speculative=off"]) == 1
     assert count(["speculative=draft,prompt-lookup", "speculative.draft_model.path=tiny://llama"]) == 2
+    # Gemma 3 (head_dim 256 has a CPU kernel; sliding windows are vLLM's own): accepted, not refused
+    specs, absent = expand_with_engines_absent(["model=gemma-3-270m", "engine=vllm", "model.dtype=float32"])
+    assert len(specs) == 1 and set(absent) <= {"vllm"}
 
 
 def test_fidelity_from_topk_equals_fidelity_when_the_candidate_top_k_covers_the_reference():
