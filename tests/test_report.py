@@ -580,6 +580,9 @@ def test_right_size_before_you_tune_claim_is_judged_on_two_models():
     assert needed.holds == "no" and needed.measured.endswith("the larger model is needed for arith")
     one = [r for r in rows(within) if r.params["model.name"] == "small"]
     assert claim(one).holds == ABSENT
+    single = [r for r in rows(within) if r.params["attention.impl"] == "eager"]  # one configuration per model
+    got = claim(single)
+    assert got.holds == "partly" and got.measured.endswith("tuning large: not measured (one configuration of it in this sweep)")
     assert claim(rows({})).holds == ABSENT  # no task accuracy: right-sizing cannot be judged
 
 

@@ -421,13 +421,15 @@ def right_size_first(t: Trials) -> Optional[Finding]:
             needed.append(x)
     measured = (f"{sname} - {large_name} per task (95%): {'; '.join(cells)}; right-size: {sname} x{gain:.2f} output "
                 f"tok/s of {large_name} at {large_name}'s slowest configuration{_interval(base, small, 'output_tok_s')}; "
-                f"tuning {large_name}: x{tune:.2f} (its fastest configuration{_interval(base, tuned, 'output_tok_s')})")
+                + (f"tuning {large_name}: not measured (one configuration of it in this sweep)" if tuned is base else
+                   f"tuning {large_name}: x{tune:.2f} (its fastest configuration{_interval(base, tuned, 'output_tok_s')})"))
     used = [base, small] + ([tuned] if tuned is not base else [])
     if needed:
         return Finding(measured + f"; the larger model is needed for {', '.join(needed)}", NO, used)
     if gain <= 1:
         return Finding(measured, NO, used)
-    holds = _gain(YES if gain >= tune else PARTLY, base, small, "output_tok_s")
+    # without a second configuration of the larger model, right-sizing is measured but not weighed against tuning
+    holds = _gain(YES if gain >= tune and tuned is not base else PARTLY, base, small, "output_tok_s")
     return Finding(measured, holds, used)
 
 
