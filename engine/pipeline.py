@@ -16,7 +16,7 @@ from typing import Any, Callable, Optional
 import torch
 
 from . import engines
-from .config import EngineError, TrialConfig
+from .config import EngineError, TrialConfig, replace
 from .engines.base import Engine, Runs, ServingPlan, StaticPlan, TrialSession
 from .measure.metrics import STABILITY_KEYS, TIMINGS, UNSTABLE, instability, median_metrics, paired_instability, request_metrics, static_batch_metrics, timing_spread, tokens_equal
 from .measure.noise import NoiseMonitor
@@ -244,7 +244,9 @@ def roofline(trial: TrialConfig, engine: Engine, device: torch.device, metrics: 
     if facts is None or facts.shape is None:
         return {"costmodel": "unavailable: the model's shape is unknown"}
     try:
-        a = assess_trial(trial, facts.shape, device, metrics, materialize_scores=engine.materializes_scores(trial),
+        # the weight format the matmuls read (llama.cpp's gguf-shipped names a file, not a format)
+        costed = replace(trial, "quant.level", engine.weight_level(trial))
+        a = assess_trial(costed, facts.shape, device, metrics, materialize_scores=engine.materializes_scores(trial),
                          kv_elt_bytes=engine.kv_element_bytes(trial), compute_dtype=engine.compute_dtype(trial, device))
     except EngineError as e:
         log.warning("cost model skipped: %s", e)

@@ -46,7 +46,7 @@ def test_every_engine_declares_real_keys_values_and_aliases():
 def test_engines_contribute_their_own_axis_values():
     """An axis value that belongs to one engine (llama.cpp's GGUF levels and K/V types, vLLM's fp8 K/V) is in that
     engine's support table only; validation accepts the registry's union, in the registry's order."""
-    assert engines.values("quant.level") == QUANT_LEVELS + ("gguf-q8_0", "gguf-q4_0", "gguf-q4_k_m")
+    assert engines.values("quant.level") == QUANT_LEVELS + ("gguf-q8_0", "gguf-q4_0", "gguf-q4_k_m", "gguf-shipped")
     assert engines.values("kv_cache.dtype") == ("auto", "f32", "f16", "q8_0", "q4_0", "fp8")
     assert not any(v.startswith("gguf-") for v in QUANT_LEVELS)
     from engine.validation import check_trial

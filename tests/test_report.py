@@ -547,3 +547,63 @@ def test_right_size_without_task_accuracy_reports_speed_only_and_without_a_secon
     assert step.status == adv.SPEED_ONLY and "add eval=tasks" in step.verdict
     alone = _advice([_model_row(1, "small", 5e8, 20.0, {})]).steps[-1]
     assert alone.status in (adv.NEXT, adv.LATER) and "sweep a smaller model" in alone.verdict
+
+
+def test_right_size_before_you_tune_claim_is_judged_on_two_models():
+    """The seed-claims row "right-size before you tune": per task the smaller model's score minus the larger's
+    (95% interval) on the pair at the larger model's slowest configuration; its speed there against what
+    tuning the larger model gains (its fastest configuration over that slowest one)."""
+    def rows(small_scores, small_tok_s=(20.0, 30.0), large_tok_s=(10.0, 15.0)):
+        large_scores = {"arith": (0.45, 0.05), "qa": (0.58, 0.04)}
+        out = []
+        for i, attn in enumerate(("eager", "sdpa")):
+            out.append(_model_row(2 * i, "small", 5e8, small_tok_s[i], small_scores))
+            out.append(_model_row(2 * i + 1, "large", 1e9, large_tok_s[i], large_scores))
+            out[-2].params["attention.impl"] = out[-1].params["attention.impl"] = attn
+        return out
+
+    from experiments.analysis.claims import CLAIMS
+
+    def claim(rs):
+        (row,) = evaluate(rs, tuple(c for c in CLAIMS if c.name == "right-size"))
+        return row
+
+    within = {"arith": (0.40, 0.05), "qa": (0.60, 0.04)}
+    got = claim(rows(within))  # small x2.00 at large's slowest (eager), tuning large x1.50: right-sizing wins
+    assert got.holds == "yes", got
+    assert "small - large per task (95%): arith -0.050 [-0.189, +0.089]; qa +0.020" in got.measured
+    assert "right-size: small x2.00 output tok/s of large at large's slowest configuration" in got.measured
+    assert "tuning large: x1.50" in got.measured
+    assert claim(rows(within, small_tok_s=(12.0, 13.0), large_tok_s=(10.0, 30.0))).holds == "partly"  # x1.2 < x3.0
+    assert claim(rows(within, small_tok_s=(9.0, 9.5))).holds == "no"  # the smaller model is not faster
+    needed = claim(rows({"arith": (0.20, 0.02), "qa": (0.60, 0.04)}))
+    assert needed.holds == "no" and needed.measured.endswith("the larger model is needed for arith")
+    one = [r for r in rows(within) if r.params["model.name"] == "small"]
+    assert claim(one).holds == ABSENT
+    single = [r for r in rows(within) if r.params["attention.impl"] == "eager"]  # one configuration per model
+    got = claim(single)
+    assert got.holds == "partly" and got.measured.endswith("tuning large: not measured (one configuration of it in this sweep)")
+    assert claim(rows({})).holds == ABSENT  # no task accuracy: right-sizing cannot be judged
+
+
+def test_right_size_row_in_the_report_finds_the_other_models_workload_and_survives_machine_load():
+    """The model is not an optimization axis: each model's trials are a workload of their own in the report,
+    and the right-size step looks for the other model among the whole sweep's trials. Under machine load
+    no best trial is named, but the right-size comparison is still shown (task accuracy is untimed)."""
+    from experiments.analysis.results import workload_key
+
+    rows = [_model_row(1, "small", 5e8, 20.0, {"arith": (0.40, 0.05)}),
+            _model_row(2, "large", 1e9, 10.0, {"arith": (0.45, 0.05)})]
+    ax = axes(rows)
+    assert len({workload_key(r, ax) for r in rows}) == 2  # two workloads
+    alone = adv.advise([rows[0]], ax, "small")
+    assert alone.steps[-1].status != adv.SMALLER_SUFFICES  # the other model is not in its workload
+    got = adv.advise([rows[0]], ax, "small", sweep_rows=rows).steps[-1]
+    assert got.status == adv.SMALLER_SUFFICES and "arith -0.050" in got.verdict
+    for r in rows:
+        r.tags["unstable"] = "load"
+    a = adv.advise([rows[0]], ax, "small", sweep_rows=rows)
+    assert a.best is None and a.steps[-1].status == adv.SMALLER_SUFFICES and "unstable: load" in a.steps[-1].verdict
+    md = adv.to_markdown([a], ax)
+    assert "No trial here is fit to decide" in md and "**right-size the model** (measured: the smaller model suffices; " \
+           "task accuracy is untimed, the speed ratio was measured under load): the smaller model small" in md

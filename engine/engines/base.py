@@ -186,6 +186,11 @@ class Engine:
         """Whether its attention writes the [T, S] score matrix to memory (the cost model charges it)."""
         return False
 
+    def weight_level(self, trial: TrialConfig) -> str:
+        """The weight format the trial's matmuls read, as a quant level the cost model knows: quant.level, or
+        what a level that names a file (llama.cpp's gguf-shipped) holds."""
+        return trial.quant.level
+
     def kv_element_bytes(self, trial: TrialConfig) -> Optional[float]:
         """Bytes per K/V element at `kv_cache.dtype`; None: the model's dtype."""
         return None

@@ -27,9 +27,10 @@ from .hardware import HardwarePeaks
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 MEMORY, COMPUTE = "memory", "compute"
 
-# llama.cpp block formats: q8_0 34 B per 32 weights, q4_0 18 B per 32; q4_k_m ~4.85 bits on average
-# (Q4_K's 4.5 bits, with some tensors at Q6_K -- llama.cpp's figure for 7B Llamas)
-GGUF_BYTES = {"gguf-q8_0": 34 / 32, "gguf-q4_0": 18 / 32, "gguf-q4_k_m": 4.85 / 8}
+# llama.cpp block formats: q8_0 34 B per 32 weights, q4_0 18 B per 32, q4_1 20 B per 32 (SmolLM2's shipped
+# file, engine=llamacpp quant=gguf-shipped); q4_k_m ~4.85 bits on average (Q4_K's 4.5 bits, with some tensors
+# at Q6_K -- llama.cpp's figure for 7B Llamas)
+GGUF_BYTES = {"gguf-q8_0": 34 / 32, "gguf-q4_0": 18 / 32, "gguf-q4_1": 20 / 32, "gguf-q4_k_m": 4.85 / 8}
 
 
 def weight_bytes_per_param(dtype: str, quant: str = "none") -> float:

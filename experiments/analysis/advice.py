@@ -156,17 +156,26 @@ class Advice:
         return out
 
 
-def advise(rows: list[TrialRow], ax: list[str], workload: str = "") -> Optional[Advice]:
+def advise(rows: list[TrialRow], ax: list[str], workload: str = "",
+           sweep_rows: Optional[list[TrialRow]] = None) -> Optional[Advice]:
     """Advice for the best (highest output_tok_s) finished trial among `rows` (one workload) that is fit to
     decide: a trial measured under machine load (results.loaded) is never named best nor compared; when
-    none is fit, the advice names no winner (`best` None) and says what to do."""
+    none is fit, the advice names no winner (`best` None) and says what to do. `sweep_rows`: every trial of
+    the sweep, where the right-size step looks for the other model (the model is not an optimization axis,
+    so each model's trials are a workload of their own); default `rows`."""
     done = [r for r in rows if r.finished and r.num("output_tok_s")]
     if not done:
         return None
     unfit = [r for r in done if loaded(r)]
     fit = [r for r in done if not loaded(r)]
     if not fit:
-        return Advice(workload, None, unfit=unfit)
+        adv = Advice(workload, None, unfit=unfit)
+        # task accuracy is untimed, so load does not bias it: the right-size comparison is still reported,
+        # its speed ratio marked unstable: load by right_size itself
+        rs = right_size(sweep_rows or rows, max(unfit, key=lambda r: r.num("output_tok_s")), ax)
+        if rs is not None:
+            adv.steps.append(rs)
+        return adv
     best = max(fit, key=lambda r: r.num("output_tok_s"))
     adv = Advice(workload, best, unfit=unfit)
     cmps = [compare(r, best, "output_tok_s") for r in fit if r is not best]
@@ -212,7 +221,7 @@ def advise(rows: list[TrialRow], ax: list[str], workload: str = "") -> Optional[
             continue
         adv.steps.append(StepAdvice(step.label, value, LATER if have_next else NEXT, why, pays))
         have_next = True
-    adv.steps.append(right_size(rows, best, ax)
+    adv.steps.append(right_size(sweep_rows or rows, best, ax)
                      or StepAdvice(RIGHT_SIZE, best.params.get("model.name"), LATER if have_next else NEXT,
                                    "often worth more than all of the above: sweep a smaller model (model=...) and "
                                    "compare accuracy", None))
@@ -299,6 +308,9 @@ def to_markdown(advices: list[Advice], ax: list[str]) -> str:
             out.append(f"No trial here is fit to decide: all {len(a.unfit)} were measured under machine load "
                        f"(unstable: load: {unfit}), which biases their medians beyond their intervals -- no best "
                        f"configuration and no next step are named. To decide: {WHAT_TO_DO}.\n")
+            for s in a.steps:  # right-size: its accuracy part is untimed
+                out.append(f"**{s.step}** ({s.status}; task accuracy is untimed, the speed ratio was measured "
+                           f"under load): {s.verdict}\n")
             continue
         out.append(_best_line(a, ax))
         if a.unfit:

@@ -378,6 +378,61 @@ def arith_kv_size(_: Trials) -> Finding:
                    NO if per_sample > 1e9 else YES, hardware=ARITHMETIC)
 
 
+def right_size_first(t: Trials) -> Optional[Finding]:
+    """"Right-size before you tune", judged where the sweep ran two models under the same configurations
+    (model is an axis, `experiment=right-size`). Per task, the smaller model's score minus the larger's with
+    its 95% interval (advice.task_difference, on the pair at the larger model's slowest configuration): the
+    smaller model suffices where no interval lies wholly below 0. The right-size gain is its output tok/s over
+    the larger model's at that configuration; the tuning gain is the larger model's fastest configuration
+    over that slowest one. "yes": the smaller model suffices and right-sizing alone gains at least what tuning
+    the larger model does; "partly": it suffices and is faster, but tuning gains more; "no": the larger model
+    is needed (right-sizing is not open on these tasks) or the smaller model is not faster."""
+    from .advice import _tasks, task_difference
+
+    by_model: dict[str, list[TrialRow]] = {}
+    for r in t.rows:
+        if r.num("output_tok_s") and r.params.get("model.name"):
+            by_model.setdefault(r.params["model.name"], []).append(r)
+    if len(by_model) < 2:
+        return None
+    # the larger model: the most weight bytes of any of its trials (its widest dtype, unquantized)
+    size = {m: max(r.num("weights_bytes") or 0 for r in rs) for m, rs in by_model.items()}
+    large_name = max(size, key=size.get)
+    changes = {k: (lambda v: True) for k in t.ax if k.startswith("model.") and k != "model.dtype"}
+    changes["model.name"] = lambda v: v is not None and v != large_name and v in by_model
+    for base in sorted(by_model[large_name], key=lambda r: r.num("output_tok_s")):
+        small = counterpart(t.rows, base, changes, t.ax)
+        if small is not None:
+            break
+    else:
+        return None
+    tuned = max(by_model[large_name], key=lambda r: r.num("output_tok_s"))
+    sname = small.params["model.name"]
+    gain, tune = speedup(base.num("output_tok_s"), small.num("output_tok_s")), speedup(
+        base.num("output_tok_s"), tuned.num("output_tok_s"))
+    tasks = [x for x in _tasks(small) if x in _tasks(base)]
+    if not tasks:
+        return None  # right-sizing needs accuracy: eval=tasks
+    cells, needed = [], []
+    for x in tasks:
+        d, lo, hi = task_difference(small, base, x)
+        cells.append(f"{x} {d:+.3f} [{lo:+.3f}, {hi:+.3f}]")
+        if hi < 0:
+            needed.append(x)
+    measured = (f"{sname} - {large_name} per task (95%): {'; '.join(cells)}; right-size: {sname} x{gain:.2f} output "
+                f"tok/s of {large_name} at {large_name}'s slowest configuration{_interval(base, small, 'output_tok_s')}; "
+                + (f"tuning {large_name}: not measured (one configuration of it in this sweep)" if tuned is base else
+                   f"tuning {large_name}: x{tune:.2f} (its fastest configuration{_interval(base, tuned, 'output_tok_s')})"))
+    used = [base, small] + ([tuned] if tuned is not base else [])
+    if needed:
+        return Finding(measured + f"; the larger model is needed for {', '.join(needed)}", NO, used)
+    if gain <= 1:
+        return Finding(measured, NO, used)
+    # without a second configuration of the larger model, right-sizing is measured but not weighed against tuning
+    holds = _gain(YES if gain >= tune and tuned is not base else PARTLY, base, small, "output_tok_s")
+    return Finding(measured, holds, used)
+
+
 def arith_attention_matrix(_: Trials) -> Finding:
     fp16 = 4096 * 4096 * 2
     return Finding(f"4096 x 4096 scores: {fp16 / 2**20:.0f} MiB in fp16 ({2 * fp16 / 2**20:.0f} MiB in fp32); "
@@ -424,6 +479,8 @@ CLAIMS: tuple[Claim, ...] = (
           continuous_batching, ("batching",)),
     Claim("reprompting", "Re-running the full prompt every turn when a cached conversation state would do is doing the "
           "same work twice (re-prompting costs prefill tokens and TTFT every turn)", reprompting, ("batching",)),
+    Claim("right-size", "Right-size before you tune: a model that handles the task at a fraction of the size beats "
+          "optimizing the larger one", right_size_first),
     Claim("arith-attention-ops", "No cache, 1000 tokens: ~333M attention operations in all", arith_attention_ops),
     Claim("arith-kv-size", "KV cache at 32k context, 32 layers x 32 heads x 128 dims: ~500 MB per sample", arith_kv_size),
     Claim("arith-attention-matrix", "4096^2 attention matrix: 64 MB fp16 per head per layer, 2 GB for 32 heads", arith_attention_matrix),

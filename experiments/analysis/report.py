@@ -52,6 +52,7 @@ ARTIFACT_DIR = "report"
 SEED_CLAIMS = "seed-claims"
 SERVING_CAPACITY = "serving-capacity"  # its report carries the re-prompting claim
 QUANT_ACCURACY = "quant-accuracy"  # its report carries the accuracy claims
+RIGHT_SIZE = "right-size"  # its report carries "right-size before you tune"
 
 
 class ReportError(UserError):
@@ -627,9 +628,11 @@ def build(
     ls = lines(sel.rows, ax_keys, baselines, label)
     ls.sort(key=lambda ln: (ln.workload, adv.chain_order(ln.row)))
     done("table")
-    advices = [a for k, rows in sorted(groups.items()) if (a := adv.advise(rows, ax_keys, label(k)))]
+    advices = [a for k, rows in sorted(groups.items())
+               if (a := adv.advise(rows, ax_keys, label(k), sweep_rows=sel.rows))]
     done("advice")
-    want_claims = claims if claims is not None else sel.experiment in (SEED_CLAIMS, SERVING_CAPACITY, QUANT_ACCURACY)
+    want_claims = claims if claims is not None else sel.experiment in (SEED_CLAIMS, SERVING_CAPACITY, QUANT_ACCURACY,
+                                                                                  RIGHT_SIZE)
     claim_rows = cl.evaluate(sel.rows) if want_claims else None
     done("claims")
     out = Path(out_dir) if out_dir else PROJECT_ROOT / REPORTS_DIR / safe_name(ref)

@@ -52,7 +52,7 @@ class CostModelSkip:
                 return None
             eng = engines.get(trial.engine.backend)
             q = trial.quant
-            prec = Precision.of(trial.model.dtype, q.level, "lm_head" in q.skip_modules, q.keep_last_layers,
+            prec = Precision.of(trial.model.dtype, eng.weight_level(trial), "lm_head" in q.skip_modules, q.keep_last_layers,
                                 eng.kv_element_bytes(trial))
             wl = trial.workload
             work = Workload(wl.batch_size, wl.context_len, wl.max_new_tokens,

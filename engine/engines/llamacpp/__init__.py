@@ -14,12 +14,17 @@ from typing import Any, Optional
 import torch
 
 from ...config import TrialConfig
+from ...models import PREPARED_MODELS, PREPARED_SCHEME
 from ..base import Support
 from ..logits import LogitsEngine
 
 from .kv_types import KV_CACHE_DTYPES, KV_TYPE_BYTES, QUANTIZED_KV, kv_type
 
+# re-exported from the reference checkpoint by llama.cpp's quantizer (gguf_export.py)
 GGUF_QUANT = ("gguf-q8_0", "gguf-q4_0", "gguf-q4_k_m")
+# the GGUF a prepared model shipped as, run as is (SmolLM2: Q4_1; Gemma 3 270M: Q4_K_M): the weights as their
+# publisher quantized them, where a gguf-* level quantizes again what `prepare` dequantized
+SHIPPED = "gguf-shipped"
 ENGINE_LABEL = "engine=llamacpp"
 
 
@@ -34,7 +39,8 @@ class LlamaCppEngine(LogitsEngine):
         # asking for sdpa runs the same thing, so it folds to eager (one config hash)
         "attention.impl": Support(("eager", "flash"), "llama.cpp has a flash and a non-flash attention path",
                                   aliases={"sdpa": "eager"}),
-        "quant.level": Support(("none",) + GGUF_QUANT, "llama.cpp quantizes to GGUF weight types with its own quantizer"),
+        "quant.level": Support(("none",) + GGUF_QUANT + (SHIPPED,),
+                               "llama.cpp quantizes to GGUF weight types with its own quantizer"),
         "speculative.method": Support(("off", "prompt-lookup"), "our prompt-lookup drafter verifies on llama.cpp; a draft "
                                                                 "model or self-draft would need a second llama.cpp model"),
         "kv_cache.dtype": Support(KV_CACHE_DTYPES, "llama.cpp's K/V types (auto = f16)"),
@@ -66,11 +72,20 @@ class LlamaCppEngine(LogitsEngine):
             if head_dim and head_dim % 32:
                 p.append(("kv_cache.dtype", f"{ENGINE_LABEL}: {kv.dtype} packs blocks of 32 values, which must "
                                             f"divide the head dimension ({head_dim} in this model)"))
-        model_type = facts.model_type if facts is not None else None
-        if model_type is not None and model_type != "llama":
-            p.append(("model.path", f"{ENGINE_LABEL} converts Llama-architecture checkpoints only; {trial.model.path} is "
-                                    f"{model_type!r}"))
+        if q.level == SHIPPED:
+            name = trial.model.path[len(PREPARED_SCHEME):] if trial.model.path.startswith(PREPARED_SCHEME) else None
+            if name not in PREPARED_MODELS:
+                p.append(("quant.level", f"{ENGINE_LABEL}: quant.level={SHIPPED} runs the GGUF a prepared model shipped "
+                                         f"as; {trial.model.path} is not one ({', '.join(sorted(PREPARED_MODELS))} are): "
+                                         f"use a re-exported level ({', '.join(GGUF_QUANT)}) or none"))
+            return p  # llama.cpp's own file: nothing to convert
+        p += [("model.path", why) for why in _conversion_problems(trial, facts)]
         return p
+
+    def weight_level(self, trial: TrialConfig) -> str:
+        if trial.quant.level == SHIPPED and trial.model.path.startswith(PREPARED_SCHEME):
+            return PREPARED_MODELS[trial.model.path[len(PREPARED_SCHEME):]].gguf_level
+        return trial.quant.level
 
     def attention(self, trial: TrialConfig) -> str:
         return self.support["attention.impl"].runs_as(trial.attention.impl)
@@ -103,6 +118,22 @@ class LlamaCppEngine(LogitsEngine):
         from .backend import LlamaCppBackend
 
         return LlamaCppBackend(loaded, trial)
+
+
+def _conversion_problems(trial: TrialConfig, facts) -> list[str]:
+    """What keeps the exporter from writing this checkpoint (an architecture it does not convert, a Gemma 3
+    variant llama.cpp's graph does not run), known from its config before anything loads."""
+    from .gguf_export import ARCHITECTURES, conversion_problem
+
+    if facts is None or facts.model_type is None:
+        return []
+    if facts.model_type not in ARCHITECTURES:
+        return [f"{ENGINE_LABEL} converts the Llama and Gemma 3 architectures only (model_type {' or '.join(map(repr, ARCHITECTURES))}); "
+                f"{trial.model.path} is {facts.model_type!r}: use engine=hf or engine=native for it"]
+    if facts.config is None:
+        return []
+    why = conversion_problem(facts.config.to_dict())
+    return [why] if why else []
 
 
 @functools.lru_cache(maxsize=1)

@@ -64,8 +64,10 @@ class GGUFModel:
 
 
 def load_gguf_model(spec: ModelConfig, quant: QuantConfig, threads: int = 0,
-                    progress: Optional[Callable[[str], None]] = None) -> GGUFModel:
-    """Tokenizer + the GGUF at `quant.level` (converted / quantized once, then cached)."""
+                    progress: Optional[Callable[[str], None]] = None,
+                    tokenizer: Optional[Tokenizer] = None) -> GGUFModel:
+    """Tokenizer + the GGUF at `quant.level` (converted / quantized once, then cached). `tokenizer`: use this
+    one instead of the checkpoint's (a test's random checkpoint directory has none)."""
     from transformers import AutoTokenizer
 
     from .gguf_export import gguf_file, source_of
@@ -76,8 +78,10 @@ def load_gguf_model(spec: ModelConfig, quant: QuantConfig, threads: int = 0,
     t0 = time.perf_counter()
     src = source_of(spec, say)
     path = gguf_file(spec, quant.level, threads, say, src=src)
-    if spec.path.startswith(TINY_SCHEME):
-        tokenizer: Tokenizer = ByteTokenizer()
+    if tokenizer is not None:
+        pass
+    elif spec.path.startswith(TINY_SCHEME):
+        tokenizer = ByteTokenizer()
     else:
         tokenizer = HFTokenizer(AutoTokenizer.from_pretrained(str(src.path)))
     params = cpp.llama_model_default_params()
