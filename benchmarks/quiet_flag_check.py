@@ -107,7 +107,7 @@ def main() -> None:
         res = fn(group, args.rounds)
         print(f"interleaved, {name}: first-round TTFT / median of the rest = "
               + ", ".join(first_round(r) for r in res)
-              + f"; flagged legacy {sum(bool(legacy(r.metrics)) for r in res)}/{len(res)}, "
+              + f"; rounds {res[0].metrics['timed_repeats']:.0f}; flagged legacy {sum(bool(legacy(r.metrics)) for r in res)}/{len(res)}, "
                 f"current {sum(bool(r.labels.get('unstable')) for r in res)}/{len(res)}")
         for r in res:
             why = r.labels.get("unstable", "")

@@ -18,7 +18,7 @@ import torch
 from . import engines
 from .config import EngineError, TrialConfig, replace
 from .engines.base import Engine, Runs, ServingPlan, StaticPlan, TrialSession
-from .measure.metrics import STABILITY_KEYS, TIMINGS, UNSTABLE, instability, median_metrics, paired_instability, request_metrics, static_batch_metrics, timing_spread, tokens_equal
+from .measure.metrics import STABILITY_KEYS, TIMINGS, UNSTABLE, instability, median_metrics, paired_instability, undecided_pairs, UNSTABLE_HALF_WIDTH, request_metrics, static_batch_metrics, timing_spread, tokens_equal
 from .measure.noise import NoiseMonitor
 from .model_facts import facts_or_none
 from .quant import kernel_info
@@ -429,7 +429,8 @@ def run_interleaved(trials: list[TrialConfig], rounds: int, progress: Optional[C
     """Measure several configurations round-robin on this worker: each warms up, then every round runs one
     timed repeat of each, in ABBA order (reversed every other round), so drift on a shared machine (another
     process starting, a thermal or frequency change) hits every variant alike. Repeat i of every variant ran
-    in round i: their per-round ratios are paired samples (`engine.measure.spread.paired_ratio`). Each
+    in round i: their per-round ratios are paired samples (`engine.measure.spread.paired_ratio`). `rounds`
+    is the minimum: more follow while a paired comparison is undecided, within `timing.*`. Each
     configuration keeps its own model in memory for the whole run."""
     if rounds < 1:
         raise EngineError(f"rounds must be >= 1, got {rounds}")
@@ -453,17 +454,54 @@ def run_interleaved(trials: list[TrialConfig], rounds: int, progress: Optional[C
         for m in ms:
             m.workload.run(0, 1)
     gpus = {m.gpu for m in ms} - {None}
+
+    def one_round(r: int) -> None:
+        if on_round is not None:  # round r is about to start (progress, or a benchmark's own events)
+            on_round(r)
+        order = list(range(len(ms))) if r % 2 == 0 else list(reversed(range(len(ms))))
+        for i in order:
+            # the process holds every variant's model, so its peak is the group's: each variant's own
+            # footprint is its weights plus what its own calls allocate on top (KV cache, scratch)
+            with PeakMemory(ms[i].session.device, release=True) as mem:
+                collected[i].append(ms[i].workload.run(0, 1))
+            grown[i] = max(grown[i], mem.growth_bytes) if mem.scoped and grown[i] is not None else None
+
+    def widest_undecided() -> float:
+        per = []
+        for m, parts in zip(ms, collected):
+            rows = [m.workload.metrics_of(t, x) for p in parts for t, x in zip(p.traces, p.extra)]
+            per.append({k: [row[k] for row in rows] for k in STABILITY_KEYS if rows and k in rows[0]})
+        return max((hw for i, own in enumerate(per)
+                    for hw, _, _ in undecided_pairs(own, [o for j, o in enumerate(per) if j != i])[0]), default=0.0)
+
+    import math
+    import time
+
+    # `rounds` is the minimum: like a solo trial's repeats, more follow while a paired comparison is
+    # undecided (interval holds x1, wider than +-10%), as many as 1/sqrt(n) narrowing predicts, within the
+    # group's timing.max_repeats and timing.budget_s (max_repeats <= rounds pins the count)
+    max_rounds = min(t.timing.max_repeats for t in trials)
+    budget_s = min(t.timing.budget_s for t in trials)
     with NoiseMonitor(min(gpus) if gpus else None) as noise:
+        t0 = time.perf_counter()
         for r in range(rounds):
-            if on_round is not None:  # round r is about to start (progress, or a benchmark's own events)
-                on_round(r)
-            order = list(range(len(ms))) if r % 2 == 0 else list(reversed(range(len(ms))))
-            for i in order:
-                # the process holds every variant's model, so its peak is the group's: each variant's own
-                # footprint is its weights plus what its own calls allocate on top (KV cache, scratch)
-                with PeakMemory(ms[i].session.device, release=True) as mem:
-                    collected[i].append(ms[i].workload.run(0, 1))
-                grown[i] = max(grown[i], mem.growth_bytes) if mem.scoped and grown[i] is not None else None
+            one_round(r)
+        per_round_s, spent, n = (time.perf_counter() - t0) / rounds, 0.0, rounds
+        for _ in range(2):
+            worst = widest_undecided() if max_rounds > n else 0.0
+            if worst <= 0:
+                break
+            k = min(math.ceil(n * (worst / UNSTABLE_HALF_WIDTH) ** 2) - n, max_rounds - n,
+                    int((budget_s - spent) / max(per_round_s, 1e-9)))
+            if k <= 0:
+                break
+            (progress or log.info)(f"interleaved: a paired comparison is undecided (+-{worst:.0%}) after {n} rounds: {k} more")
+            t1 = time.perf_counter()
+            for r in range(n, n + k):
+                one_round(r)
+            spent += time.perf_counter() - t1
+            n += k
+    rounds = n
     out = []
     group_peak = max(p.peak_mem_bytes for parts in collected for p in parts)
     for m, parts, grew in zip(ms, collected, grown):

@@ -13,7 +13,9 @@ from experiments.run.sweep import interleave_groups, run_sweep
 @pytest.fixture(scope="module")
 def interleaved(ray_local, tiny_overrides):
     return run_sweep(tiny_overrides + ["sweep_name=t-interleave", "kv_cache=off,contiguous", "attention=eager,sdpa",
-                                       "workload.context_len=16,24", "cluster.interleave=3"], echo=lambda *_: None)
+                                       "workload.context_len=16,24", "cluster.interleave=3",
+                                       "timing.max_repeats=0"],  # pinned: exactly 3 rounds
+                     echo=lambda *_: None)
 
 
 def test_each_workload_is_one_group_measured_round_robin(interleaved, mlflow_client):

@@ -350,19 +350,24 @@ def test_run_interleaved_gives_each_variant_its_rounds_and_the_same_tokens():
     import dataclasses
 
     from engine import EvalConfig, ModelConfig, TrialConfig, WorkloadConfig, run_engine_trial, run_interleaved
-    from engine.config import EngineConfig, EngineError, KVCacheConfig
+    from engine.config import EngineConfig, EngineError, KVCacheConfig, TimingConfig
 
     base = TrialConfig(model=ModelConfig(name="tiny", path="tiny://llama"),
                        workload=WorkloadConfig(context_len=24, max_new_tokens=6, warmup=1, repeats=2),
                        eval=EvalConfig(enabled=False))
     variants = [base, dataclasses.replace(base, kv_cache=KVCacheConfig(mode="off")),
                 dataclasses.replace(base, engine=EngineConfig(backend="native"))]
-    results = run_interleaved(variants, rounds=3)
     alone = run_engine_trial(base)
-    for r in results:
-        assert r.metrics["timed_repeats"] == 3 and r.info["repeats_stop"] == "interleaved: 3 round(s)"
-        assert r.metrics["output_tok_s_n"] == 3 and "noise_other_cpu_frac" in r.metrics
-        assert r.token_ids == alone.token_ids  # greedy, fp32: every variant generates the same tokens
+    pinned = [dataclasses.replace(v, timing=TimingConfig(max_repeats=0)) for v in variants]
+    for group, exact in ((pinned, True), (variants, False)):
+        # `rounds` is the minimum; more follow (every variant alike) while a pair is undecided, unless pinned
+        results = run_interleaved(group, rounds=3)
+        n = results[0].metrics["timed_repeats"]
+        assert (n == 3) if exact else (3 <= n <= TimingConfig().max_repeats)
+        for r in results:
+            assert r.metrics["timed_repeats"] == n and r.info["repeats_stop"] == f"interleaved: {n:.0f} round(s)"
+            assert r.metrics["output_tok_s_n"] == n and "noise_other_cpu_frac" in r.metrics
+            assert r.token_ids == alone.token_ids  # greedy, fp32: every variant generates the same tokens
     with pytest.raises(EngineError, match="rounds must be >= 1"):
         run_interleaved(variants, rounds=0)
     with pytest.raises(EngineError, match="vllm runs in its own"):
@@ -421,8 +426,8 @@ def test_an_interleaved_variant_is_judged_on_its_paired_ratios_not_its_own_inter
 @pytest.mark.parametrize("rounds", [3, 4, 5])
 def test_paired_ratio_covers_at_its_confidence_with_few_rounds(rounds):
     """The chain decides on 3-5 interleaved rounds: there the bootstrap of the median alone covered a true
-    x1.02 in 78% (3 rounds) / 87% (4) of 400 simulated pairs at 10% noise; with Student's t interval of the
-    log ratios beside it the interval covers at least at its confidence, so a chance gain is not a verdict."""
+    x1.02 in 75% (3 rounds) / 87% (4) / 92% (5) of 400 simulated pairs at 10% noise; with Student's t interval
+    of the log ratios beside it the interval covers at ~95%, so a chance gain is not a verdict."""
     import random
 
     from engine.measure.spread import paired_ratio

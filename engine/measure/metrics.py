@@ -452,17 +452,14 @@ def instability(metrics: dict[str, float], own_spread: bool = True) -> str:
     return "; ".join(why)
 
 
-def paired_instability(own: dict[str, list[float]], others: list[dict[str, list[float]]]) -> str:
-    """The spread reason ('' when none) of one variant of an interleaved group, judged on what its verdicts
-    read: the paired ratio against each other variant (`spread.paired_ratio`, per-round ratios, free of the
-    drift all variants shared). A pair decides when its interval excludes x1 (an effect larger than the
-    noise) or is narrow enough to call it within MIN_EFFECT; it cannot when the interval holds x1 and is
-    wider than that. The variant's own interval is no measure here: drift that hits every variant alike
-    widens it (four of four quiet-machine variants at +-10-13%) yet cancels in every ratio it is judged by."""
-    from .noise import SPREAD
+def undecided_pairs(own: dict[str, list[float]], others: list[dict[str, list[float]]]) -> tuple[list, int]:
+    """([(half-width, timing, Ratio)] of the undecided paired comparisons, how many were judged) of one
+    variant of an interleaved group against each other variant: a pair decides when its interval excludes
+    x1 (an effect larger than the noise) or is narrow enough to call it within MIN_EFFECT; it cannot when
+    the interval holds x1 and is wider than +-UNSTABLE_HALF_WIDTH."""
     from .spread import LOWER_IS_BETTER, WITHIN_NOISE, paired_ratio
 
-    worst, undecided, pairs = None, 0, 0
+    out, pairs = [], 0
     for k in STABILITY_KEYS:
         if len(own.get(k, ())) < 2:
             continue
@@ -475,11 +472,21 @@ def paired_instability(own: dict[str, list[float]], others: list[dict[str, list[
             pairs += 1
             hw = (r.hi - r.lo) / 2 / r.value
             if r.verdict == WITHIN_NOISE and round(100 * hw, 1) > round(100 * UNSTABLE_HALF_WIDTH, 1):
-                undecided += 1
-                if worst is None or hw > worst[0]:
-                    worst = (hw, k, r)
-    if worst is None:
+                out.append((hw, k, r))
+    return out, pairs
+
+
+def paired_instability(own: dict[str, list[float]], others: list[dict[str, list[float]]]) -> str:
+    """The spread reason ('' when none) of one variant of an interleaved group, judged on what its verdicts
+    read: the paired ratio against each other variant (`spread.paired_ratio`, per-round ratios, free of the
+    drift all variants shared; `undecided_pairs`). The variant's own interval is no measure here: drift
+    that hits every variant alike widens it (four of four quiet-machine variants at +-10-13%) yet cancels
+    in every ratio it is judged by."""
+    from .noise import SPREAD
+
+    bad, pairs = undecided_pairs(own, others)
+    if not bad:
         return ""
-    hw, k, r = worst
-    return (f"{SPREAD}: {undecided} of {pairs} paired comparisons undecided, widest {k} {r.cell()} "
+    hw, k, r = max(bad, key=lambda b: b[0])
+    return (f"{SPREAD}: {len(bad)} of {pairs} paired comparisons undecided, widest {k} {r.cell()} "
             f"half-width {100 * hw:.1f}% > {100 * UNSTABLE_HALF_WIDTH:.1f}%")
