@@ -101,3 +101,14 @@ def test_real_search_on_the_tiny_model_resumes_its_study(tiny_overrides, trackin
     assert main(args) == 0
     again = capsys.readouterr().out
     assert "3 configuration(s) already measured" in again and "1 trial(s) run" in again
+
+
+def test_hydras_own_spelling_of_an_axis_is_that_axis():
+    """`hydra.sweeper.params.quant=a,b` (Hydra's key for a sweep axis) replaces the experiment's quant values;
+    it once became an extra chain step named after the hydra key, comparing a trial with itself."""
+    from experiments.optimize.space import read_space
+
+    plain = read_space(["experiment=optimize-cpu", "quant=none,int4-weight"]).axes
+    hydra = read_space(["experiment=optimize-cpu", "hydra.sweeper.params.quant=none,int4-weight"]).axes
+    assert hydra == plain and hydra["quant"] == ["none", "int4-weight"]
+    assert not [k for k in hydra if k.startswith("hydra")]

@@ -46,6 +46,13 @@ def read_space(overrides: list[str]) -> Space:
         (o,) = _parse([f"{k}={v}"])
         axes[_key(o)] = _values(o)
     for o in sweeps:
-        if _key(o).split(".")[0] != "optimize":
-            axes[_key(o)] = _values(o)
+        key = _key(o)
+        if key.startswith(SWEEPER_PARAMS):  # Hydra's own spelling of an axis: the same as `quant=a,b`
+            key = key[len(SWEEPER_PARAMS):]
+            axes.pop(key, None)  # replaces the experiment's values, in the command line's place
+        if key.split(".")[0] != "optimize":
+            axes[key] = _values(o)
     return Space(fixed_strs, axes, config)
+
+
+SWEEPER_PARAMS = "hydra.sweeper.params."
