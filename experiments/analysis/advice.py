@@ -253,6 +253,17 @@ def task_difference(a: TrialRow, b: TrialRow, task: str) -> Optional[tuple[float
     return d, d - Z95 * se, d + Z95 * se
 
 
+def task_differences(small: TrialRow, large: TrialRow, tasks: list[str]) -> tuple[list[str], list[str]]:
+    """(a cell 'task d [lo, hi]' per task, the tasks where the smaller model is worse beyond its interval)."""
+    cells, needed = [], []
+    for t in tasks:
+        d, lo, hi = task_difference(small, large, t)
+        cells.append(f"{t} {d:+.3f} [{lo:+.3f}, {hi:+.3f}]")
+        if hi < 0:
+            needed.append(t)
+    return cells, needed
+
+
 def _tasks(row: TrialRow) -> list[str]:
     return sorted(k[len("task_score."):] for k in row.metrics
                   if k.startswith("task_score.") and "." not in k[len("task_score."):])
@@ -281,12 +292,7 @@ def right_size(rows: list[TrialRow], best: TrialRow, ax: list[str]) -> Optional[
     if not tasks:
         return StepAdvice(RIGHT_SIZE, name, SPEED_ONLY, f"measured here: {cost}{unstable_note([small, large])}; "
                           "add eval=tasks to judge whether the smaller model is accurate enough", None)
-    cells, needed = [], []
-    for t in tasks:
-        d, lo, hi = task_difference(small, large, t)
-        cells.append(f"{t} {d:+.3f} [{lo:+.3f}, {hi:+.3f}]")
-        if hi < 0:
-            needed.append(t)
+    cells, needed = task_differences(small, large, tasks)
     diffs = "; ".join(cells)
     if needed:
         return StepAdvice(RIGHT_SIZE, name, LARGER_NEEDED,
@@ -334,4 +340,4 @@ def to_markdown(advices: list[Advice], ax: list[str]) -> str:
 
 
 __all__ = ["Advice", "CHAIN", "StepAdvice", "advise", "applied", "chain_label", "chain_order", "describe",
-           "n_applied", "regime", "right_size", "step_value", "task_difference", "to_markdown"]
+           "n_applied", "regime", "right_size", "step_value", "task_difference", "task_differences", "to_markdown"]

@@ -387,7 +387,7 @@ def right_size_first(t: Trials) -> Optional[Finding]:
     over that slowest one. "yes": the smaller model suffices and right-sizing alone gains at least what tuning
     the larger model does; "partly": it suffices and is faster, but tuning gains more; "no": the larger model
     is needed (right-sizing is not open on these tasks) or the smaller model is not faster."""
-    from .advice import _tasks, task_difference
+    from .advice import _tasks, task_differences
 
     by_model: dict[str, list[TrialRow]] = {}
     for r in t.rows:
@@ -413,12 +413,7 @@ def right_size_first(t: Trials) -> Optional[Finding]:
     tasks = [x for x in _tasks(small) if x in _tasks(base)]
     if not tasks:
         return None  # right-sizing needs accuracy: eval=tasks
-    cells, needed = [], []
-    for x in tasks:
-        d, lo, hi = task_difference(small, base, x)
-        cells.append(f"{x} {d:+.3f} [{lo:+.3f}, {hi:+.3f}]")
-        if hi < 0:
-            needed.append(x)
+    cells, needed = task_differences(small, base, tasks)
     measured = (f"{sname} - {large_name} per task (95%): {'; '.join(cells)}; right-size: {sname} x{gain:.2f} output "
                 f"tok/s of {large_name} at {large_name}'s slowest configuration{_interval(base, small, 'output_tok_s')}; "
                 + (f"tuning {large_name}: not measured (one configuration of it in this sweep)" if tuned is base else
