@@ -89,7 +89,9 @@ def test_chain_accepts_real_gains_and_stops_on_within_noise():
     assert by["KV cache"].decision == ACCEPTED and by["KV cache"].reason.startswith(("faster x1.9", "faster x2.0"))
     assert by["fused (flash) attention"].decision == REJECTED
     assert by["fused (flash) attention"].reason.startswith(("within noise", "below min effect"))
-    assert by["quantization"].decision == ACCEPTED and by["quantization"].candidate == "quant=int8-weight"
+    quant = [(r.candidate, r.decision) for r in res.rows if r.label == "quantization"]
+    # int8 first; the other level then has to beat int8 (bnb-int8 is no faster than it here)
+    assert quant == [("quant=int8-weight", ACCEPTED), ("quant=bnb-int8", REJECTED)]
     assert res.incumbent == {"kv_cache": "contiguous", "attention": "eager", "quant": "int8-weight", "speculative": "off"}
     assert res.stop == "end of chain"
     assert [r.decision for r in res.rows if r.label == "speculative decoding"] == [REJECTED]
@@ -254,8 +256,8 @@ def test_a_pair_that_cannot_change_the_task_scores_is_measured_without_the_eval(
     on = [r.points for r in syn.requests if not any("eval.enabled" in p for p in r.points)]
     assert [p[1]["kv_cache"] for p in off[:1]] == ["contiguous"] and len(off) == 2  # the kv and speculative pairs
     assert off[1][1]["speculative"] == "prompt-lookup"
-    assert len(on) == 3  # the baseline, the attention pair, the quantization pair
-    by = {r.label: r for r in res.rows}
+    assert len(on) == 4  # the baseline, the attention pair, the two quantization pairs (int8, then bnb-int8 vs int8)
+    by = {r.label: r for r in res.rows if r.candidate != "quant=bnb-int8"}
     assert by["KV cache"].decision == ACCEPTED and by["KV cache"].accuracy == ""
     assert by["KV cache"].reason.endswith("accuracy equal by construction (kv_cache: task scores do not depend on it)")
     assert by["quantization"].reason.endswith("accuracy holds")  # measured and judged
@@ -265,3 +267,16 @@ def test_a_pair_that_cannot_change_the_task_scores_is_measured_without_the_eval(
     res = chain(syn, space={"kv_cache": ["off", "contiguous"]}, score_neutral=neutral, eval_baseline=False).run()
     assert syn.requests[0].points == ({"kv_cache": "off", "eval.enabled": "false"},)
     assert res.rows[0].candidate == "kv_cache=off" and res.rows[1].decision == ACCEPTED
+
+
+def test_a_later_variant_must_beat_the_accepted_one():
+    """Within a step an accepted variant becomes the incumbent: the next level is judged against it (a level
+    faster than fp32 but no faster than the accepted INT8 is rejected; one faster than INT8 replaces it)."""
+    space = {"quant": ["none", "int8-weight", "int4-weight", "int8-dynamic"]}
+    syn = Synthetic(tpot_of({("quant", "int8-weight"): 0.7, ("quant", "int4-weight"): 0.5,
+                             ("quant", "int8-dynamic"): 0.69}))
+    res = chain(syn, space=space).run()
+    quant = [(r.candidate, r.decision) for r in res.rows if r.label == "quantization"]
+    assert quant == [("quant=int8-weight", ACCEPTED), ("quant=int4-weight", ACCEPTED), ("quant=int8-dynamic", REJECTED)]
+    assert res.incumbent == {"quant": "int4-weight"}
+    assert res.path == [{"quant": "none"}, {"quant": "int8-weight"}, {"quant": "int4-weight"}]

@@ -4,7 +4,9 @@ Measure the baseline (nothing applied), read its regime, take the next step of t
 CHAIN: KV cache -> continuous batching -> fused attention -> quantization -> speculative decoding, then the
 space's other axes, then a different model: right-size) that the regime says should pay off; measure each of
 its variants against the incumbent as an interleaved pair, in the seed's order (quantization: weight-only INT8
-first); keep the first variant the decision rules accept (decide.py) and go on from it. Right-sizing is the
+first); a variant the decision rules accept (decide.py) becomes the incumbent that the step's remaining variants
+must beat (INT4 is measured against an accepted INT8, not against fp32), then the chain goes on from the step's
+last accepted variant. Right-sizing is the
 last step: each other model of the space's model axis is a candidate on top of the incumbent's optimizations,
 accepted only like any step (faster beyond noise, paired accuracy gate on the same task items); a model with
 more weight bytes that the cost model predicts to be slower per token is skipped with that reason, never spent
@@ -262,10 +264,9 @@ class Chain:
                                 v.ratio.cell() if v.ratio else "", accuracy_cell(v.accuracy),
                                 inc_m.regime, ms[1].regime, tuple(m.config_hash for m in ms), tries))
                 self.echo(f"  -> {v.decision}: {v.reason}")
-                if v.decision == ACCEPTED:
+                if v.decision == ACCEPTED:  # the rest of the step's variants must beat this one
                     inc, inc_m = cand, ms[1]
                     path.append(dict(inc))
-                    break
             if stop:
                 break
         else:
