@@ -23,6 +23,7 @@ from typing import Any, Callable, Optional
 import torch
 
 from .config import QUANT_LEVELS, EngineError, ModelConfig, QuantConfig, TinyModelConfig
+from .cachedir import cache_root  # noqa: F401  (re-exported: its home is engine.cachedir)
 from .quant import BNB_LEVELS, OWN_LEVELS, bnb_config, quantize_model
 from .safetensors_check import checkpoint_problem
 from .tokenizer import ByteTokenizer, HFTokenizer, Tokenizer
@@ -83,12 +84,6 @@ PREPARED_MODELS: dict[str, PreparedSource] = {
         gguf_level="gguf-q4_k_m",
     ),
 }
-
-
-def cache_root() -> Path:
-    """Where prepared checkpoints and evaluation caches live (`INFERSWEEP_CACHE`, default ~/.cache)."""
-    root = os.environ.get("INFERSWEEP_CACHE") or os.path.join(Path.home(), ".cache", "infersweep")
-    return Path(root)
 
 
 def prepared_dir(name: str) -> Path:

@@ -268,7 +268,7 @@ def _reference(trial: TrialConfig, loaded: Any, windows: torch.Tensor):
     import dataclasses
 
     from .measure.fidelity import ReferenceCache, compute_reference
-    from .models import cache_root
+    from .cachedir import cache_root
 
     identity = {k: v for k, v in dataclasses.asdict(trial.model).items() if k != "dtype"}
     cache = ReferenceCache(cache_root() / "fidelity")

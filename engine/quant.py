@@ -157,7 +157,7 @@ def choose_kernel(mod: WeightOnlyInt8Linear, dtype: torch.dtype, device: torch.d
 
     if device.type != "cpu":
         return "dequant"
-    from .models import cache_root  # engine.models imports this module
+    from .cachedir import cache_root
 
     key = f"{mod.level}|{mod.in_features}|{mod.out_features}|{str(dtype).removeprefix('torch.')}"
     path = cache_root() / "kernels" / f"{_machine_key()}.json"

@@ -75,6 +75,7 @@ def _problems(overrides: list[str]) -> str:
 
 # --- validation (fast tier, no llama.cpp needed) ---------------------------------------------------------
 
+@needs_llamacpp  # a valid llama.cpp sweep expands only where llama.cpp is installed
 def test_gemma3_checkpoints_pass_validation_and_the_shipped_level_needs_a_prepared_model(checkpoints):
     path, _ = checkpoints["gemma3-p3"]
     specs = expand(["model=tiny-llama", "engine=llamacpp", f"model.path={path}", "model.name=g",

@@ -59,7 +59,7 @@ def test_unknown_experiment_exits_2_and_records_nothing(tmp_path, capsys):
     # a sweep axis over an optional group is checked per value the same way
     assert _problems(TINY + ["quant=none,bogus"]) == [
         "quant=bogus: unknown option; available: bnb-fp4, bnb-int8, bnb-nf4, gguf-q4_0, gguf-q4_k_m, gguf-q8_0, gguf-shipped, "
-        "int8-dynamic, int8-weight, none"]
+        "int4-weight, int8-dynamic, int8-weight, none"]
 
 
 # 2 ------------------------------------------------------------------------------------------------------

@@ -130,11 +130,13 @@ def score_neutral(space: Space) -> tuple[str, ...]:
     generation, and an in-process logits engine (hf, native) scores a log-likelihood task teacher-forced with no
     cache (engine/engines/logits.py `Backend.score`). Nothing when a task generates or an engine scores otherwise."""
     from engine import axes, engines
+    from engine.config import EngineConfig
     from engine.engines.logits import LogitsEngine
     from engine.tasks.run import needs_generation
 
     tasks = list((space.config.get("eval") or {}).get("tasks") or [])
-    backends = space.axes.get("engine") or [str((space.config.get("engine") or {}).get("backend", "hf"))]
+    default = EngineConfig().backend
+    backends = space.axes.get("engine") or [str((space.config.get("engine") or {}).get("backend", default))]
     try:
         logits = all(isinstance(engines.get(b), LogitsEngine) for b in backends)
     except Exception:
