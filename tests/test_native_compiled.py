@@ -61,7 +61,7 @@ def test_compiled_static_step_greedy_tokens_equal_eager_native_and_hf(dtype, mod
     assert compiled.extra_info() == {"cudagraphs": "off (cpu)"}  # graphs are a CUDA thing: said so in the trial
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA device")
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device (CUDA graphs are a CUDA thing)")
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_compiled_static_step_on_cuda_engages_cudagraphs(dtype, prompts):
     """On CUDA the step replays CUDA graphs (its K/V, token and position tensors at static addresses, so
