@@ -90,13 +90,22 @@ def precise_enough(per_run: list[dict[str, float]]) -> float:
     return max(widths, default=0.0)
 
 
+def _more(n: int, width: float, target: float, max_n: int, budget_left_s: float, per_one_s: float) -> int:
+    """How many more repeats (or rounds) bring an interval of relative half-width `width` after `n` to
+    `target`: it narrows as 1/sqrt(n) (one repeat has none yet: what the limits allow), within `max_n` in all
+    and `budget_left_s` seconds at `per_one_s` each."""
+    import math
+
+    want = math.ceil(n * (width / target) ** 2) - n if math.isfinite(width) else max_n - n
+    return min(want, max_n - n, int(budget_left_s / max(per_one_s, 1e-9)))
+
+
 def _repeat_until_precise(trial: TrialConfig, run: Callable[[int, int], Runs], metrics_of: Callable[[Any, dict], dict],
                           adaptive: bool, say) -> tuple[Runs, str]:
     """`run(warmup, repeats)` once with the workload's warm-up and repeats, then -- `adaptive` -- again
     with as many more repeats as the interval's 1/sqrt(n) narrowing needs to reach `timing.target_ci`,
     within `timing.max_repeats` and `timing.budget_s` (at most two more calls: each may pay a setup).
     Returns the runs and why repeating stopped."""
-    import math
     import time
 
     wl, tm = trial.workload, trial.timing
@@ -111,9 +120,7 @@ def _repeat_until_precise(trial: TrialConfig, run: Callable[[int, int], Runs], m
         width, n = precise_enough(per_run), len(runs.traces)
         if width <= tm.target_ci:
             return runs, f"interval within +-{tm.target_ci:.0%}"
-        # the interval narrows as 1/sqrt(n); one repeat has none yet: ask for what the limits allow
-        want = math.ceil(n * (width / tm.target_ci) ** 2) - n if math.isfinite(width) else tm.max_repeats - n
-        k = min(want, tm.max_repeats - n, int((tm.budget_s - spent) / max(per_repeat_s, 1e-9)))
+        k = _more(n, width, tm.target_ci, tm.max_repeats, tm.budget_s - spent, per_repeat_s)
         if k <= 0:
             break
         say(f"interval +-{width:.0%} > +-{tm.target_ci:.0%} after {n} repeats: {k} more")
@@ -474,7 +481,6 @@ def run_interleaved(trials: list[TrialConfig], rounds: int, progress: Optional[C
         return max((hw for i, own in enumerate(per)
                     for hw, _, _ in undecided_pairs(own, [o for j, o in enumerate(per) if j != i])[0]), default=0.0)
 
-    import math
     import time
 
     # `rounds` is the minimum: like a solo trial's repeats, more follow while a paired comparison is
@@ -491,8 +497,7 @@ def run_interleaved(trials: list[TrialConfig], rounds: int, progress: Optional[C
             worst = widest_undecided() if max_rounds > n else 0.0
             if worst <= 0:
                 break
-            k = min(math.ceil(n * (worst / UNSTABLE_HALF_WIDTH) ** 2) - n, max_rounds - n,
-                    int((budget_s - spent) / max(per_round_s, 1e-9)))
+            k = _more(n, worst, UNSTABLE_HALF_WIDTH, max_rounds, budget_s - spent, per_round_s)
             if k <= 0:
                 break
             (progress or log.info)(f"interleaved: a paired comparison is undecided (+-{worst:.0%}) after {n} rounds: {k} more")
