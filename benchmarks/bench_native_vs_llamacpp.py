@@ -38,6 +38,8 @@ SMOL = dict(name="smollm2-135m-instruct", path="prepared://smollm2-135m-instruct
 ALL = {  # name -> (backend, model dtype, attention, quant)
     "native-fp32": ("native", "float32", "sdpa", QuantConfig()),
     "native-bf16": ("native", "bfloat16", "sdpa", QuantConfig()),
+    "native-fp32-gemv": ("native", "float32", "sdpa", QuantConfig(kernel="gemv-all")),
+    "native-bf16-gemv": ("native", "bfloat16", "sdpa", QuantConfig(kernel="gemv-all")),
     "native-int8-dequant": ("native", "float32", "sdpa", QuantConfig(level="int8-weight", kernel="dequant")),
     "native-int8-gemv": ("native", "float32", "sdpa", QuantConfig(level="int8-weight", kernel="gemv", skip_modules=[])),
     "native-int4-gemv": ("native", "float32", "sdpa", QuantConfig(level="int4-weight", kernel="gemv", skip_modules=[])),
@@ -48,12 +50,16 @@ ALL = {  # name -> (backend, model dtype, attention, quant)
 # (label, new, base, goal): the issue's goals table, as ratios of decode tok/s
 GOALS = [
     ("native fp32 vs llama.cpp f32", "native-fp32", "llamacpp-f32", ">= x0.8"),
+    ("native fp32, our dense GEMV (gemv-all) vs llama.cpp f32", "native-fp32-gemv", "llamacpp-f32", ">= x0.8"),
+    ("native fp32, our dense GEMV vs torch's", "native-fp32-gemv", "native-fp32", "-"),
     ("native INT8 (gemv) vs native fp32", "native-int8-gemv", "native-fp32", ">= x1.8"),
     ("native INT8 (gemv) vs llama.cpp Q8_0", "native-int8-gemv", "llamacpp-q8_0", ">= x0.8"),
     ("native INT8 before (dequant) vs native fp32", "native-int8-dequant", "native-fp32", "-"),
     ("native INT4 (gemv) vs native fp32", "native-int4-gemv", "native-fp32", ">= x2.5"),
     ("native INT4 (gemv) vs llama.cpp Q4_0", "native-int4-gemv", "llamacpp-q4_0", ">= x0.7"),
     ("native bf16 vs native fp32", "native-bf16", "native-fp32", ">= x1.8"),
+    ("native bf16 vs fp32, both our dense GEMV", "native-bf16-gemv", "native-fp32-gemv", ">= x1.8"),
+    ("native bf16, our dense GEMV vs native fp32 (torch's)", "native-bf16-gemv", "native-fp32", "-"),
 ]
 
 
@@ -75,6 +81,41 @@ def load() -> str:
     return " ".join(open("/proc/loadavg").read().split()[:3])
 
 
+def trial(name: str, threads: int, wl: WorkloadConfig) -> TrialConfig:
+    backend, dtype, attn, quant = ALL[name]
+    return TrialConfig(model=ModelConfig(**SMOL, dtype=dtype), engine=EngineConfig(backend=backend, threads=threads),
+                       attention=AttentionConfig(impl=attn), quant=quant, workload=wl)
+
+
+def prefill_table(a, flags: set[str]) -> dict:
+    """The prefill goal: native prefill of `--prefill-context` tokens (batch 1) as a share of the probe's FLOP peak
+    (the cost model's FLOPs of that prefill / measured prefill time / hw_flops: `prefill_compute_util`), with
+    llama.cpp f32 beside it as the anchor; one interleaved group, 1 new token per run."""
+    names = [n for n in a.prefill_variants.split(",") if n in ALL]
+    if "native-bf16" in names and "avx512_bf16" not in flags and "amx_bf16" not in flags:
+        names.remove("native-bf16")
+    wl = WorkloadConfig(context_len=a.prefill_context, max_new_tokens=1, batch_size=1, warmup=1, repeats=1)
+    load0 = load()
+    res = dict(zip(names, run_interleaved([trial(n, a.threads, wl) for n in names], a.rounds,
+                                          progress=lambda m: print(f"  {m}", file=sys.stderr, flush=True))))
+    print(f"\nPrefill, context {a.prefill_context}, batch 1, {a.rounds} interleaved rounds, load {load0} -> {load()}; "
+          f"FLOP peak (probe): {next(iter(res.values())).metrics.get('hw_flops', float('nan')) / 1e9:.0f} GFLOP/s\n")
+    print("| variant | prefill tok/s median [95% CI] | TTFT ms | GFLOP/s attained | share of FLOP peak | goal |")
+    print("|---|---|---:|---:|---:|---|")
+    out = {}
+    for n, r in res.items():
+        s = r.samples.get("prefill_tok_s") or [r.metrics.get("prefill_tok_s", float("nan"))]
+        sp = spread(s)
+        util = r.metrics.get("prefill_compute_util")
+        flops = r.metrics.get("cost_prefill_flops", float("nan"))
+        gfs = flops / (a.prefill_context / sp.median) / 1e9
+        goal = ">= 60%" if n.startswith("native") else "(anchor)"
+        print(f"| {n} | {sp.median:.0f} [{sp.ci_lo:.0f}, {sp.ci_hi:.0f}] | {r.metrics.get('ttft_ms_p50', float('nan')):.0f} | "
+              f"{gfs:.0f} | {'-' if util is None else f'{100 * util:.0f}%'} | {goal} |")
+        out[n] = dict(prefill_tok_s=s, compute_util=util, flops=flops)
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rounds", type=int, default=5)
@@ -82,20 +123,21 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=128)
     ap.add_argument("--new-tokens", type=int, default=32)
     ap.add_argument("--variants", default=",".join(ALL))
+    ap.add_argument("--prefill-context", type=int, default=512,
+                    help="then a second interleaved group: prefill of this many tokens (1 new token) for the prefill "
+                         "goal, as a share of the probe's FLOP peak (0: skip)")
+    ap.add_argument("--prefill-variants", default="native-fp32,native-bf16,native-int8-gemv,llamacpp-f32")
     ap.add_argument("--json", default="")
     a = ap.parse_args()
     names = a.variants.split(",")
     flags = cpu_flags()
-    if "native-bf16" in names and "avx512_bf16" not in flags and "amx_bf16" not in flags:
-        print("no avx512_bf16 on this CPU: native-bf16 left out (torch would emulate bf16)")
-        names.remove("native-bf16")
+    for bf in ("native-bf16", "native-bf16-gemv"):
+        if bf in names and "avx512_bf16" not in flags and "amx_bf16" not in flags:
+            print(f"no avx512_bf16 on this CPU: {bf} left out (torch would emulate bf16)")
+            names.remove(bf)
     torch.set_num_threads(a.threads)
     wl = WorkloadConfig(context_len=a.context, max_new_tokens=a.new_tokens, batch_size=1, warmup=1, repeats=1)
-    trials = []
-    for n in names:
-        backend, dtype, attn, quant = ALL[n]
-        trials.append(TrialConfig(model=ModelConfig(**SMOL, dtype=dtype), engine=EngineConfig(backend=backend, threads=a.threads),
-                                  attention=AttentionConfig(impl=attn), quant=quant, workload=wl))
+    trials = [trial(n, a.threads, wl) for n in names]
     start = datetime.datetime.now(datetime.timezone.utc)
     load0 = load()
     t0 = time.perf_counter()
@@ -139,6 +181,8 @@ def main() -> None:
     if ref is not None:
         print("\nGreedy tokens equal native fp32's: " + ", ".join(
             f"{n} {'yes' if r.token_ids == ref.token_ids else 'no'}" for n, r in res.items() if n != "native-fp32"))
+    if a.prefill_context:
+        out["prefill"] = prefill_table(a, flags)
     line = json.dumps(out)
     print("\n" + line)
     if a.json:

@@ -1,6 +1,6 @@
 """Where a native decode token's time goes (issue 28): torch.profiler over the decode steps of SmolLM2-135M.
 
-    python benchmarks/profile_native_decode.py [--threads 1] [--tokens 16] [--variants fp32,int8-gemv,int4-gemv]
+    python benchmarks/profile_native_decode.py [--threads 1] [--tokens 16] [--variants fp32,bf16,fp32-gemv,bf16-gemv,int8-gemv,int4-gemv]
 
 Per variant: prefill 128 tokens (not profiled), then profile `--tokens` decode steps (eager native engine,
 batch 1). Every op's self CPU time is put in one bucket: `gemv` (matmuls: aten::mm/addmm/linear's kernels and
@@ -29,10 +29,13 @@ from engine.generate import stream  # noqa: E402
 from engine.models import load_model  # noqa: E402
 
 SMOL = ModelConfig(name="smollm2-135m-instruct", path="prepared://smollm2-135m-instruct")
-QUANTS = {
-    "fp32": QuantConfig(),
-    "int8-gemv": QuantConfig(level="int8-weight", kernel="gemv", skip_modules=[]),
-    "int4-gemv": QuantConfig(level="int4-weight", kernel="gemv", skip_modules=[]),
+QUANTS = {  # name -> (model dtype, quant)
+    "fp32": ("float32", QuantConfig()),
+    "bf16": ("bfloat16", QuantConfig()),
+    "fp32-gemv": ("float32", QuantConfig(kernel="gemv-all")),
+    "bf16-gemv": ("bfloat16", QuantConfig(kernel="gemv-all")),
+    "int8-gemv": ("float32", QuantConfig(level="int8-weight", kernel="gemv", skip_modules=[])),
+    "int4-gemv": ("float32", QuantConfig(level="int4-weight", kernel="gemv", skip_modules=[])),
 }
 GEMV = ("aten::mm", "aten::addmm", "aten::bmm", "infersweep::", "aten::_weight_int8pack_mm")
 ATTN = ("scaled_dot_product", "flash_attention")
@@ -60,10 +63,12 @@ def main() -> None:
     print("| variant | wall ms/token | gemv | attention | other ops | python/framework | top other ops (ms/token) |")
     print("|---|---:|---:|---:|---:|---:|---|")
     for name in a.variants.split(","):
-        loaded = load_model(SMOL, "sdpa", quant=QUANTS[name])
-        trial = TrialConfig(model=SMOL, engine=EngineConfig(backend="native", threads=a.threads),
+        dtype, quant = QUANTS[name]
+        spec = ModelConfig(name=SMOL.name, path=SMOL.path, dtype=dtype)
+        loaded = load_model(spec, "sdpa", quant=quant)
+        trial = TrialConfig(model=spec, engine=EngineConfig(backend="native", threads=a.threads),
                             attention=AttentionConfig(impl="sdpa"), kv_cache=KVCacheConfig(mode="contiguous"),
-                            quant=QUANTS[name])
+                            quant=quant)
         backend = make_backend(loaded, trial)
         prompt = torch.randint(100, 20000, (1, 128), generator=torch.Generator().manual_seed(0))
         for rep in range(2):  # the first pass warms caches and allocators

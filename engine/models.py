@@ -24,7 +24,7 @@ import torch
 
 from .config import QUANT_LEVELS, EngineError, ModelConfig, QuantConfig, TinyModelConfig
 from .cachedir import cache_root  # noqa: F401  (re-exported: its home is engine.cachedir)
-from .quant import BNB_LEVELS, OWN_LEVELS, bnb_config, quantize_model
+from .quant import BNB_LEVELS, bnb_config, quantize_model, swaps_linears
 from .safetensors_check import checkpoint_problem
 from .tokenizer import ByteTokenizer, HFTokenizer, Tokenizer
 
@@ -471,7 +471,7 @@ def load_model(
     else:
         model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation=impl, **kwargs)
         model = model.to(device)
-        if quant.level in OWN_LEVELS:
+        if swaps_linears(quant):
             quantize_model(model, quant, num_layers)
     model.eval()
     return LoadedModel(model=model, tokenizer=tokenizer, spec=spec, load_s=time.perf_counter() - t0, quant=quant)

@@ -252,7 +252,8 @@ def roofline(trial: TrialConfig, engine: Engine, device: torch.device, metrics: 
         return {"costmodel": "unavailable: the model's shape is unknown"}
     try:
         # the weight format the matmuls read (llama.cpp's gguf-shipped names a file, not a format)
-        costed = replace(trial, "quant.level", engine.weight_level(trial))
+        costed = replace(replace(trial, "quant.level", engine.weight_level(trial)), "quant.skip_modules",
+                         engine.skip_modules(trial))
         a = assess_trial(costed, facts.shape, device, metrics, materialize_scores=engine.materializes_scores(trial),
                          kv_elt_bytes=engine.kv_element_bytes(trial), compute_dtype=engine.compute_dtype(trial, device))
     except EngineError as e:

@@ -16,6 +16,10 @@ Levels
 - `int4-weight`: weight-only INT4, symmetric per group of 32 inputs (packed two per byte, fp32 scale per
   group, llama.cpp Q4_0's scaling); `kernel` gemv (our fused kernel) or dequant (unpack to float, GEMM), or
   auto (gemv vs dequant). The LM head, when not skipped, gets INT8 (`WIDER`).
+- `kernel=gemv-all` (levels none, int8-weight, int4-weight): gemv for the quantized linears, and our dense
+  fp32/bf16 GEMV (engine/quant_kernels.py, same structure) for the linears left in full precision: every one at
+  level none, the skipped ones (the LM head by default) otherwise. torch's own fp32 / bf16 GEMV at one row
+  streams well under the machine's read bandwidth on CPU (BENCHMARKS.md); prefill keeps F.linear.
 - `int8-dynamic`: INT8 weights + INT8 activations (W8A8): per-token dynamic activation scales, an int8 x
   int8 -> int32 matmul (`torch._int_mm`), rescaled by both scales. No outlier handling: this is the
   "naive activation quantization" the seed warns about.
@@ -32,6 +36,7 @@ kept in full precision) and `keep_last_layers` (the last N decoder layers stay u
 """
 from __future__ import annotations
 
+import dataclasses
 import fnmatch
 import re
 
@@ -130,6 +135,31 @@ class WeightOnlyInt4Linear(WeightOnlyInt8Linear):
         return F.linear(x2, self.dequantized().to(x2.dtype))
 
 
+class DenseGemvLinear(nn.Module):
+    """A full-precision nn.Linear whose decode-sized calls (<= GEMV_MAX_ROWS rows, fp32 or bf16 weights, CPU) run
+    our GEMV (quant.kernel=gemv-all); other calls take F.linear. It holds the linear's own weight tensor (a tied
+    LM head stays tied, nothing is copied)."""
+
+    level = "none"
+    chosen = kernel = "gemv"
+
+    def __init__(self, linear: nn.Linear):
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.weight = linear.weight
+        self.bias = linear.bias
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        x2 = x.reshape(-1, shape[-1])
+        if x2.shape[0] > GEMV_MAX_ROWS:
+            return F.linear(x, self.weight, self.bias)
+        y = qk.dense_gemv(x2, self.weight)
+        if self.bias is not None:
+            y = y + self.bias
+        return y.reshape(*shape[:-1], self.out_features)
+
+
 # (level, in, out, dtype) -> kernel, for this process; backed by a JSON file per machine (choose_kernel)
 _CHOICES: dict[str, str] = {}
 
@@ -195,10 +225,12 @@ def kernel_info(model: nn.Module) -> dict[str, str]:
         if isinstance(m, WeightOnlyInt8Linear):
             k = m.chosen or m.kernel
             counts[k] = counts.get(k, 0) + 1
+        elif isinstance(m, DenseGemvLinear):
+            counts["dense-gemv"] = counts.get("dense-gemv", 0) + 1
     if not counts:
         return {}
     info = {"quant_kernels": ", ".join(f"{k} x{n}" for k, n in sorted(counts.items()))}
-    if "gemv" in counts:
+    if "gemv" in counts or "dense-gemv" in counts:
         info["quant_kernel_isa"] = qk.isa()
     return info
 
@@ -245,21 +277,35 @@ WIDER = {
 }
 
 
+def swaps_linears(spec: QuantConfig) -> bool:
+    """Whether `quantize_model` has work for this spec: our levels, or level none with kernel=gemv-all."""
+    return spec.level in OWN_LEVELS or (spec.level == "none" and spec.kernel == "gemv-all")
+
+
 def quantize_model(model: nn.Module, spec: QuantConfig, num_layers: int) -> int:
-    """Swap every eligible nn.Linear of `model` in place for our level; returns how many were swapped."""
-    if spec.level not in OWN_LEVELS:
-        raise EngineError(f"quantize_model handles {OWN_LEVELS}, not {spec.level!r}")
-    swap = SWAPS[spec.level]
-    targets = [(n, m) for n, m in model.named_modules() if type(m) is nn.Linear and not skipped(n, spec, num_layers)]
+    """Swap every eligible nn.Linear of `model` in place for our level; returns how many were quantized. With
+    kernel=gemv-all the linears the level leaves in full precision (all of them at level none, the skipped
+    ones otherwise) get our dense GEMV (DenseGemvLinear)."""
+    if not swaps_linears(spec):
+        raise EngineError(f"quantize_model handles {OWN_LEVELS} (and none with kernel=gemv-all), not {spec.level!r}")
+    dense = spec.kernel == "gemv-all"
+    if dense:
+        spec = dataclasses.replace(spec, kernel="gemv")  # the quantized linears' kernel
+    swap = SWAPS.get(spec.level)
     wider = WIDER.get(spec.level, {})
-    for name, lin in targets:
+    count = 0
+    for name, lin in [(n, m) for n, m in model.named_modules() if type(m) is nn.Linear]:
+        full = swap is None or skipped(name, spec, num_layers)
+        if full and not dense:
+            continue
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
-        new = wider.get(name, swap)(lin, spec)
+        new = DenseGemvLinear(lin) if full else wider.get(name, swap)(lin, spec)
         if getattr(new, "chosen", "") is None:  # kernel=auto: timed now, at load, never inside a timed run
             new.chosen = choose_kernel(new, lin.weight.dtype, lin.weight.device)
         setattr(parent, child, new)
-    return len(targets)
+        count += not full
+    return count
 
 
 def bnb_config(spec: QuantConfig, num_layers: int, module_names: list[str]):

@@ -1,4 +1,5 @@
-"""Our own fused dequantize-GEMV kernels for weight-only INT8 / INT4 on CPU (issue 28).
+"""Our own fused dequantize-GEMV kernels for weight-only INT8 / INT4 on CPU (issue 28), and a GEMV of the same
+kind for full-precision fp32 / bf16 weights (`quant.kernel=gemv-all`).
 
 At batch-1 decode a linear layer is a GEMV bound by reading its weights. torch's paths for int8 weights
 read them badly on CPU: dequantize-then-GEMM casts the whole weight to float (it reads 1 byte and writes 4
@@ -32,6 +33,7 @@ _CPP = r"""
 #include <immintrin.h>
 #include <algorithm>
 #include <cstdint>
+#include <cstring>
 
 // at::parallel_for's grain (output rows per chunk): at least min_bytes of weight per thread, because an OpenMP
 // region costs a barrier and on a loaded machine a descheduled thread stalls it for a whole time slice
@@ -215,6 +217,98 @@ torch::Tensor int4_gemv(torch::Tensor x, torch::Tensor w, torch::Tensor s, int64
   return y;
 }
 
+// Dense weights (quant.kernel=gemv-all on full-precision linears): fp32, or bf16 held as uint16 and widened
+// to fp32 by a 16-bit shift (exact), so bf16 needs no bf16 arithmetic from the CPU and accumulates in fp32
+static inline float to_f(float v) { return v; }
+static inline float to_f(uint16_t v) { uint32_t u = (uint32_t)v << 16; float f; std::memcpy(&f, &u, 4); return f; }
+#if defined(__AVX512F__)
+static inline __m512 ld16(const float* p) { return _mm512_loadu_ps(p); }
+static inline __m512 ld16(const uint16_t* p) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p)), 16));
+}
+#elif defined(__AVX2__) && defined(__FMA__)
+static inline __m256 ld8(const float* p) { return _mm256_loadu_ps(p); }
+static inline __m256 ld8(const uint16_t* p) {
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)p)), 16));
+}
+#endif
+
+template <int RB, typename T>
+static inline void dot_dense(const float* x, int64_t K, const T* w, float* out) {
+  constexpr int U = RB >= 4 ? 1 : 4 / RB;
+  int64_t k = 0;
+#if defined(__AVX512F__)
+  __m512 a[RB][U];
+  for (int r = 0; r < RB; ++r) for (int u = 0; u < U; ++u) a[r][u] = _mm512_setzero_ps();
+  for (; k + 16 * U <= K; k += 16 * U) {
+    for (int u = 0; u < U; ++u) {
+      __m512 wf = ld16(w + k + 16 * u);
+      for (int r = 0; r < RB; ++r) a[r][u] = _mm512_fmadd_ps(_mm512_loadu_ps(x + r * K + k + 16 * u), wf, a[r][u]);
+    }
+  }
+  for (; k + 16 <= K; k += 16) {
+    __m512 wf = ld16(w + k);
+    for (int r = 0; r < RB; ++r) a[r][0] = _mm512_fmadd_ps(_mm512_loadu_ps(x + r * K + k), wf, a[r][0]);
+  }
+  for (int r = 0; r < RB; ++r) {
+    for (int u = 1; u < U; ++u) a[r][0] = _mm512_add_ps(a[r][0], a[r][u]);
+    out[r] = _mm512_reduce_add_ps(a[r][0]);
+  }
+#elif defined(__AVX2__) && defined(__FMA__)
+  __m256 a[RB][U];
+  for (int r = 0; r < RB; ++r) for (int u = 0; u < U; ++u) a[r][u] = _mm256_setzero_ps();
+  for (; k + 8 * U <= K; k += 8 * U) {
+    for (int u = 0; u < U; ++u) {
+      __m256 wf = ld8(w + k + 8 * u);
+      for (int r = 0; r < RB; ++r) a[r][u] = _mm256_fmadd_ps(_mm256_loadu_ps(x + r * K + k + 8 * u), wf, a[r][u]);
+    }
+  }
+  for (; k + 8 <= K; k += 8) {
+    __m256 wf = ld8(w + k);
+    for (int r = 0; r < RB; ++r) a[r][0] = _mm256_fmadd_ps(_mm256_loadu_ps(x + r * K + k), wf, a[r][0]);
+  }
+  for (int r = 0; r < RB; ++r) {
+    for (int u = 1; u < U; ++u) a[r][0] = _mm256_add_ps(a[r][0], a[r][u]);
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(a[r][0]), _mm256_extractf128_ps(a[r][0], 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    out[r] = _mm_cvtss_f32(s);
+  }
+#else
+  for (int r = 0; r < RB; ++r) out[r] = 0.f;
+#endif
+  for (int r = 0; r < RB; ++r)
+    for (int64_t j = k; j < K; ++j) out[r] += x[r * K + j] * to_f(w[j]);
+}
+
+template <typename T>
+static void dense_rows(const float* xp, int64_t R, int64_t K, const T* wp, float* yp, int64_t N, int64_t grain) {
+  at::parallel_for(0, N, grain, [&](int64_t n0, int64_t n1) {
+    int64_t r = 0;
+    for (; r + 4 <= R; r += 4)
+      for (int64_t n = n0; n < n1; ++n) { float acc[4]; dot_dense<4>(xp + r * K, K, wp + n * K, acc); for (int i = 0; i < 4; ++i) yp[(r + i) * N + n] = acc[i]; }
+    for (; r + 2 <= R; r += 2)
+      for (int64_t n = n0; n < n1; ++n) { float acc[2]; dot_dense<2>(xp + r * K, K, wp + n * K, acc); for (int i = 0; i < 2; ++i) yp[(r + i) * N + n] = acc[i]; }
+    for (; r < R; ++r)
+      for (int64_t n = n0; n < n1; ++n) { float acc[1]; dot_dense<1>(xp + r * K, K, wp + n * K, acc); yp[r * N + n] = acc[0]; }
+  });
+}
+
+// x fp32 [R, K], w fp32 or bf16 [N, K] -> y fp32 [R, N]
+torch::Tensor dense_gemv(torch::Tensor x, torch::Tensor w, int64_t min_bytes) {
+  TORCH_CHECK(x.dtype() == torch::kFloat32 && (w.dtype() == torch::kFloat32 || w.dtype() == torch::kBFloat16));
+  TORCH_CHECK(x.is_contiguous() && w.is_contiguous() && x.size(1) == w.size(1));
+  const int64_t R = x.size(0), K = x.size(1), N = w.size(0);
+  auto y = torch::empty({R, N}, x.options());
+  const int64_t grain = grain_for(N, w.numel() * w.element_size(), min_bytes);
+  if (w.dtype() == torch::kFloat32)
+    dense_rows<float>(x.data_ptr<float>(), R, K, w.data_ptr<float>(), y.data_ptr<float>(), N, grain);
+  else
+    dense_rows<uint16_t>(x.data_ptr<float>(), R, K, reinterpret_cast<const uint16_t*>(w.data_ptr<at::BFloat16>()),
+                         y.data_ptr<float>(), N, grain);
+  return y;
+}
+
 std::string isa() {
 #if defined(__AVX512F__)
   return "avx512";
@@ -232,7 +326,7 @@ _OPS: tuple | None = None  # the custom ops, once load() succeeded
 
 @functools.lru_cache(maxsize=1)
 def load():
-    """The compiled kernels (a module with int8_gemv, int4_gemv, isa), or None with `load_error()` set."""
+    """The compiled kernels (a module with int8_gemv, int4_gemv, dense_gemv, isa), or None with `load_error()` set."""
     global _load_error, _OPS
     if os.environ.get("INFERSWEEP_NO_CPP_KERNELS"):
         _load_error = "INFERSWEEP_NO_CPP_KERNELS is set"
@@ -243,7 +337,7 @@ def load():
         # the source's hash names the build, so an edited kernel never reuses a stale cached .so
         name = "infersweep_woq_" + hashlib.sha256(_CPP.encode()).hexdigest()[:10]
         mod = load_inline(
-            name=name, cpp_sources=[_CPP], functions=["int8_gemv", "int4_gemv", "isa"],
+            name=name, cpp_sources=[_CPP], functions=["int8_gemv", "int4_gemv", "dense_gemv", "isa"],
             # -fopenmp makes at::parallel_for's pragma real; libgomp.so.1 is torch's own, already loaded
             extra_cflags=["-O3", "-march=native", "-fopenmp"], extra_ldflags=["-lgomp"], verbose=False,
         )
@@ -266,20 +360,25 @@ def _register_ops(mod) -> tuple:
     def int4_op(x: torch.Tensor, w: torch.Tensor, s: torch.Tensor, min_bytes: int) -> torch.Tensor:
         return mod.int4_gemv(x, w, s, min_bytes)
 
+    @torch.library.custom_op("infersweep::dense_gemv", mutates_args=())
+    def dense_op(x: torch.Tensor, w: torch.Tensor, min_bytes: int) -> torch.Tensor:
+        return mod.dense_gemv(x, w, min_bytes)
+
     for op in (int8_op, int4_op):
         op.register_fake(lambda x, w, s, min_bytes: x.new_empty((x.shape[0], w.shape[0])))
-    return int8_op, int4_op
+    dense_op.register_fake(lambda x, w, min_bytes: x.new_empty((x.shape[0], w.shape[0])))
+    return int8_op, int4_op, dense_op
 
 
 def _entry(i: int, device: torch.device):
-    """Kernel i (0: int8, 1: int4) for a tensor on `device`, or None (then the torch path runs). While
+    """Kernel i (0: int8, 1: int4, 2: dense fp32/bf16) for a tensor on `device`, or None (then the torch path runs). While
     torch.compile traces, only module globals are read (it cannot trace the loader) and the custom op is used."""
     if device.type != "cpu":
         return None
     if torch.compiler.is_compiling():
         return None if _OPS is None else _OPS[i]
     mod = load()
-    return None if mod is None else (mod.int8_gemv if i == 0 else mod.int4_gemv)
+    return None if mod is None else (mod.int8_gemv, mod.int4_gemv, mod.dense_gemv)[i]
 
 
 def load_error() -> str | None:
@@ -337,3 +436,12 @@ def int4_gemv(x2: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, in_f
     if pad:
         xf = F.pad(xf, (0, pad))
     return fn(xf.contiguous(), packed, scales, MIN_BYTES_PER_THREAD).to(x2.dtype)
+
+
+def dense_gemv(x2: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """x2 [rows, in] @ w^T for a full-precision weight w [out, in] (fp32 or bf16; others take F.linear) -> [rows, out]
+    in x2's dtype. Accumulates in fp32 (as torch's CPU bf16 GEMM does), rounds once at the end."""
+    fn = _entry(2, x2.device) if w.dtype in (torch.float32, torch.bfloat16) else None
+    if fn is None:
+        return F.linear(x2, w)
+    return fn(x2.float().contiguous(), w.contiguous(), MIN_BYTES_PER_THREAD).to(x2.dtype)

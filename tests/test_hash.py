@@ -98,9 +98,12 @@ def test_recorded_configs_keep_their_hashes(monkeypatch):
     for name, overrides in RECORDED.items():
         if name not in golden:
             continue  # an experiment added later has no recording
-        got = sorted(s.config_hash for s in expand(overrides, gpu_available=False))
-        assert got == sorted(golden[name].values()), name
-        checked += len(got)
+        got = {s.config_hash for s in expand(overrides, gpu_available=False)}
+        # every recorded trial still hashes as recorded; a point added to an experiment later (seed-claims'
+        # int4-weight-128) is a new trial with its own hash
+        missing = sorted(set(golden[name].values()) - got)
+        assert not missing, (name, missing)
+        checked += len(golden[name])
     assert checked >= 90
 
 

@@ -1,4 +1,5 @@
-"""Our fused weight-only kernels (engine/quant_kernels.py, `quant.kernel=gemv|auto`, `quant=int4-weight`):
+"""Our fused weight-only kernels (engine/quant_kernels.py, `quant.kernel=gemv|auto|gemv-all`, `quant=int4-weight`)
+and the dense fp32/bf16 GEMV (`gemv-all`):
 against F.linear on odd shapes, the portable fallback, greedy tokens against the dequantized-weights model on the
 tiny model, and (slow tier) fidelity on the real SmolLM2 checkpoint."""
 from __future__ import annotations
@@ -14,7 +15,8 @@ from torch import nn
 from engine import ModelConfig, QuantConfig, WorkloadConfig, load_model, run_engine_trial
 from engine import quant_kernels as qk
 from engine.config import EngineError
-from engine.quant import GEMV_MAX_ROWS, WeightOnlyInt4Linear, WeightOnlyInt8Linear, kernel_info, quantize_per_channel
+from engine.quant import (GEMV_MAX_ROWS, DenseGemvLinear, WeightOnlyInt4Linear, WeightOnlyInt8Linear, kernel_info,
+                          quantize_per_channel)
 
 TINY = ModelConfig(name="tiny", path="tiny://llama")
 # (in, out): neither a multiple of 8/16/64 (the kernels' vector tails), plus one of the model's real shapes
@@ -71,6 +73,57 @@ def test_int4_gemv_matches_f_linear_on_odd_shapes(i, o, rows):
     torch.testing.assert_close(qk.int4_gemv(xb, packed, s, i).float(), F.linear(xb.float(), deq), **BF16_TOL)
 
 
+@pytest.mark.parametrize("i,o", SHAPES)
+@pytest.mark.parametrize("rows", ROWS)
+def test_dense_gemv_matches_f_linear_on_odd_shapes(i, o, rows):
+    """fp32 weights against F.linear; bf16 weights (widened exactly) against F.linear of the same bf16 values in
+    fp32, and against torch's own bf16 GEMM once rounded to bf16."""
+    torch.manual_seed(i * o + rows)
+    w, x = torch.randn(o, i) * 0.05, torch.randn(rows, i)
+    torch.testing.assert_close(qk.dense_gemv(x, w), F.linear(x, w), **FP32_TOL)
+    wb, xb = w.bfloat16(), x.bfloat16()
+    got = qk.dense_gemv(xb, wb)
+    assert got.dtype == torch.bfloat16
+    torch.testing.assert_close(got.float(), F.linear(xb.float(), wb.float()), **BF16_TOL)
+    torch.testing.assert_close(got, F.linear(xb, wb), **BF16_TOL)
+    # fp32 activations on bf16 weights (the kernel's own interface): exact widening, fp32 accumulation
+    torch.testing.assert_close(qk.dense_gemv(x, wb), F.linear(x, wb.float()), **FP32_TOL)
+
+
+def test_dense_module_keeps_the_tied_weight_and_routes_prefill_to_f_linear():
+    torch.manual_seed(2)
+    lin = nn.Linear(70, 33, bias=True)
+    dense = DenseGemvLinear(lin)
+    assert dense.weight is lin.weight and dense.bias is lin.bias  # no copy: a tied LM head stays tied
+    for rows in (1, GEMV_MAX_ROWS, GEMV_MAX_ROWS + 1, 40):
+        x = torch.randn(2, rows, 70)
+        torch.testing.assert_close(dense(x), lin(x), **FP32_TOL)
+    assert kernel_info(nn.Sequential(dense)) == {"quant_kernels": "dense-gemv x1", "quant_kernel_isa": qk.isa()}
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("level", ["none", "int8-weight"])
+def test_gemv_all_gives_the_plain_models_greedy_tokens(dtype, level):
+    """quant.kernel=gemv-all: at level none every linear runs our dense GEMV in decode, with the greedy tokens of
+    the model without it (hf and native engines); at int8-weight the skipped LM head does, the rest int8 gemv."""
+    from support import make_trial
+
+    def run(backend, kernel):
+        return run_engine_trial(make_trial(ModelConfig(name="tiny", path="tiny://llama", dtype=dtype), backend=backend,
+                                           quant=QuantConfig(level=level, kernel=kernel),
+                                           workload=WorkloadConfig(context_len=24, max_new_tokens=10, warmup=0, repeats=1)))
+
+    base = run("hf", "gemv")
+    for backend in ("hf", "native"):
+        got = run(backend, "gemv-all")
+        assert got.token_ids == base.token_ids, backend
+        kinds = {k: int(n) for k, n in re.findall(r"([\w-]+) x(\d+)", got.info["quant_kernels"])}
+        if level == "none":  # every linear: 7 per layer + the LM head
+            assert list(kinds) == ["dense-gemv"] and kinds["dense-gemv"] % 7 == 1, kinds
+        else:  # the LM head (skipped by default) dense, the rest int8
+            assert kinds["dense-gemv"] == 1 and kinds["gemv"] % 7 == 0, kinds
+
+
 @pytest.mark.parametrize("cls", [WeightOnlyInt8Linear, WeightOnlyInt4Linear])
 def test_modules_route_decode_rows_to_the_kernel_and_prefill_to_the_gemm(cls):
     torch.manual_seed(0)
@@ -118,6 +171,10 @@ def test_kernel_choices_are_validated():
     assert any("quant.kernel" in p and "int4" in p for p in ei.value.problems), ei.value.problems
     with pytest.raises(EngineError, match="kernel"):
         WeightOnlyInt4Linear(nn.Linear(4, 4), kernel="int8pack")
+    assert len(expand(["model=tiny-llama", "quant=none,int8-weight,int4-weight", "quant.kernel=gemv-all"])) == 3
+    with pytest.raises(SweepError) as ei:
+        expand(["model=tiny-llama", "quant=int8-dynamic", "quant.kernel=gemv-all"])
+    assert any("quant.kernel" in p and "gemv-all" in p for p in ei.value.problems), ei.value.problems
 
 
 def _dequantized_reference(level: str, dtype: str = "float32"):

@@ -380,6 +380,16 @@ def test_load_flagged_trials_never_decide_a_speedup_the_best_configuration_or_a_
     assert {c.name: c for c in evaluate(q)}["quant-naive-w8a8"].holds == "yes"  # +20% ppl: no timing in it
 
 
+def test_int4_claim_reads_our_int4_weight_level_first_then_bitsandbytes():
+    rows = [_row(1, quant="none", ctx=128, tok_s=10, metrics={"ppl": 10.0}),
+            _row(2, quant="bnb-nf4", ctx=128, tok_s=9, metrics={"ppl": 13.0}),
+            _row(3, quant="int4-weight", ctx=128, tok_s=35, metrics={"ppl": 10.5})]
+    claim = {c.name: c for c in evaluate(rows)}["quant-int4"]
+    assert claim.measured.startswith("int4-weight: x3.50 output tok/s at context 128") and "+5.0%" in claim.measured
+    only_bnb = {c.name: c for c in evaluate(rows[:2])}["quant-int4"]
+    assert only_bnb.measured.startswith("bnb-nf4: x0.90")
+
+
 def test_spread_flagged_trials_decide_only_where_the_intervals_separate_and_say_so():
     from experiments.analysis.report import SPREAD_DECIDED, lines, table_cells, table_notes
 

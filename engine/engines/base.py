@@ -191,6 +191,11 @@ class Engine:
         what a level that names a file (llama.cpp's gguf-shipped) holds."""
         return trial.quant.level
 
+    def skip_modules(self, trial: TrialConfig) -> list[str]:
+        """The modules the engine keeps in full precision at the trial's quant level (the cost model prices the LM
+        head by it): quant.skip_modules for our levels; an engine whose weight format covers every matrix says so."""
+        return list(trial.quant.skip_modules)
+
     def kv_element_bytes(self, trial: TrialConfig) -> Optional[float]:
         """Bytes per K/V element at `kv_cache.dtype`; None: the model's dtype."""
         return None

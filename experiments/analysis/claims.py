@@ -466,7 +466,7 @@ CLAIMS: tuple[Claim, ...] = (
     Claim("quant-int8-careful", "Weight + activation INT8 with care (LLM.int8): ~2-3x speedup, 1-3% accuracy drop",
           _quant_claim(("bnb-int8",), (2, 3), (1, 3)), ("quant",)),
     Claim("quant-naive-w8a8", "Naive activation quantization crashes accuracy", naive_w8a8, ("quant",)),
-    Claim("quant-int4", "INT4: ~3-4x speedup, 3-10% accuracy drop", _quant_claim(("bnb-nf4", "bnb-fp4"), (3, 4), (3, 10)), ("quant",)),
+    Claim("quant-int4", "INT4: ~3-4x speedup, 3-10% accuracy drop", _quant_claim(("int4-weight", "bnb-nf4", "bnb-fp4"), (3, 4), (3, 10)), ("quant",)),
     Claim("quant-long-context", "Quantized models degrade more at long context than short", quant_long_context, ("quant",)),
     Claim("spec-formula", "Speculative: tokens per target step = (1 - a^(k+1)) / (1 - a)", speculative_formula, ("speculative",)),
     Claim("spec-speedup", "Speculative decoding: 2-3x net speedup", speculative_speedup, ("speculative",)),

@@ -87,6 +87,11 @@ class LlamaCppEngine(LogitsEngine):
             return PREPARED_MODELS[trial.model.path[len(PREPARED_SCHEME):]].gguf_level
         return trial.quant.level
 
+    def skip_modules(self, trial: TrialConfig) -> list[str]:
+        # a GGUF weight type covers the output matrix too (the tied token_embd for SmolLM2 and Gemma): quant.skip_modules
+        # is our levels' option, not llama.cpp's
+        return [] if trial.quant.level != "none" else list(trial.quant.skip_modules)
+
     def attention(self, trial: TrialConfig) -> str:
         return self.support["attention.impl"].runs_as(trial.attention.impl)
 
