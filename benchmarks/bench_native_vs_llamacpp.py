@@ -128,7 +128,14 @@ def main() -> None:
                          "goal, as a share of the probe's FLOP peak (0: skip)")
     ap.add_argument("--prefill-variants", default="native-fp32,native-bf16,native-int8-gemv,llamacpp-f32")
     ap.add_argument("--json", default="")
+    ap.add_argument("--prefill-only", action="store_true", help="only the prefill group")
     a = ap.parse_args()
+    if a.prefill_only:
+        torch.set_num_threads(a.threads)
+        print(f"Machine: {cpu_model()}, {os.cpu_count()} CPUs, avx512_bf16={'avx512_bf16' in cpu_flags()}; "
+              f"torch {torch.__version__}; {a.threads} threads; {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC")
+        print(json.dumps({"prefill": prefill_table(a, cpu_flags())}))
+        return
     names = a.variants.split(",")
     flags = cpu_flags()
     for bf in ("native-bf16", "native-bf16-gemv"):

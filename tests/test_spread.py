@@ -441,3 +441,17 @@ def test_paired_ratio_covers_at_its_confidence_with_few_rounds(rounds):
         hits += r.lo <= 1.02 <= r.hi
         false_gain += r.lo > 1.10  # "faster by 10% or more": the decision a chance result must not reach
     assert hits / 400 >= 0.93 and false_gain <= 4
+
+
+def test_a_zero_sample_gives_no_paired_ratio_instead_of_a_crash():
+    """An interleaved group at max_new_tokens=1 has TPOT 0 in every round (no token after the first): there is
+    no ratio of those, and the group's undecided-pair check skips the metric (it divided by zero before)."""
+    from engine.measure.metrics import undecided_pairs
+    from engine.measure.spread import paired_ratio
+
+    assert paired_ratio([0.0, 0.0, 0.0], [0.0, 0.0, 0.0], higher_is_better=False) is None
+    assert paired_ratio([1.0, 2.0], [1.0, float("nan")]) is None
+    a = {"tpot_ms_p50": [0.0, 0.0, 0.0], "ttft_ms_p50": [100.0, 101.0, 99.0]}
+    b = {"tpot_ms_p50": [0.0, 0.0, 0.0], "ttft_ms_p50": [50.0, 51.0, 49.5]}
+    undecided, pairs = undecided_pairs(a, [b])
+    assert undecided == [] and pairs == 1  # TTFT judged (clearly x2), TPOT skipped

@@ -130,10 +130,11 @@ def paired_ratio(base: Sequence[float], new: Sequence[float], higher_is_better: 
                  resamples: int = RESAMPLES, seed: int = 0) -> Optional[Ratio]:
     """The ratio of two variants measured round-robin (`engine.pipeline.run_interleaved`): sample i of each
     ran in the same round, so the per-round ratios new_i / base_i share that round's drift and the median of
-    them, with its percentile-bootstrap interval, is free of it. None with fewer than two rounds."""
+    them, with its percentile-bootstrap interval, is free of it. None with fewer than two rounds, or where a
+    sample is not a positive number (a TPOT of 0 when a run decoded no token after the first: no ratio exists)."""
     if len(base) != len(new):
         raise ValueError(f"paired samples need equal counts, got {len(base)} and {len(new)}")
-    if len(base) < 2:
+    if len(base) < 2 or not all(v > 0 and math.isfinite(v) for v in (*base, *new)):
         return None
     rs = [(n / b if higher_is_better else b / n) for b, n in zip(base, new)]
     s = spread(rs, resamples=resamples, seed=seed)
