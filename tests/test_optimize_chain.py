@@ -217,6 +217,17 @@ def test_right_size_skips_a_larger_model_predicted_slower_without_spending_a_tri
     assert res.rows[-1].decision == REJECTED and res.rows[-1].reason.startswith("slower x0.6")
 
 
+def test_right_size_measures_a_larger_model_when_speculation_is_on():
+    """With speculative decoding in the incumbent the per-token roofline says nothing about the tokens a target
+    pass yields (they depend on the model): the larger model is measured, and accepted when it is faster."""
+    space = {"speculative": ["off", "prompt-lookup"], "model": ["smollm2-135m", "gemma-3-270m"]}
+    syn = Synthetic(tpot_of({("speculative", "prompt-lookup"): 0.8, ("model", "gemma-3-270m"): 0.6}))
+    res = chain(syn, space=space, predict=lambda p: (1.6e-3 if p["model"] == "gemma-3-270m" else 1e-3, bytes_of(p))).run()
+    last = res.rows[-1]
+    assert (last.candidate, last.decision) == ("model=gemma-3-270m", ACCEPTED), last
+    assert res.incumbent == {"speculative": "prompt-lookup", "model": "gemma-3-270m"}
+
+
 def test_right_size_accepts_a_smaller_model_only_when_faster_and_the_paired_gate_holds():
     big_first = {"kv_cache": ["off", "contiguous"], "model": ["gemma-3-270m", "smollm2-135m"]}
     faster = tpot_of({("kv_cache", "contiguous"): 0.5, ("model", "smollm2-135m"): 0.6})
