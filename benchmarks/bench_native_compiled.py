@@ -63,11 +63,22 @@ def load(args, dtype: str, device: str) -> LoadedModel:
         model = tf.AutoModelForCausalLM.from_config(cfg).to(getattr(torch, dtype)).to(device).eval()
         return LoadedModel(model=model, tokenizer=ByteTokenizer(), spec=ModelConfig(name="random", path="random", dtype=dtype),
                            load_s=0.0)
-    return load_model(ModelConfig(name="m", path=args.model, dtype=dtype), attention="sdpa", device=device)
+    return load_model(ModelConfig(name="m", path=args.model, dtype=dtype), attention="sdpa", device=device,
+                      quant=quant_of(args))
+
+
+def quant_of(args):
+    """--quant LEVEL[:KERNEL] (e.g. none:gemv-all, int8-weight:gemv): our linears' level and decode kernel; the LM
+    head is quantized too for the int levels (skip_modules=[]), as in bench_native_vs_llamacpp.py."""
+    from engine.config import QuantConfig
+
+    level, _, kernel = (args.quant or "none").partition(":")
+    return QuantConfig(level=level, kernel=kernel or "dequant", skip_modules=[] if level != "none" else ["lm_head"])
 
 
 def trial_for(loaded, mode: str):
     return TrialConfig(model=loaded.spec, attention=AttentionConfig(impl="sdpa"), kv_cache=KVCacheConfig(mode="contiguous"),
+                       quant=loaded.quant,
                        engine=EngineConfig(backend="native", compile=mode != "eager",
                                            compile_mode="dynamic" if mode == "eager" else mode))
 
@@ -83,6 +94,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--device", default="cpu")
+    ap.add_argument("--quant", default="", help="LEVEL[:KERNEL], e.g. none:gemv-all or int8-weight:gemv (default: none)")
     ap.add_argument("--json", default="")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
