@@ -42,15 +42,29 @@ static int64_t grain_for(int64_t N, int64_t weight_bytes, int64_t min_bytes) {
   return std::max<int64_t>(16, (N + threads - 1) / threads);
 }
 
-static inline float hsum_tail(float acc, const float* x, const int8_t* w, int64_t k, int64_t K) {
-  for (; k < K; ++k) acc += x[k] * (float)w[k];
-  return acc;
+// Weight elements widened to fp32 in registers: int8 (weight-only INT8), fp32, or bf16 held as uint16 and widened
+// by a 16-bit shift (exact, so bf16 needs no bf16 arithmetic from the CPU); all accumulate in fp32
+static inline float to_f(float v) { return v; }
+static inline float to_f(int8_t v) { return (float)v; }
+static inline float to_f(uint16_t v) { uint32_t u = (uint32_t)v << 16; float f; std::memcpy(&f, &u, 4); return f; }
+#if defined(__AVX512F__)
+static inline __m512 ld16(const float* p) { return _mm512_loadu_ps(p); }
+static inline __m512 ld16(const int8_t* p) { return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)p))); }
+static inline __m512 ld16(const uint16_t* p) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p)), 16));
 }
+#elif defined(__AVX2__) && defined(__FMA__)
+static inline __m256 ld8(const float* p) { return _mm256_loadu_ps(p); }
+static inline __m256 ld8(const int8_t* p) { return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)p))); }
+static inline __m256 ld8(const uint16_t* p) {
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)p)), 16));
+}
+#endif
 
-// RB rows of x against one int8 weight row: out[r] = sum_k x[r*K + k] * w[k]. U independent accumulators
-// per row keep the FMA latency chain from bounding a single row (RB * U = 4 chains in flight)
-template <int RB>
-static inline void dot_i8(const float* x, int64_t K, const int8_t* w, float* out) {
+// RB rows of x against one weight row of element type T: out[r] = sum_k x[r*K + k] * w[k]. U independent
+// accumulators per row keep the FMA latency chain from bounding a single row (RB * U = 4 chains in flight)
+template <int RB, typename T>
+static inline void dot_w(const float* x, int64_t K, const T* w, float* out) {
   constexpr int U = RB >= 4 ? 1 : 4 / RB;
   int64_t k = 0;
 #if defined(__AVX512F__)
@@ -58,12 +72,12 @@ static inline void dot_i8(const float* x, int64_t K, const int8_t* w, float* out
   for (int r = 0; r < RB; ++r) for (int u = 0; u < U; ++u) a[r][u] = _mm512_setzero_ps();
   for (; k + 16 * U <= K; k += 16 * U) {
     for (int u = 0; u < U; ++u) {
-      __m512 wf = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(w + k + 16 * u))));
+      __m512 wf = ld16(w + k + 16 * u);
       for (int r = 0; r < RB; ++r) a[r][u] = _mm512_fmadd_ps(_mm512_loadu_ps(x + r * K + k + 16 * u), wf, a[r][u]);
     }
   }
   for (; k + 16 <= K; k += 16) {
-    __m512 wf = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(w + k))));
+    __m512 wf = ld16(w + k);
     for (int r = 0; r < RB; ++r) a[r][0] = _mm512_fmadd_ps(_mm512_loadu_ps(x + r * K + k), wf, a[r][0]);
   }
   for (int r = 0; r < RB; ++r) {
@@ -75,12 +89,12 @@ static inline void dot_i8(const float* x, int64_t K, const int8_t* w, float* out
   for (int r = 0; r < RB; ++r) for (int u = 0; u < U; ++u) a[r][u] = _mm256_setzero_ps();
   for (; k + 8 * U <= K; k += 8 * U) {
     for (int u = 0; u < U; ++u) {
-      __m256 wf = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)(w + k + 8 * u))));
+      __m256 wf = ld8(w + k + 8 * u);
       for (int r = 0; r < RB; ++r) a[r][u] = _mm256_fmadd_ps(_mm256_loadu_ps(x + r * K + k + 8 * u), wf, a[r][u]);
     }
   }
   for (; k + 8 <= K; k += 8) {
-    __m256 wf = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)(w + k))));
+    __m256 wf = ld8(w + k);
     for (int r = 0; r < RB; ++r) a[r][0] = _mm256_fmadd_ps(_mm256_loadu_ps(x + r * K + k), wf, a[r][0]);
   }
   for (int r = 0; r < RB; ++r) {
@@ -93,36 +107,43 @@ static inline void dot_i8(const float* x, int64_t K, const int8_t* w, float* out
 #else
   for (int r = 0; r < RB; ++r) out[r] = 0.f;
 #endif
-  for (int r = 0; r < RB; ++r) out[r] = hsum_tail(out[r], x + r * K, w, k, K);
+  for (int r = 0; r < RB; ++r)
+    for (int64_t j = k; j < K; ++j) out[r] += x[r * K + j] * to_f(w[j]);
 }
 
-template <int RB>
-static void rows_i8(const float* x, int64_t K, const int8_t* w, const float* s, float* y, int64_t N,
-                    int64_t n0, int64_t n1) {
+// Output rows [n0, n1) of y [R, N] for RB rows of x: y[r, n] = dot(x[r], w[n]) (* s[n] when s is given)
+template <int RB, typename T>
+static void rows_w(const float* x, int64_t K, const T* w, const float* s, float* y, int64_t N, int64_t n0, int64_t n1) {
   float acc[RB];
   for (int64_t n = n0; n < n1; ++n) {
-    dot_i8<RB>(x, K, w + n * K, acc);
-    for (int r = 0; r < RB; ++r) y[r * N + n] = acc[r] * s[n];
+    dot_w<RB>(x, K, w + n * K, acc);
+    for (int r = 0; r < RB; ++r) y[r * N + n] = s ? acc[r] * s[n] : acc[r];
   }
+}
+
+// y fp32 [R, N] = x fp32 [R, K] against weight rows w [N, K] of type T (scaled by s [N] if given), output rows split
+// over torch's threads; blocks of 4 rows of x share each widened weight vector
+template <typename T>
+static torch::Tensor gemv_rows(const torch::Tensor& x, const T* wp, const float* sp, int64_t N, int64_t weight_bytes,
+                               int64_t min_bytes) {
+  const int64_t R = x.size(0), K = x.size(1);
+  auto y = torch::empty({R, N}, x.options());
+  const float* xp = x.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  at::parallel_for(0, N, grain_for(N, weight_bytes, min_bytes), [&](int64_t n0, int64_t n1) {
+    int64_t r = 0;
+    for (; r + 4 <= R; r += 4) rows_w<4>(xp + r * K, K, wp, sp, yp + r * N, N, n0, n1);
+    for (; r + 2 <= R; r += 2) rows_w<2>(xp + r * K, K, wp, sp, yp + r * N, N, n0, n1);
+    for (; r < R; ++r) rows_w<1>(xp + r * K, K, wp, sp, yp + r * N, N, n0, n1);
+  });
+  return y;
 }
 
 // x fp32 [R, K], w int8 [N, K], s fp32 [N] -> y fp32 [R, N]
 torch::Tensor int8_gemv(torch::Tensor x, torch::Tensor w, torch::Tensor s, int64_t min_bytes) {
   TORCH_CHECK(x.dtype() == torch::kFloat32 && w.dtype() == torch::kInt8 && s.dtype() == torch::kFloat32);
   TORCH_CHECK(x.is_contiguous() && w.is_contiguous() && s.is_contiguous() && x.size(1) == w.size(1));
-  const int64_t R = x.size(0), K = x.size(1), N = w.size(0);
-  auto y = torch::empty({R, N}, x.options());
-  const float* xp = x.data_ptr<float>();
-  const int8_t* wp = w.data_ptr<int8_t>();
-  const float* sp = s.data_ptr<float>();
-  float* yp = y.data_ptr<float>();
-  at::parallel_for(0, N, grain_for(N, w.numel(), min_bytes), [&](int64_t n0, int64_t n1) {
-    int64_t r = 0;  // blocks of 4 rows share each widened weight vector
-    for (; r + 4 <= R; r += 4) rows_i8<4>(xp + r * K, K, wp, sp, yp + r * N, N, n0, n1);
-    for (; r + 2 <= R; r += 2) rows_i8<2>(xp + r * K, K, wp, sp, yp + r * N, N, n0, n1);
-    for (; r < R; ++r) rows_i8<1>(xp + r * K, K, wp, sp, yp + r * N, N, n0, n1);
-  });
-  return y;
+  return gemv_rows(x, w.data_ptr<int8_t>(), s.data_ptr<float>(), w.size(0), w.numel(), min_bytes);
 }
 
 // INT4: w uint8 [N, G*16], group g of row n holds inputs g*32+j in the low nibble of byte j and g*32+16+j
@@ -217,96 +238,13 @@ torch::Tensor int4_gemv(torch::Tensor x, torch::Tensor w, torch::Tensor s, int64
   return y;
 }
 
-// Dense weights (quant.kernel=gemv-all on full-precision linears): fp32, or bf16 held as uint16 and widened
-// to fp32 by a 16-bit shift (exact), so bf16 needs no bf16 arithmetic from the CPU and accumulates in fp32
-static inline float to_f(float v) { return v; }
-static inline float to_f(uint16_t v) { uint32_t u = (uint32_t)v << 16; float f; std::memcpy(&f, &u, 4); return f; }
-#if defined(__AVX512F__)
-static inline __m512 ld16(const float* p) { return _mm512_loadu_ps(p); }
-static inline __m512 ld16(const uint16_t* p) {
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p)), 16));
-}
-#elif defined(__AVX2__) && defined(__FMA__)
-static inline __m256 ld8(const float* p) { return _mm256_loadu_ps(p); }
-static inline __m256 ld8(const uint16_t* p) {
-  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)p)), 16));
-}
-#endif
-
-template <int RB, typename T>
-static inline void dot_dense(const float* x, int64_t K, const T* w, float* out) {
-  constexpr int U = RB >= 4 ? 1 : 4 / RB;
-  int64_t k = 0;
-#if defined(__AVX512F__)
-  __m512 a[RB][U];
-  for (int r = 0; r < RB; ++r) for (int u = 0; u < U; ++u) a[r][u] = _mm512_setzero_ps();
-  for (; k + 16 * U <= K; k += 16 * U) {
-    for (int u = 0; u < U; ++u) {
-      __m512 wf = ld16(w + k + 16 * u);
-      for (int r = 0; r < RB; ++r) a[r][u] = _mm512_fmadd_ps(_mm512_loadu_ps(x + r * K + k + 16 * u), wf, a[r][u]);
-    }
-  }
-  for (; k + 16 <= K; k += 16) {
-    __m512 wf = ld16(w + k);
-    for (int r = 0; r < RB; ++r) a[r][0] = _mm512_fmadd_ps(_mm512_loadu_ps(x + r * K + k), wf, a[r][0]);
-  }
-  for (int r = 0; r < RB; ++r) {
-    for (int u = 1; u < U; ++u) a[r][0] = _mm512_add_ps(a[r][0], a[r][u]);
-    out[r] = _mm512_reduce_add_ps(a[r][0]);
-  }
-#elif defined(__AVX2__) && defined(__FMA__)
-  __m256 a[RB][U];
-  for (int r = 0; r < RB; ++r) for (int u = 0; u < U; ++u) a[r][u] = _mm256_setzero_ps();
-  for (; k + 8 * U <= K; k += 8 * U) {
-    for (int u = 0; u < U; ++u) {
-      __m256 wf = ld8(w + k + 8 * u);
-      for (int r = 0; r < RB; ++r) a[r][u] = _mm256_fmadd_ps(_mm256_loadu_ps(x + r * K + k + 8 * u), wf, a[r][u]);
-    }
-  }
-  for (; k + 8 <= K; k += 8) {
-    __m256 wf = ld8(w + k);
-    for (int r = 0; r < RB; ++r) a[r][0] = _mm256_fmadd_ps(_mm256_loadu_ps(x + r * K + k), wf, a[r][0]);
-  }
-  for (int r = 0; r < RB; ++r) {
-    for (int u = 1; u < U; ++u) a[r][0] = _mm256_add_ps(a[r][0], a[r][u]);
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(a[r][0]), _mm256_extractf128_ps(a[r][0], 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    s = _mm_add_ss(s, _mm_movehdup_ps(s));
-    out[r] = _mm_cvtss_f32(s);
-  }
-#else
-  for (int r = 0; r < RB; ++r) out[r] = 0.f;
-#endif
-  for (int r = 0; r < RB; ++r)
-    for (int64_t j = k; j < K; ++j) out[r] += x[r * K + j] * to_f(w[j]);
-}
-
-template <typename T>
-static void dense_rows(const float* xp, int64_t R, int64_t K, const T* wp, float* yp, int64_t N, int64_t grain) {
-  at::parallel_for(0, N, grain, [&](int64_t n0, int64_t n1) {
-    int64_t r = 0;
-    for (; r + 4 <= R; r += 4)
-      for (int64_t n = n0; n < n1; ++n) { float acc[4]; dot_dense<4>(xp + r * K, K, wp + n * K, acc); for (int i = 0; i < 4; ++i) yp[(r + i) * N + n] = acc[i]; }
-    for (; r + 2 <= R; r += 2)
-      for (int64_t n = n0; n < n1; ++n) { float acc[2]; dot_dense<2>(xp + r * K, K, wp + n * K, acc); for (int i = 0; i < 2; ++i) yp[(r + i) * N + n] = acc[i]; }
-    for (; r < R; ++r)
-      for (int64_t n = n0; n < n1; ++n) { float acc[1]; dot_dense<1>(xp + r * K, K, wp + n * K, acc); yp[r * N + n] = acc[0]; }
-  });
-}
-
 // x fp32 [R, K], w fp32 or bf16 [N, K] -> y fp32 [R, N]
 torch::Tensor dense_gemv(torch::Tensor x, torch::Tensor w, int64_t min_bytes) {
   TORCH_CHECK(x.dtype() == torch::kFloat32 && (w.dtype() == torch::kFloat32 || w.dtype() == torch::kBFloat16));
   TORCH_CHECK(x.is_contiguous() && w.is_contiguous() && x.size(1) == w.size(1));
-  const int64_t R = x.size(0), K = x.size(1), N = w.size(0);
-  auto y = torch::empty({R, N}, x.options());
-  const int64_t grain = grain_for(N, w.numel() * w.element_size(), min_bytes);
-  if (w.dtype() == torch::kFloat32)
-    dense_rows<float>(x.data_ptr<float>(), R, K, w.data_ptr<float>(), y.data_ptr<float>(), N, grain);
-  else
-    dense_rows<uint16_t>(x.data_ptr<float>(), R, K, reinterpret_cast<const uint16_t*>(w.data_ptr<at::BFloat16>()),
-                         y.data_ptr<float>(), N, grain);
-  return y;
+  const int64_t bytes = w.numel() * w.element_size();
+  if (w.dtype() == torch::kFloat32) return gemv_rows(x, w.data_ptr<float>(), nullptr, w.size(0), bytes, min_bytes);
+  return gemv_rows(x, reinterpret_cast<const uint16_t*>(w.data_ptr<at::BFloat16>()), nullptr, w.size(0), bytes, min_bytes);
 }
 
 std::string isa() {
