@@ -28,6 +28,7 @@ QUANT_LEVELS = ("none", "int8-weight", "int8-dynamic", "bnb-int8", "bnb-nf4", "b
 # int8-weight matmul: dequant = cast the int8 weight to the activation dtype per call, then a float GEMM;
 # int8pack = torch._weight_int8pack_mm (gpt-fast's op; CPU/MPS only; unvectorized in some CPU builds)
 INT8_KERNELS = ("dequant", "int8pack", "gemv", "auto", "gemv-all")
+GEMV_ALL_LEVELS = ("none", "int8-weight", "int4-weight")  # the levels quant.kernel=gemv-all runs with
 # gemv = our fused dequantize-GEMV (engine/quant_kernels.py) for decode-sized batches, dequant+GEMM above;
 # gemv-all = gemv, and our dense fp32/bf16 GEMV for the linears the level leaves in full precision (level none: all);
 # auto = per weight shape the fastest of the kernels the level has, timed once per machine (engine/quant.py)

@@ -15,6 +15,7 @@ from .config import (
     ATTENTION_IMPLS,
     BATCHING_MODES,
     DTYPES,
+    GEMV_ALL_LEVELS,
     INT8_KERNELS,
     COMPILE_MODES,
     KV_CACHE_MODES,
@@ -123,9 +124,9 @@ def check_trial(trial: TrialConfig, gpu_available: bool) -> list[tuple[str, str]
     p += _choice("quant.level", q.level, engines.values("quant.level"))
     p += _choice("quant.compute_dtype", q.compute_dtype, DTYPES)
     p += _choice("quant.kernel", q.kernel, INT8_KERNELS)
-    if q.kernel == "gemv-all" and q.level not in ("none", "int8-weight", "int4-weight"):
-        p.append(("quant.kernel", f"gemv-all (our GEMV for the full-precision linears too) runs with quant.level none, "
-                                  f"int8-weight or int4-weight, not {q.level}"))
+    if q.kernel == "gemv-all" and q.level not in GEMV_ALL_LEVELS:
+        p.append(("quant.kernel", f"gemv-all (our GEMV for the full-precision linears too) runs with quant.level "
+                                  f"{', '.join(GEMV_ALL_LEVELS)}, not {q.level}"))
     if q.level == "int4-weight" and q.kernel == "int8pack":
         p.append(("quant.kernel", "int4-weight runs kernel=gemv, dequant or auto (int8pack is an int8 kernel)"))
     if q.level == "int8-weight" and q.kernel == "int8pack":
