@@ -175,7 +175,7 @@ class Chain:
         and SmolLM2 1.75 on the same text, which made the larger model the faster one)."""
         if self.predict is None:
             return ""
-        if any(_axis(k) is axis_registry.SPECULATIVE and v != off_value(k) for k, v in inc.items()):
+        if axis_registry.SPECULATIVE.applied({axis_registry.resolve_key(k): v for k, v in inc.items()}):
             return ""
         mine, theirs = self.predict(cand), self.predict(inc)
         if mine is None or theirs is None or theirs[0] <= 0 or theirs[1] <= 0:
