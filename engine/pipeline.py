@@ -7,6 +7,7 @@ it returns become metrics here, through engine/measure/. No engine is named in t
 from __future__ import annotations
 
 import logging
+import math
 import os
 import platform
 import random
@@ -94,8 +95,6 @@ def _more(n: int, width: float, target: float, max_n: int, budget_left_s: float,
     """How many more repeats (or rounds) bring an interval of relative half-width `width` after `n` to
     `target`: it narrows as 1/sqrt(n) (one repeat has none yet: what the limits allow), within `max_n` in all
     and `budget_left_s` seconds at `per_one_s` each."""
-    import math
-
     want = math.ceil(n * (width / target) ** 2) - n if math.isfinite(width) else max_n - n
     return min(want, max_n - n, int(budget_left_s / max(per_one_s, 1e-9)))
 
