@@ -81,6 +81,16 @@ def load() -> str:
     return " ".join(open("/proc/loadavg").read().split()[:3])
 
 
+def runnable(names: list[str], flags: set[str]) -> list[str]:
+    """`names` without the bf16 variants on a CPU without bf16 units (torch would emulate bf16), saying so."""
+    if "avx512_bf16" in flags or "amx_bf16" in flags:
+        return names
+    for n in names:
+        if ALL[n][1] == "bfloat16":
+            print(f"no avx512_bf16 on this CPU: {n} left out (torch would emulate bf16)")
+    return [n for n in names if ALL[n][1] != "bfloat16"]
+
+
 def trial(name: str, threads: int, wl: WorkloadConfig) -> TrialConfig:
     backend, dtype, attn, quant = ALL[name]
     return TrialConfig(model=ModelConfig(**SMOL, dtype=dtype), engine=EngineConfig(backend=backend, threads=threads),
@@ -91,9 +101,7 @@ def prefill_table(a, flags: set[str]) -> dict:
     """The prefill goal: native prefill of `--prefill-context` tokens (batch 1) as a share of the probe's FLOP peak
     (the cost model's FLOPs of that prefill / measured prefill time / hw_flops: `prefill_compute_util`), with
     llama.cpp f32 beside it as the anchor; one interleaved group, 1 new token per run."""
-    names = [n for n in a.prefill_variants.split(",") if n in ALL]
-    if "native-bf16" in names and "avx512_bf16" not in flags and "amx_bf16" not in flags:
-        names.remove("native-bf16")
+    names = runnable([n for n in a.prefill_variants.split(",") if n in ALL], flags)
     wl = WorkloadConfig(context_len=a.prefill_context, max_new_tokens=1, batch_size=1, warmup=1, repeats=1)
     load0 = load()
     res = dict(zip(names, run_interleaved([trial(n, a.threads, wl) for n in names], a.rounds,
@@ -136,12 +144,8 @@ def main() -> None:
               f"torch {torch.__version__}; {a.threads} threads; {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC")
         print(json.dumps({"prefill": prefill_table(a, cpu_flags())}))
         return
-    names = a.variants.split(",")
     flags = cpu_flags()
-    for bf in ("native-bf16", "native-bf16-gemv"):
-        if bf in names and "avx512_bf16" not in flags and "amx_bf16" not in flags:
-            print(f"no avx512_bf16 on this CPU: {bf} left out (torch would emulate bf16)")
-            names.remove(bf)
+    names = runnable(a.variants.split(","), flags)
     torch.set_num_threads(a.threads)
     wl = WorkloadConfig(context_len=a.context, max_new_tokens=a.new_tokens, batch_size=1, warmup=1, repeats=1)
     trials = [trial(n, a.threads, wl) for n in names]

@@ -23,7 +23,7 @@ sys.path.insert(0, str(ROOT))
 
 from engine import quant_kernels as qk  # noqa: E402
 from engine.config import (AttentionConfig, EngineConfig, KVCacheConfig, ModelConfig, QuantConfig,  # noqa: E402
-                           SamplingConfig, TrialConfig)
+                           SamplingConfig, TrialConfig, replace)
 from engine.engines import make_backend  # noqa: E402
 from engine.generate import stream  # noqa: E402
 from engine.models import load_model  # noqa: E402
@@ -64,7 +64,7 @@ def main() -> None:
     print("|---|---:|---:|---:|---:|---:|---|")
     for name in a.variants.split(","):
         dtype, quant = QUANTS[name]
-        spec = ModelConfig(name=SMOL.name, path=SMOL.path, dtype=dtype)
+        spec = replace(SMOL, "dtype", dtype)
         loaded = load_model(spec, "sdpa", quant=quant)
         trial = TrialConfig(model=spec, engine=EngineConfig(backend="native", threads=a.threads),
                             attention=AttentionConfig(impl="sdpa"), kv_cache=KVCacheConfig(mode="contiguous"),
