@@ -69,6 +69,43 @@ def expand_with_engines_absent(overrides: list[str], **kw):
         return expand(overrides, **kw), named
 
 
+def need_prepared(name: str) -> None:
+    """Skip the running test, or fail it under CI=true, when the shipped model `name` is neither converted nor
+    installed (a new machine: `infersweep prepare NAME` installs and converts it; `make test-all` does it)."""
+    from engine.models import PREPARED_MODELS, prepared_dir, source_installed
+
+    if (prepared_dir(name) / "infersweep-prepared.json").is_file() or source_installed(name):
+        return
+    problem = f"{name} is not prepared on this machine: run `infersweep prepare {name}` (installs " \
+              f"{', '.join(PREPARED_MODELS[name].pip)})"
+    if in_ci():
+        pytest.fail(f"{problem} (CI=true: the full tier prepares every model)", pytrace=False)
+    pytest.skip(problem)
+
+
+PREPARE_HINT = "`infersweep prepare"  # every "not prepared yet" problem names its command (models and task data)
+
+
+def expand_on_a_new_machine(overrides: list[str], **kw):
+    """`expand_with_engines_absent` on a machine that may also lack the prepared models and task data (a new
+    user's empty INFERSWEEP_CACHE): returns (specs, absent engines, []) where everything is there, else
+    (None, {}, problems) when the only problems are "prepare ..." ones -- each must name its command. Any other
+    problem still raises."""
+    from experiments.config.compose import SweepError
+
+    try:
+        specs, absent = expand_with_engines_absent(overrides, **kw)
+        return specs, absent, []
+    except SweepError as e:
+        from engine import engines
+
+        missing = tuple(f"engine.backend: {why}" for n in engines.NAMES if (why := engines.get(n).missing()))
+        unprepared = [p for p in e.problems if PREPARE_HINT in p]
+        if not unprepared or any(PREPARE_HINT not in p and not p.startswith(missing) for p in e.problems):
+            raise
+        return None, {}, unprepared
+
+
 def need_task_data() -> None:
     """Skip the running test, or fail it under CI=true, when the offline task data is not prepared
     (`infersweep prepare --data`; `make test-all` does it)."""

@@ -1,11 +1,12 @@
 """Sweep expansion and validation: every problem is reported at once, before anything runs."""
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
 
-from conftest import expand_with_engines_absent
+from conftest import expand_on_a_new_machine, expand_with_engines_absent, in_ci
 from experiments.config.compose import SweepError, conf_dir, expand
 
 
@@ -121,7 +122,12 @@ def test_every_shipped_experiment_expands_and_validates(path: Path):
     if path.stem == "engines":  # every variant, not only the experiment's default list
         variants = sorted(p.stem for p in (conf_dir() / "engine_variant").glob("*.yaml"))
         overrides.append("engine_variant=" + ",".join(variants))
-    specs, _ = expand_with_engines_absent(overrides)
+    specs, _, unprepared = expand_on_a_new_machine(overrides)
+    if specs is None:  # a new machine: the experiment needs `infersweep prepare ...` first, and says which
+        assert all(re.search(r"`infersweep prepare[^`]*`", p) for p in unprepared), unprepared
+        if in_ci():  # the full tier prepares every model and the task data: nothing may be missing there
+            pytest.fail(f"experiment={path.stem} is not ready under CI=true: {unprepared}")
+        return
     assert specs and all(s.config["sweep_name"] for s in specs)
 
 

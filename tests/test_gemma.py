@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from conftest import need_prepared
 from support import make_trial
 from engine import ModelConfig, SamplingConfig, WorkloadConfig
 from engine.config import EngineError, SpeculativeConfig, DraftModelConfig
@@ -144,6 +145,7 @@ def test_limits_are_known_before_prepare(tmp_path, monkeypatch):
 def test_the_model_is_a_swept_axis_and_each_model_has_its_own_limits():
     from experiments.config.compose import SweepError, expand
 
+    need_prepared(NAME)  # validation reads the prepared model's config (a new machine has not prepared Gemma)
     specs = expand(["model=smollm2-135m,gemma-3-270m", "engine=native", "workload.context_len=128"])
     assert sorted(s.swept["model"] for s in specs) == ["gemma-3-270m", "smollm2-135m"]
     assert len({s.config_hash for s in specs}) == 2

@@ -21,7 +21,7 @@ from engine.models import tiny_checkpoint
 from engine.tokenizer import ByteTokenizer
 from engine.prompts import workload_prompts
 from experiments.config.compose import SweepError, expand
-from conftest import expand_with_engines_absent, require_installed
+from conftest import expand_with_engines_absent, need_prepared, require_installed
 from support import make_trial
 
 # head_dim 32: vLLM's CPU attention has no kernel for the default tiny model's head_dim 16
@@ -192,6 +192,7 @@ def test_vllm_trials_that_it_can_run_validate():
     assert count(["workload=serving-burst", "batching=continuous", "kv_cache.prefix_caching=true", "speculative=off"]) == 1
     assert count(["speculative=draft,prompt-lookup", "speculative.draft_model.path=tiny://llama"]) == 2
     # Gemma 3 (head_dim 256 has a CPU kernel; sliding windows are vLLM's own): accepted, not refused
+    need_prepared("gemma-3-270m")
     specs, absent = expand_with_engines_absent(["model=gemma-3-270m", "engine=vllm", "model.dtype=float32"])
     assert len(specs) == 1 and set(absent) <= {"vllm"}
 
