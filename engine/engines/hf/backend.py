@@ -13,6 +13,17 @@ from ...models import LoadedModel, weights_bytes
 SUPPORTED_KV = ("off", "contiguous")
 
 
+def cache_kwarg(model) -> str:
+    """The name under which `model.forward` takes its KV cache: `cache` in current transformers (5.25 renamed it
+    and warns -- a FutureWarning, removal in 5.40 -- on the old name), `past_key_values` in the earlier 5.x
+    releases the project's pin allows. Asked of the signature, so neither name is passed where it would be
+    swallowed by `**kwargs` and silently ignored (the model would then decode with an empty cache)."""
+    import inspect
+
+    params = inspect.signature(model.forward).parameters
+    return "cache" if "cache" in params else "past_key_values"
+
+
 class HFSession:
     def __init__(self, model, batch_size: int, max_len: int, use_cache: bool):
         self._model = model
@@ -25,6 +36,7 @@ class HFSession:
             from transformers import DynamicCache
 
             self._cache = DynamicCache(config=model.config)
+            self._cache_kwarg = cache_kwarg(model)
 
     @property
     def length(self) -> int:
@@ -42,7 +54,7 @@ class HFSession:
                 pos = torch.arange(start, start + n_new, device=tokens.device)
                 out = self._model(
                     input_ids=tokens,
-                    past_key_values=self._cache,
+                    **{self._cache_kwarg: self._cache},
                     use_cache=True,
                     cache_position=pos,
                     position_ids=pos.unsqueeze(0).expand(tokens.shape[0], -1),
