@@ -7,11 +7,13 @@ import optuna
 import pytest
 
 from experiments.optimize.chain import Budget
-from experiments.optimize.decide import Rules
+from experiments.optimize.settings import OptimizeConf, rules_of
 from experiments.optimize.measurement import point_key
 from experiments.optimize.search import MINIMIZE, MAXIMIZE, Evaluated, Search, format_front, pareto_front
 
 from optimize_synthetic import Synthetic
+
+RULES = rules_of(OptimizeConf(), True)
 
 # 4 x 3 x 3 = 36 points. Speed: a and b multiply TPOT; accuracy falls with b (b=2 also fails the gate);
 # memory falls with c but c=2 slows decoding. a=3 with b=1 is refused by validation (never measured).
@@ -58,7 +60,7 @@ def test_search_recovers_the_known_pareto_front_within_its_budget(tmp_path):
     assert front == {point_key(p) for p in ({"a": "3", "b": "0", "c": "1"}, {"a": "3", "b": "0", "c": "2"},
                                             {"a": "2", "b": "1", "c": "1"}, {"a": "2", "b": "1", "c": "2"})}
     syn = synthetic()
-    search = Search(SPACE, ["tpot", "accuracy", "peak_memory"], Rules(), Budget(max_trials=24), syn, batch=4,
+    search = Search(SPACE, ["tpot", "accuracy", "peak_memory"], RULES, Budget(max_trials=24, max_s=0, max_items=200), syn, batch=4,
                     validate=validate, storage=None, seed=0,
                     baseline={"a": "0", "b": "0", "c": "0"})
     res = search.run()
@@ -78,21 +80,21 @@ def test_constraints_go_through_set_constraint_and_a_rerun_resumes(tmp_path):
     storage = f"sqlite:///{tmp_path}/study.db"
     syn = synthetic()
     kw = dict(validate=validate, storage=storage, study_name="s", seed=1, baseline={"a": "0", "b": "0", "c": "0"})
-    first = Search(SPACE, ["tpot", "accuracy"], Rules(), Budget(max_trials=6), syn, batch=2, **kw).run()
+    first = Search(SPACE, ["tpot", "accuracy"], RULES, Budget(max_trials=6, max_s=0, max_items=200), syn, batch=2, **kw).run()
     assert first.stop == "budget: 6 trials"
     study = optuna.load_study(study_name="s", storage=storage)
     done = [t for t in study.trials if t.state == optuna.trial.TrialState.COMPLETE]
     assert done and all("accuracy_gate" in t.constraints for t in done)
     assert any(t.constraints["accuracy_gate"] > 0 for t in done) or all(t.params["b"] != "2" for t in done)
     runs = syn.runs
-    second = Search(SPACE, ["tpot", "accuracy"], Rules(), Budget(max_trials=6), syn, batch=2, **kw).run()
+    second = Search(SPACE, ["tpot", "accuracy"], RULES, Budget(max_trials=6, max_s=0, max_items=200), syn, batch=2, **kw).run()
     assert len(second.evaluated) >= len(first.evaluated) + 1  # the first run's results, then new ones
     assert syn.runs - runs == second.trials
 
 
 def test_cost_model_predictions_skip_configurations_and_are_counted(tmp_path):
     syn = synthetic()
-    res = Search(SPACE, ["tpot"], Rules(), Budget(max_trials=10), syn, batch=2,
+    res = Search(SPACE, ["tpot"], RULES, Budget(max_trials=10, max_s=0, max_items=200), syn, batch=2,
                  predict=lambda p, done: "predicted slower: c=2 decodes 1.3x slower" if p["c"] == "2" else "",
                  storage=None, seed=0, baseline={"a": "0", "b": "0", "c": "0"}).run()
     assert res.predicted and all(p["c"] == "2" for p, _ in res.predicted)

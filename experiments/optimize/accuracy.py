@@ -1,104 +1,182 @@
-"""Task accuracy of a candidate against the incumbent on the same items, paired.
+"""Task accuracy of a candidate against a reference (the incumbent, or the chain's baseline) on the same items.
 
-Two configurations answer the same `eval.limit` items; only the items where they disagree (discordant pairs)
-carry information about a difference: b = the incumbent right and the candidate wrong, c = the reverse.
-McNemar's test asks whether b and c differ more than a fair coin would make them (exact binomial, or its
-mid-p version, which is less conservative at small counts); a paired bootstrap over the items gives the
-interval of the accuracy difference. Unpaired, at n=50 a task's interval is about +-11%; paired, identical
-answers give an interval of [0, 0].
+Two configurations answer the same items, paired by identity (`items_of`: the document's id, plus a hash of its
+text where the task gives one). Only the items where they disagree carry information about a difference:
+b = the reference right and the candidate wrong, c = the reverse; the accuracy difference is (c - b) / n.
 
-A verdict: `worse` (the test finds a drop), `holds` (the interval excludes a drop larger than `max_drop`), or
-`undecided` (neither: more items may decide). `detectable` is the smallest drop this many items could show:
-the test needs at least `k_min` discordant items all one way (6 for the exact test at alpha 0.05), and with m
-discordant items a shift of about z*sqrt(m).
+The question is non-inferiority against `max_drop` (a share of the items): the candidate **holds** when the
+interval of the difference lies above -max_drop, is **worse** when it lies below -max_drop, and is
+**undecided** otherwise (more items may decide). The interval is Tango's score interval for a paired difference
+of proportions (Tango 1998): unlike a bootstrap it stays honest with zero or few discordant items -- 0 of 50 items
+lost gives a lower bound of -7.1% at 95%, not [0, 0] -- so a gate cannot hold on items too few to see a drop.
+
+The gate looks at a pair up to `looks` times (eval.limit doubled while undecided: 50 -> 100 -> 200 is three
+looks); each look's interval is at the one-sided level `false_holds / looks`, so the chance that a candidate
+that truly loses `max_drop` is ever said to hold stays below `false_holds` over the whole procedure
+(Bonferroni; tests/test_optimize_calibration.py measures it).
 """
 from __future__ import annotations
 
+import hashlib
 import math
-import random
 from dataclasses import dataclass
-from typing import Sequence
+from statistics import NormalDist
+from typing import Any, Mapping, Sequence
 
-HOLDS, WORSE, UNDECIDED = "holds", "worse", "undecided"
-EXACT, MID_P, BOOTSTRAP = "mcnemar", "mcnemar-midp", "bootstrap"
-TESTS = (EXACT, MID_P, BOOTSTRAP)
-_Z95 = 1.959963984540054
+import numpy as np
 
-
-def _binom_half_cdf(k: int, n: int) -> tuple[float, float]:
-    """(P(X <= k), P(X = k)) for X ~ Binomial(n, 1/2)."""
-    pmf = [math.comb(n, i) / 2 ** n for i in range(k + 1)]
-    return sum(pmf), pmf[k]
+HOLDS, WORSE, UNDECIDED, UNPAIRED = "holds", "worse", "undecided", "unpaired"
+_CODES = (HOLDS, WORSE, UNDECIDED)
 
 
-def mcnemar_p(b: int, c: int, mid_p: bool = False) -> float:
-    """Two-sided p-value of McNemar's exact test on b and c discordant pairs (mid-p: the observed count's own
-    probability counted half)."""
-    n = b + c
-    if n == 0:
-        return 1.0
-    k = min(b, c)
-    cdf, pk = _binom_half_cdf(k, n)
-    p = 2 * (cdf - pk / 2) if mid_p else 2 * cdf
-    return min(1.0, p)
+class UnpairedItems(ValueError):
+    """The two answer lists are not answers to the same items: comparing them would compare nothing."""
 
 
-def min_discordant(alpha: float = 0.05, mid_p: bool = False) -> int:
-    """The fewest discordant items, all in one direction, that the test calls significant at `alpha`."""
-    k = 1
-    while mcnemar_p(k, 0, mid_p) >= alpha:
-        k += 1
-    return k
+# --- items by identity -------------------------------------------------------------------------------
+def item_key(doc_id: Any, text: str = "") -> str:
+    """An item's identity: its document id, plus a hash of the document's text when known."""
+    return f"{doc_id}:{hashlib.sha256(text.encode()).hexdigest()[:12]}" if text else str(doc_id)
 
 
-def paired_bootstrap(inc: Sequence[float], cand: Sequence[float], resamples: int = 2000, seed: int = 0,
-                     confidence: float = 0.95) -> tuple[float, float]:
-    """Percentile interval of mean(cand) - mean(inc) resampling items (pairs kept together); seeded."""
-    d = [y - x for x, y in zip(inc, cand)]
-    n = len(d)
-    if n == 0 or not any(d):
-        return 0.0, 0.0
-    rng = random.Random(seed)
-    means = sorted(sum(rng.choices(d, k=n)) / n for _ in range(resamples))
-    a = (1 - confidence) / 2
-    return means[int(a * (resamples - 1))], means[int(round((1 - a) * (resamples - 1)))]
+def items_of(correct: Any) -> dict[str, float]:
+    """Item identity -> 0/1 from what a trial logged: a list in document order (identity = the position,
+    which is lm-eval's doc_id), a list of {"doc_id", "doc_hash" | "text", "correct"}, or a mapping id -> 0/1."""
+    if isinstance(correct, Mapping):
+        return {str(k): float(v) for k, v in correct.items()}
+    correct = list(correct or [])
+    if not any(isinstance(x, dict) for x in correct):  # the common case: 0/1 in document order
+        return {str(i): float(x) for i, x in enumerate(correct)}
+    out: dict[str, float] = {}
+    for i, x in enumerate(correct):
+        if isinstance(x, Mapping):
+            key = str(x.get("doc_id", i))
+            if x.get("doc_hash"):
+                key += f":{x['doc_hash']}"
+            elif x.get("text"):
+                key = item_key(x.get("doc_id", i), str(x["text"]))
+            out[key] = float(x["correct"])
+        else:
+            out[str(i)] = float(x)
+    return out
+
+
+def identified(items: Mapping[str, float]) -> bool:
+    """Whether the keys carry the document's text hash (not just a position)."""
+    return bool(items) and all(":" in k for k in items)
+
+
+def pair_items(ref: Mapping[str, float], cand: Mapping[str, float]) -> tuple[list[float], list[float]]:
+    """The two answer lists on the shared items, by identity. One side may hold more items than the other (a
+    larger eval.limit: the first documents are the same); a document id whose text differs, or a side whose
+    items the other lacks entirely, is an `UnpairedItems` error -- never a silent truncation."""
+    def doc(k: str) -> str:
+        return k.split(":", 1)[0]
+
+    ra, ca = {doc(k): k for k in ref}, {doc(k): k for k in cand}
+    clash = [d for d in ra.keys() & ca.keys() if ra[d] != ca[d]]
+    if clash:
+        raise UnpairedItems(f"{len(clash)} item(s) with the same id but different text (e.g. doc {sorted(clash)[0]})")
+    shared = [k for k in ref if k in cand]
+    small, large = (ref, cand) if len(ref) <= len(cand) else (cand, ref)
+    if not shared or any(k not in large for k in small):
+        raise UnpairedItems(f"the answers are to different items ({len(ref)} and {len(cand)}, {len(shared)} shared)")
+    return [ref[k] for k in shared], [cand[k] for k in shared]
+
+
+# --- Tango's score interval for a paired difference of proportions (vectorized) -------------------------
+def _tango_z(b, c, n, d0):
+    """Tango's score statistic for H0: p_cand - p_ref = d0, at arrays b, c, n, d0 (decreasing in d0)."""
+    a_ = 2 * n
+    bb = -b - c + (2 * n - c + b) * d0
+    cc = -b * d0 * (1 - d0)
+    q = (np.sqrt(np.maximum(bb * bb - 4 * a_ * cc, 0.0)) - bb) / (2 * a_)
+    var = n * np.maximum(2 * q + d0 * (1 - d0), 1e-300)
+    return (c - b - n * d0) / np.sqrt(var)
+
+
+def tango_bounds(b, c, n, alpha: float) -> tuple[np.ndarray, np.ndarray]:
+    """One-sided bounds, each at level `alpha`, of the accuracy difference (c - b) / n of paired items (b: the
+    reference right and the candidate wrong; c: the reverse): arrays (lower, upper). Bisection on the score
+    statistic; exact enough (1e-9 of the [-1, 1] range) for any decision."""
+    b, c, n = (np.asarray(v, dtype=float) for v in np.broadcast_arrays(b, c, n))
+    z = NormalDist().inv_cdf(1 - alpha)
+    est = np.where(n > 0, (c - b) / np.maximum(n, 1), 0.0)
+    lo_a, lo_b = np.full(b.shape, -1 + 1e-12), est.copy()  # lower bound in [-1, est]: z(lo) = z
+    hi_a, hi_b = est.copy(), np.full(b.shape, 1 - 1e-12)  # upper bound in [est, 1]: z(hi) = -z
+    for _ in range(32):
+        m = (lo_a + lo_b) / 2
+        above = _tango_z(b, c, n, m) > z  # still inside the region the data reject: the bound is higher
+        lo_a, lo_b = np.where(above, m, lo_a), np.where(above, lo_b, m)
+        m2 = (hi_a + hi_b) / 2
+        below = _tango_z(b, c, n, m2) < -z
+        hi_a, hi_b = np.where(below, hi_a, m2), np.where(below, m2, hi_b)
+    lo = np.where(_tango_z(b, c, n, np.full(b.shape, -1 + 1e-12)) <= z, -1.0, (lo_a + lo_b) / 2)
+    hi = np.where(_tango_z(b, c, n, np.full(b.shape, 1 - 1e-12)) >= -z, 1.0, (hi_a + hi_b) / 2)
+    return np.where(n > 0, lo, -1.0), np.where(n > 0, hi, 1.0)
+
+
+def gate_verdicts(lo, hi, max_drop: float) -> np.ndarray:
+    """Non-inferiority verdicts of intervals [lo, hi] of the difference: HOLDS when lo > -max_drop, WORSE when
+    hi < -max_drop, else UNDECIDED (codes 0, 1, 2: `_CODES`)."""
+    lo, hi = np.asarray(lo, dtype=float), np.asarray(hi, dtype=float)
+    return np.where(lo > -max_drop, 0, np.where(hi < -max_drop, 1, 2))
+
+
+def gate_looks(limit: int, max_items: int) -> int:
+    """How many times the gate may look at one pair: at `limit` items, then doubled up to `max_items`."""
+    looks, n = 1, max(1, limit)
+    while n < max_items:
+        n = min(2 * n, max_items)
+        looks += 1
+    return looks
 
 
 @dataclass(frozen=True)
 class PairedAccuracy:
     task: str
     n: int
-    b: int  # incumbent right, candidate wrong
-    c: int  # candidate right, incumbent wrong
-    delta: float  # candidate accuracy - incumbent accuracy (share of items)
+    b: int  # the reference right, the candidate wrong
+    c: int  # the candidate right, the reference wrong
+    delta: float  # candidate accuracy - reference accuracy (share of items)
     lo: float
     hi: float
-    p: float
-    detectable: float  # smallest drop (share of items) this comparison could detect
+    confidence: float  # two-sided level of [lo, hi] (1 - 2 * the look's one-sided level)
     verdict: str
+    why: str = ""  # UNPAIRED: why the items could not be paired
 
     def cell(self) -> str:
-        """'emoji_movie -6.4% [-9.5, -3.3]'"""
-        return f"{self.task.removeprefix('bigbench_')} {100 * self.delta:+.1f}% [{100 * self.lo:+.1f}, {100 * self.hi:+.1f}]"
+        """'emoji_movie -6.4% [-9.5, -3.3] n=100 holds'"""
+        name = self.task.removeprefix("bigbench_")
+        if self.verdict == UNPAIRED:
+            return f"{name} unpaired ({self.why})"
+        return (f"{name} {100 * self.delta:+.1f}% [{100 * self.lo:+.1f}, {100 * self.hi:+.1f}] n={self.n} "
+                f"{self.verdict}")
 
 
-def paired_accuracy(task: str, inc: Sequence[float], cand: Sequence[float], max_drop: float = 0.03,
-                    alpha: float = 0.05, test: str = MID_P) -> PairedAccuracy:
-    """Judge `cand`'s per-item correctness against `inc`'s on the same items (the first min(len) of each)."""
-    n = min(len(inc), len(cand))
-    inc, cand = [float(x) for x in inc[:n]], [float(x) for x in cand[:n]]
-    b = sum(1 for x, y in zip(inc, cand) if x > y)
-    c = sum(1 for x, y in zip(inc, cand) if y > x)
-    delta = (c - b) / n if n else 0.0
-    lo, hi = paired_bootstrap(inc, cand)
-    if test == BOOTSTRAP:
-        worse = hi < 0
-        p = float("nan")
-        k_min = min_discordant(alpha, mid_p=True)
-    else:
-        p = mcnemar_p(b, c, mid_p=test == MID_P)
-        worse = p < alpha and c < b
-        k_min = min_discordant(alpha, mid_p=test == MID_P)
-    detectable = max(k_min, math.ceil(_Z95 * math.sqrt(b + c))) / n if n else 1.0
-    verdict = WORSE if worse else (HOLDS if lo >= -max_drop else UNDECIDED)
-    return PairedAccuracy(task, n, b, c, delta, lo, hi, p, detectable, verdict)
+def paired_accuracy(task: str, ref: Any, cand: Any, max_drop: float = 0.03, alpha: float = 0.05 / 3,
+                    positional_ok: bool = True) -> PairedAccuracy:
+    """Judge `cand`'s per-item correctness against `ref`'s on the same items at the one-sided level `alpha`
+    (the look's share of `false_holds`). `positional_ok`: False where the two trials built the documents
+    themselves from different tokenizers (needle tasks across models), so a position is no identity: the items
+    are then paired only when they carry a text hash, else the verdict is UNPAIRED."""
+    ri, ci = items_of(ref), items_of(cand)
+    conf = 1 - 2 * alpha
+    if not positional_ok and not (identified(ri) and identified(ci)):
+        return PairedAccuracy(task, 0, 0, 0, 0.0, -1.0, 1.0, conf, UNPAIRED,
+                              "each model builds its own documents and the items carry no text hash")
+    try:
+        a, y = pair_items(ri, ci)
+    except UnpairedItems as e:
+        return PairedAccuracy(task, 0, 0, 0, 0.0, -1.0, 1.0, conf, UNPAIRED, str(e))
+    n = len(a)
+    b = sum(1 for x, z in zip(a, y) if x > z)
+    c = sum(1 for x, z in zip(a, y) if z > x)
+    lo, hi = tango_bounds(b, c, n, alpha)
+    verdict = _CODES[int(gate_verdicts(lo, hi, max_drop))]
+    return PairedAccuracy(task, n, b, c, (c - b) / n if n else 0.0, float(lo), float(hi), conf, verdict)
+
+
+def resolution(n: int, alpha: float) -> float:
+    """The smallest drop `n` items can rule out with no item lost: the lower bound at b = c = 0."""
+    return -float(tango_bounds(0, 0, n, alpha)[0])

@@ -26,8 +26,10 @@ from typing import Callable, Mapping, Optional
 
 from engine import axes as axis_registry
 
-from .decide import (ACCEPTED, BASELINE, FAILED, MORE_ITEMS, REMEASURE, SKIPPED, UNDECIDED_, Rules, Verdict,
-                     accuracy_cell, judge)
+from engine.measure.spread import Ratio
+
+from .decide import (ACCEPTED, BASELINE, MORE_ITEMS, REJECTED, REMEASURE, RUN_FAILED, SKIPPED, TOTAL, UNDECIDED_PAIR,
+                     Rules, Verdict, accuracy_cell, accuracy_of, judge_accuracy, judge_timing, loaded, memory_problem)
 from .measurement import EVAL_LIMIT, EVAL_OFF, Measure, Measurement, Point, Request, describe
 from .objective import Objective
 
@@ -116,7 +118,7 @@ class Row:
     candidate: str
     decision: str
     reason: str
-    ratio: str = ""
+    ratio: Optional[tuple[float, float, float]] = None  # (value, lo, hi) of the ratio the decision rests on
     accuracy: str = ""
     regime_before: str = ""
     regime_after: str = ""
@@ -126,13 +128,23 @@ class Row:
     def as_dict(self) -> dict:
         return {k: (list(v) if isinstance(v, tuple) else v) for k, v in self.__dict__.items()}
 
+    @property
+    def ratio_cell(self) -> str:
+        if self.ratio is None:
+            return ""
+        v, lo, hi = self.ratio
+        return f"x{v:.2f} [{lo:.2f}-{hi:.2f}]" + (" ~" if lo <= 1 <= hi else "")
+
+
+def _nums(r: Optional[Ratio]) -> Optional[tuple[float, float, float]]:
+    return (r.value, r.lo, r.hi) if r is not None else None
+
 
 @dataclass(frozen=True)
 class Budget:
-    max_trials: int = 40  # trials run now (trials found FINISHED in the store are free)
-    max_s: float = 0.0  # 0: no time limit
-    remeasure: int = 2  # re-measurements of an unstable pair
-    max_items: int = 200  # eval.limit ceiling when a pair's accuracy is undecided
+    max_trials: int  # trials run now (trials found FINISHED in the store are free)
+    max_s: float  # 0: no time limit
+    max_items: int  # eval.limit ceiling when a pair's accuracy is undecided
 
 
 @dataclass
@@ -144,20 +156,24 @@ class ChainResult:
     trials: int  # trials run now
     reused: int  # trials reused from the store
     path: list[Point] = field(default_factory=list)  # baseline, then each accepted point
+    total: Optional[Ratio] = None  # the final configuration vs the baseline, one more interleaved pair
 
 
 class Chain:
     def __init__(self, space: Mapping[str, list[str]], objective: Objective, rules: Rules, budget: Budget,
                  measure: Measure, *, baseline: Optional[Point] = None, eval_limit: int = 0,
                  trust_regime: bool = True, clock: Callable[[], float] = time.monotonic, echo=lambda s: None,
-                 predict: Optional[Predict] = None, score_neutral: tuple[str, ...] = (), eval_baseline: bool = True):
+                 predict: Optional[Predict] = None, score_neutral: tuple[str, ...] = (), eval_baseline: bool = True,
+                 total_pair: bool = True):
         self.space = {k: list(v) for k, v in space.items()}
         self.baseline = dict(baseline or baseline_of(space))
         self.objective, self.rules, self.budget, self._measure = objective, rules, budget, measure
         self.eval_limit, self.trust_regime, self.clock, self.echo = eval_limit, trust_regime, clock, echo
         self.predict, self.score_neutral, self.eval_baseline = predict, tuple(score_neutral), eval_baseline
+        self.total_pair = total_pair
         self.trials = self.reused = 0
         self._t0 = 0.0
+        self._reference: dict[int, Measurement] = {}  # eval.limit -> the baseline's per-item answers at it
 
     def _same_scores(self, inc: Point, cand: Point) -> str:
         """The keys the pair differs in when none of them can change the task scores ('' otherwise)."""
@@ -203,57 +219,110 @@ class Chain:
                 self.trials += 1
         return ms
 
+    def _at(self, p: Point, limit: int) -> Point:
+        """`p` with the task eval at `limit` items (the configured limit: `p` itself, so its hash is the sweep's)."""
+        return dict(p) if not limit or limit == self.eval_limit else {**p, EVAL_LIMIT: str(limit)}
+
+    def _reference_at(self, limit: int) -> Measurement:
+        """The baseline's per-item answers at `limit` items: measured once (alone) and kept."""
+        if limit not in self._reference:
+            (m,) = self._run(Request((self._at(self.baseline, limit),)))
+            self._reference[limit] = m
+        return self._reference[limit]
+
     # --- one pair --------------------------------------------------------------------------------------
-    def _pair(self, inc: Point, cand: Point) -> tuple[Verdict, list[Measurement], int]:
-        """Measure `cand` against `inc` (interleaved) until a verdict needs nothing more or the budget ends."""
-        attempt, limit, tries = 0, 0, 0
+    def measure_pair(self, inc: Point, cand: Point) -> tuple[Verdict, list[Measurement], int]:
+        """Measure `cand` against `inc` until a verdict needs nothing more, the pair's attempts are used up or the
+        budget ends: (verdict, the last measurements of the pair, measurements taken).
+
+        Timing: interleaved attempts, the clean rounds of all of them pooled, each judged at the rule's per-look
+        level (decide.py). Accuracy, once the timing accepts: the candidate's items against the incumbent's and
+        the baseline's, the item count doubled while either gate is undecided (looks at the gate's level)."""
         same = self._same_scores(inc, cand)
-        while True:
-            pts = (inc, cand) if not limit else ({**inc, EVAL_LIMIT: str(limit)}, {**cand, EVAL_LIMIT: str(limit)})
-            if same:
-                pts = ({**inc, EVAL_OFF: "false"}, {**cand, EVAL_OFF: "false"})
-            ms = self._run(Request(pts, interleaved=True, attempt=attempt))
+        eval_off = {EVAL_OFF: "false"} if same else {}
+        attempts: list[tuple[Measurement, Measurement]] = []
+        tries = 0
+        while True:  # --- timing
+            pts = ({**inc, **eval_off}, {**cand, **eval_off})
+            ms = self._run(Request(pts, interleaved=True, attempt=len(attempts)))
             tries += 1
-            v = judge(ms[0], ms[1], self.objective, self.rules)
-            if same and v.decision == ACCEPTED:
-                v.reason += f"; accuracy equal by construction ({same}: task scores do not depend on it)"
+            attempts.append((ms[0], ms[1]))
+            v = judge_timing(attempts, self.objective, self.rules)
+            if v.needs != REMEASURE:
+                break
             spent = self._spent()
-            if v.needs == REMEASURE:
-                if attempt < self.budget.remeasure and not spent:
-                    attempt += 1
-                    self.echo(f"  re-measuring ({attempt}/{self.budget.remeasure}): {v.reason}")
-                    continue
-                return Verdict(UNDECIDED_, f"too noisy after {attempt + 1} measurement(s) ({v.reason})", v.ratio,
-                               v.accuracy), ms, tries
-            if v.needs == MORE_ITEMS:
-                nxt = min(2 * (limit or self.eval_limit or 50), self.budget.max_items)
-                if nxt > (limit or self.eval_limit) and not spent:
-                    limit = nxt
-                    self.echo(f"  more items (eval.limit={limit}): {v.reason}")
-                    continue
-                return Verdict(UNDECIDED_, v.reason, v.ratio, v.accuracy), ms, tries
+            if len(attempts) >= self.rules.attempts or spent:
+                why = spent or f"{len(attempts)} measurement(s)"
+                return Verdict(UNDECIDED_PAIR, f"{v.reason}; stopped after {why}", v.ratio), ms, tries
+            self.echo(f"  measuring again ({len(attempts) + 1}/{self.rules.attempts}): {v.reason}")
+        if v.decision != ACCEPTED:
             return v, ms, tries
+        if same:
+            v.reason += f"; accuracy equal by construction ({same}: task scores do not depend on it)"
+        elif self.rules.gate:  # --- accuracy
+            limit = self.eval_limit
+            inc_m, cand_m = ms
+            while True:
+                ref = inc_m if inc == self.baseline else self._reference_at(limit)
+                v.accuracy = accuracy_of(inc_m, cand_m, self.rules)
+                v.cumulative = accuracy_of(ref, cand_m, self.rules) if ref is not inc_m else []
+                decision, why, needs = judge_accuracy(v.accuracy, v.cumulative)
+                nxt = min(2 * (limit or 50), self.budget.max_items)
+                if needs == MORE_ITEMS and limit and nxt > limit and not self._spent():
+                    limit = nxt
+                    self.echo(f"  more items (eval.limit={limit}): {why}")
+                    inc_m, cand_m = self._run(Request((self._at(inc, limit), self._at(cand, limit))))
+                    tries += 1
+                    if not (inc_m.ok and cand_m.ok):
+                        bad = cand_m if not cand_m.ok else inc_m
+                        return Verdict(RUN_FAILED, f"at eval.limit={limit}: {bad.error or bad.status}", v.ratio), ms, tries
+                    continue
+                if decision != ACCEPTED:
+                    v.decision, v.reason = decision, f"{why} ({v.reason})"
+                    return v, ms, tries
+                v.reason += f"; {why}" if why else ""
+                break
+        if self.rules.max_memory_bytes is not None:  # --- memory, on a measurement whose peak is the process's
+            (solo,) = self._run(Request(({**cand, EVAL_OFF: "false"},)))
+            tries += 1
+            if mem := (memory_problem(solo, self.rules) if solo.ok else f"memory: solo run {solo.status.lower()}"):
+                return Verdict(REJECTED, f"{mem} (measured alone; {v.reason})", v.ratio, v.accuracy, v.cumulative), ms, tries
+        return v, ms, tries
+
+    def _trusted_regime(self, inc_m: Measurement, rows: list[Row]) -> str:
+        """Why the incumbent's regime cannot decide a skip ('' when it can): an undecided earlier pair (the
+        incumbent may not be what the chain would have kept) or a measurement flagged for load."""
+        if any(r.decision == UNDECIDED_PAIR for r in rows):
+            return "an earlier step is undecided"
+        if loaded(inc_m):
+            return "the incumbent's measurement was flagged for load"
+        return ""
 
     # --- the walk --------------------------------------------------------------------------------------
     def run(self) -> ChainResult:
         self._t0 = self.clock()
         inc = dict(self.baseline)
-        # the baseline's own task accuracy decides nothing: every pair measures its incumbent again on the same items
+        # the baseline's own task accuracy: the chain's reference (cumulative gate), kept at its eval.limit
         (m0,) = self._run(Request((inc if self.eval_baseline else {**inc, EVAL_OFF: "false"},)))
-        rows = [Row(0, "baseline", describe(inc), BASELINE if m0.ok else FAILED,
+        rows = [Row(0, "baseline", describe(inc), BASELINE if m0.ok else RUN_FAILED,
                     "" if m0.ok else (m0.error.splitlines()[0] if m0.error else m0.status),
                     regime_before=m0.regime, regime_after=m0.regime, hashes=(m0.config_hash,))]
         path = [dict(inc)]
         if not m0.ok:
             return ChainResult(rows, inc, None, "baseline failed", self.trials, self.reused, path)
+        if self.eval_baseline and m0.correct:
+            self._reference[self.eval_limit] = m0
         inc_m = m0
         stop = "end of chain"
         for i, step in enumerate(plan(self.space, self.baseline), start=1):
             ok, why = pays_off(step.key, inc_m.labels)
-            if ok is False and self.trust_regime:
+            distrust = self._trusted_regime(inc_m, rows) if ok is False else ""
+            if ok is False and self.trust_regime and not distrust:
                 rows.append(Row(i, step.label, f"{step.key}={','.join(step.variants)}", SKIPPED,
                                 f"regime: {why}", regime_before=inc_m.regime))
                 continue
+            if ok is False and self.trust_regime:
+                self.echo(f"step {i} ({step.label}): measured although the regime says '{why}': {distrust}")
             for variant in step.variants:
                 stop = self._spent()
                 if stop:
@@ -264,10 +333,10 @@ class Chain:
                     self.echo(f"step {i} ({step.label}): {describe(cand, inc)} skipped: {why}")
                     continue
                 self.echo(f"step {i} ({step.label}): {describe(cand, inc)} vs incumbent")
-                v, ms, tries = self._pair(inc, cand)
-                rows.append(Row(i, step.label, describe(cand, inc), v.decision, v.reason,
-                                v.ratio.cell() if v.ratio else "", accuracy_cell(v.accuracy),
-                                inc_m.regime, ms[1].regime, tuple(m.config_hash for m in ms), tries))
+                v, ms, tries = self.measure_pair(inc, cand)
+                rows.append(Row(i, step.label, describe(cand, inc), v.decision, v.reason, _nums(v.ratio),
+                                accuracy_cell(v.accuracy, v.cumulative), inc_m.regime, ms[1].regime,
+                                tuple(m.config_hash for m in ms), tries))
                 self.echo(f"  -> {v.decision}: {v.reason}")
                 if v.decision == ACCEPTED:  # the rest of the step's variants must beat this one
                     inc, inc_m = cand, ms[1]
@@ -276,5 +345,20 @@ class Chain:
                 break
         else:
             stop = "end of chain"
-        return ChainResult(rows, inc, inc_m, stop or "end of chain", self.trials, self.reused, path)
+        total = self._total(inc, rows) if self.total_pair and inc != self.baseline else None
+        return ChainResult(rows, inc, inc_m, stop or "end of chain", self.trials, self.reused, path, total)
 
+    def _total(self, final: Point, rows: list[Row]) -> Optional[Ratio]:
+        """The chain's total gain: the final configuration against the baseline as one more interleaved pair,
+        never selected on significance, so its 95% interval is an honest estimate of what the chain bought."""
+        off = {EVAL_OFF: "false"}
+        self.echo(f"total: {describe(final, self.baseline)} vs the baseline")
+        ms = self._run(Request(({**self.baseline, **off}, {**final, **off}), interleaved=True, attempt=0))
+        r = self.objective.sequential([(ms[0], ms[1])], 0.025) if all(m.ok for m in ms) else None
+        note = "; ".join(f"{who} {m.unstable.split(';')[0]}" for who, m in zip(("baseline", "final"), ms) if loaded(m))
+        reason = (f"the final configuration vs the baseline, one interleaved pair (95%)" if r is not None else
+                  "the final pair failed: " + "; ".join(m.error.splitlines()[0] for m in ms if m.error))
+        rows.append(Row(max(r.step for r in rows) + 1, "total", describe(final, self.baseline), TOTAL,
+                        reason + (f"; unstable: {note}" if note else ""), _nums(r),
+                        hashes=tuple(m.config_hash for m in ms)))
+        return r

@@ -1,37 +1,69 @@
 """One decision: is the candidate better than the incumbent, beyond noise, and within every limit?
 
-Order of the checks (the first that fails decides, and names its reason): the candidate ran; both trials are
-stable (else: re-measure the pair); the SLO and memory limits hold on the candidate; the objective improves
-beyond noise -- its ratio's 95% interval excludes 1 and the gain clears `min_effect` (pyperf's --min-speed,
-criterion's noise threshold); the accuracy gate holds on every task (paired, accuracy.py; undecided: more items).
+Order of the checks (the first that fails decides, and names its reason): the candidate ran; the latest
+measurement is not flagged for machine load (else it is discarded and the pair measured again); the SLO limits
+hold on the candidate; the objective improves by at least `min_effect` -- the **lower bound** of its ratio, not
+the point estimate, clears 1 + min_effect (criterion's noise threshold: an improvement only when the whole
+interval lies beyond it); the accuracy gate holds (accuracy.py: non-inferiority on the same items).
+
+The timing rule is sequential and keeps its stated error over the whole procedure. A pair is measured up to
+`attempts` times (the rounds of every attempt not flagged for load are pooled), and within one attempt the
+engine adds rounds while its own 95% interval holds x1 -- at most `ENGINE_LOOKS` looks at the data per
+attempt. Each decision is taken at the one-sided level `false_accept / (ENGINE_LOOKS * attempts)` (Bonferroni
+over every look the procedure can make), so P(accepting a candidate whose true gain is below min_effect) <=
+`false_accept` whatever the looks saw: tests/test_optimize_calibration.py drives the chain's own pair loop
+over thousands of seeds and measures it. The bound is the exact Wilcoxon signed-rank bound of the per-round
+log ratios (engine.measure.spread.signed_rank_bounds).
 """
 from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Optional, Sequence
+
+import numpy as np
 
 from engine.measure.noise import LOAD, unstable_causes
-from engine.measure.spread import SLOWER, WITHIN_NOISE, Ratio
+from engine.measure.spread import Ratio
 
-from .accuracy import MID_P, UNDECIDED, WORSE, PairedAccuracy, paired_accuracy
+from .accuracy import UNDECIDED, UNPAIRED, WORSE, PairedAccuracy, paired_accuracy
 from .measurement import Measurement
 from .objective import Objective
 
-ACCEPTED, REJECTED, UNDECIDED_ = "accepted", "rejected", "undecided"
-FAILED, SKIPPED, BASELINE = "failed", "skipped", "baseline"
+ACCEPTED, REJECTED, UNDECIDED_PAIR = "accepted", "rejected", "undecided"
+RUN_FAILED, SKIPPED, BASELINE, TOTAL = "failed", "skipped", "baseline", "total"
 REMEASURE, MORE_ITEMS = "remeasure", "more_items"
+
+# engine/pipeline.py run_interleaved: the pair's rounds, then rounds added at most twice while its interval holds x1
+ENGINE_LOOKS = 3
+
+# timing codes of `timing_codes` (vectorized: the simulation tests judge thousands of pairs in one call)
+T_ACCEPT, T_SLOWER, T_BELOW, T_OPEN = 0, 1, 2, 3
 
 
 @dataclass(frozen=True)
 class Rules:
-    min_effect: float = 0.03  # the smallest gain worth taking (0.03: 3%)
-    alpha: float = 0.05  # the accuracy test's level
-    max_drop: float = 0.03  # the accuracy drop (share of items) the gate tolerates
-    test: str = MID_P  # accuracy test: mcnemar | mcnemar-midp | bootstrap
+    """How a pair is decided. Built from `optimize.*` by settings.rules_of (its defaults: conf/optimize/)."""
+    min_effect: float  # the smallest gain worth taking (0.03: 3%), decided on the interval's lower bound
+    false_accept: float  # P(accept | true gain < min_effect) over the whole procedure of one pair
+    attempts: int  # measurements of a pair at most (1 + optimize.remeasure)
+    max_drop: float  # the accuracy drop (share of items) the gate tolerates
+    false_holds: float  # P(gate holds | true drop = max_drop) over all of the gate's looks
+    gate_looks: int  # looks of the gate at one pair (eval.limit doubled up to gate.max_items)
     gate: bool = True  # judge task accuracy (when the trials have per-item results)
     slo: dict[str, float] = field(default_factory=dict)  # metric -> upper limit (ttft_ms_p99: 500)
-    max_memory_bytes: float = 0.0  # 0: no limit
+    max_memory_bytes: Optional[float] = None  # None: no limit
+    model_documents: tuple[str, ...] = ()  # tasks whose documents each model builds with its own tokenizer
+
+    @property
+    def timing_alpha(self) -> float:
+        """The one-sided level of one look of the timing rule."""
+        return self.false_accept / (ENGINE_LOOKS * max(1, self.attempts))
+
+    @property
+    def gate_alpha(self) -> float:
+        """The one-sided level of one look of the accuracy gate."""
+        return self.false_holds / max(1, self.gate_looks)
 
 
 @dataclass
@@ -39,7 +71,8 @@ class Verdict:
     decision: str
     reason: str
     ratio: Optional[Ratio] = None
-    accuracy: list[PairedAccuracy] = field(default_factory=list)
+    accuracy: list[PairedAccuracy] = field(default_factory=list)  # vs the incumbent
+    cumulative: list[PairedAccuracy] = field(default_factory=list)  # vs the chain's baseline (its reference)
     needs: str = ""  # REMEASURE / MORE_ITEMS: what could still decide it
 
 
@@ -58,8 +91,28 @@ def _value(metric: str, v: float) -> str:
     return f"{v:.0f}{unit}" if v >= 100 else f"{v:.3g}{unit}"
 
 
+def grouped(m: Measurement) -> bool:
+    """Measured in a process shared with other variants (an interleaved pair): its peak_mem_bytes is its own
+    footprint (weights + what its calls allocated), not a process peak that a limit could be judged on."""
+    return "group_peak_mem_bytes" in m.metrics
+
+
+def memory_problem(m: Measurement, rules: Rules) -> str:
+    """The memory limit on a solo measurement ('' when it holds or no limit is set). A missing peak breaks
+    the limit: a limit that cannot be checked does not hold (the search's constraint says the same)."""
+    if rules.max_memory_bytes is None:
+        return ""
+    v = m.metrics.get("peak_mem_bytes")
+    if v is None:
+        return "memory: peak not measured"
+    if v > rules.max_memory_bytes:
+        return f"memory: peak {v / 1e9:.2f} GB > {rules.max_memory_bytes / 1e9:.2f} GB"
+    return ""
+
+
 def limit_problems(m: Measurement, rules: Rules) -> list[str]:
-    """The SLO / memory limits the measurement breaks ('SLO: p99 TTFT 910 ms > 500')."""
+    """The SLO / memory limits the measurement breaks ('SLO: p99 TTFT 910 ms > 500'); memory only where the
+    measurement's peak is the process's (a solo trial, `grouped` false)."""
     out = []
     for metric, limit in rules.slo.items():
         v = m.metrics.get(metric)
@@ -67,59 +120,94 @@ def limit_problems(m: Measurement, rules: Rules) -> list[str]:
             out.append(f"SLO: {metric_label(metric)} not measured")
         elif v > limit:
             out.append(f"SLO: {metric_label(metric)} {_value(metric, v)} > {limit:g}")
-    if rules.max_memory_bytes:
-        v = m.metrics.get("peak_mem_bytes")
-        if v is not None and v > rules.max_memory_bytes:
-            out.append(f"memory: peak {v / 1e9:.2f} GB > {rules.max_memory_bytes / 1e9:.2f} GB")
+    if not grouped(m) and (mem := memory_problem(m, rules)):
+        out.append(mem)
     return out
 
 
-def accuracy_of(inc: Measurement, cand: Measurement, rules: Rules) -> list[PairedAccuracy]:
-    """The paired accuracy test of every task both trials answered."""
-    tasks = [t for t in cand.correct if t in inc.correct]
-    return [paired_accuracy(t, inc.correct[t], cand.correct[t], rules.max_drop, rules.alpha, rules.test) for t in tasks]
+def min_rounds(rules: Rules) -> int:
+    """The fewest rounds from which one measurement can give a bound at the look's level (2^-n <= level):
+    fewer, and a first measurement could never decide (optimize.rounds is raised to it)."""
+    from engine.measure.spread import signed_rank_k
+
+    n = 2
+    while signed_rank_k(n, rules.timing_alpha) < 1:
+        n += 1
+    return n
 
 
-def judge(inc: Measurement, cand: Measurement, objective: Objective, rules: Rules) -> Verdict:
+def timing_codes(lo, hi, min_effect: float) -> np.ndarray:
+    """The timing verdict of ratio intervals [lo, hi] (arrays): T_ACCEPT when lo >= 1 + min_effect, T_SLOWER
+    when hi < 1, T_BELOW when hi < 1 + min_effect, else T_OPEN (more data may decide)."""
+    lo, hi = np.asarray(lo, dtype=float), np.asarray(hi, dtype=float)
+    bar = 1 + min_effect
+    return np.where(lo >= bar, T_ACCEPT, np.where(hi < 1, T_SLOWER, np.where(hi < bar, T_BELOW, T_OPEN)))
+
+
+def accuracy_of(ref: Measurement, cand: Measurement, rules: Rules) -> list[PairedAccuracy]:
+    """The paired accuracy gate of every task both trials answered, items paired by identity."""
+    tasks = [t for t in cand.correct if t in ref.correct]
+    models_differ = any(ref.point.get(k) != cand.point.get(k) for k in ("model", "model.name"))
+    return [paired_accuracy(t, ref.correct[t], cand.correct[t], rules.max_drop, rules.gate_alpha,
+                            positional_ok=not (models_differ and t in rules.model_documents)) for t in tasks]
+
+
+def loaded(m: Measurement) -> bool:
+    return LOAD in unstable_causes(m.unstable)
+
+
+def judge_timing(attempts: Sequence[tuple[Measurement, Measurement]], objective: Objective, rules: Rules) -> Verdict:
+    """The timing verdict of a pair from all its measurements so far (latest last): failed, load (this
+    measurement is not used: measure again), SLO, then the sequential ratio over the pooled clean rounds."""
+    inc, cand = attempts[-1]
     if not cand.ok or not inc.ok:
         bad = cand if not cand.ok else inc
-        return Verdict(FAILED, f"{bad.status.lower()}: {(bad.error or '').splitlines()[0] if bad.error else '?'}")
-    # Machine load biases the medians in a way no interval carries: such a pair never decides (issue 26's rule,
-    # engine/measure/noise.py). Spread alone is carried by the intervals: the pair decides where they separate.
-    pair = (("incumbent", inc), ("candidate", cand))
-    loaded = [f"{who} {m.unstable.split(';')[0]}" for who, m in pair if LOAD in unstable_causes(m.unstable)]
-    if loaded:  # the first reason of each: the table cell stays readable (MLflow has the rest); the ratio is shown, not used
-        return Verdict(UNDECIDED_, "unstable: " + "; ".join(loaded), objective.compare(inc, cand), needs=REMEASURE)
-    spread = [who for who, m in pair if m.unstable]
+        return Verdict(RUN_FAILED, f"{bad.status.lower()}: {(bad.error or '').splitlines()[0] if bad.error else '?'}")
+    # Machine load biases the medians in a way no interval carries: a loaded measurement never decides and
+    # its rounds are not pooled (issue 26's rule, engine/measure/noise.py); the pair is measured again.
+    flagged = [f"{who} {m.unstable.split(';')[0]}" for who, m in (("incumbent", inc), ("candidate", cand)) if loaded(m)]
+    if flagged:
+        return Verdict(UNDECIDED_PAIR, "unstable: " + "; ".join(flagged), objective.compare(inc, cand), needs=REMEASURE)
     broken = limit_problems(cand, rules)
     if broken:
         return Verdict(REJECTED, "; ".join(broken))
-    r = objective.compare(inc, cand)
+    clean = [(i, c) for i, c in attempts if i.ok and c.ok and not loaded(i) and not loaded(c)]
+    r = objective.sequential(clean, rules.timing_alpha)
     if r is None:
-        return Verdict(UNDECIDED_, f"no interval for {objective.label}", needs=REMEASURE)
-    note = f" (unstable: spread of {' and '.join(spread)}; intervals separate)" if spread else ""
-    if r.verdict == SLOWER:
-        return Verdict(REJECTED, f"slower {r.cell()}{note}", r)
-    if r.verdict == WITHIN_NOISE:
-        if spread:  # a wide interval that contains x1 is not evidence of no effect: measure again
-            return Verdict(UNDECIDED_, f"unstable: spread of {' and '.join(spread)}; within noise {r.cell()}", r,
-                           needs=REMEASURE)
-        return Verdict(REJECTED, f"within noise {r.cell()}", r)
-    if r.value < 1 + rules.min_effect:
-        return Verdict(REJECTED, f"below min effect {r.cell()} < x{1 + rules.min_effect:.2f}", r)
-    acc = accuracy_of(inc, cand, rules) if rules.gate else []
-    worse = [a for a in acc if a.verdict == WORSE]
+        return Verdict(UNDECIDED_PAIR, f"no interval for {objective.label}", needs=REMEASURE)
+    code = int(timing_codes(r.lo, r.hi, rules.min_effect))
+    bar = f"x{1 + rules.min_effect:.2f}"
+    rounds = f"{sum(len(next(iter(c.rounds.values()), [])) for _, c in clean)} rounds"
+    if code == T_SLOWER:
+        return Verdict(REJECTED, f"slower {r.cell()}", r)
+    if code == T_BELOW:
+        return Verdict(REJECTED, f"below min effect {r.cell()}: shown < {bar}", r)
+    if code == T_OPEN:
+        return Verdict(UNDECIDED_PAIR, f"not shown >= {bar} nor below it: {r.cell()} ({rounds})", r, needs=REMEASURE)
+    return Verdict(ACCEPTED, f"faster {r.cell()} >= {bar} ({rounds})", r)
+
+
+def judge_accuracy(ref_pair: list[PairedAccuracy], ref_base: list[PairedAccuracy]) -> tuple[str, str, str]:
+    """(decision, reason, needs) of the accuracy gates: vs the incumbent and vs the baseline (cumulative)."""
+    both = [("vs incumbent", a) for a in ref_pair] + [("vs baseline", a) for a in ref_base]
+    worse = [f"{who}: {a.cell()}" for who, a in both if a.verdict == WORSE]
     if worse:
-        return Verdict(REJECTED, "accuracy gate: " + "; ".join(a.cell() for a in worse), r, acc)
-    open_ = [a for a in acc if a.verdict == UNDECIDED]
+        return REJECTED, "accuracy gate: " + "; ".join(worse), ""
+    unpaired = [f"{who}: {a.cell()}" for who, a in both if a.verdict == UNPAIRED]
+    if unpaired:
+        return UNDECIDED_PAIR, "accuracy cannot be judged: " + "; ".join(unpaired), ""
+    open_ = [f"{who}: {a.cell()}" for who, a in both if a.verdict == UNDECIDED]
     if open_:
-        return Verdict(UNDECIDED_, "accuracy undecided: " + "; ".join(
-            f"{a.cell()} (detects drops >= {100 * a.detectable:.0f}% at n={a.n})" for a in open_), r, acc, MORE_ITEMS)
-    return Verdict(ACCEPTED, f"faster {r.cell()}{note}" + ("; accuracy holds" if acc else ""), r, acc)
+        return UNDECIDED_PAIR, "accuracy undecided: " + "; ".join(open_), MORE_ITEMS
+    return ACCEPTED, "accuracy holds" if both else "", ""
 
 
-def accuracy_cell(acc: list[PairedAccuracy]) -> str:
-    """The table's accuracy column: each task's delta with its interval and what it could detect."""
-    if not acc:
-        return ""
-    return "; ".join(f"{a.cell()} (n={a.n}, detects {100 * a.detectable:.0f}%)" for a in acc)
+def accuracy_cell(acc: list[PairedAccuracy], cumulative: Sequence[PairedAccuracy] = ()) -> str:
+    """The table's accuracy column: each task's delta with its interval, n and verdict, vs the incumbent and
+    vs the baseline."""
+    parts = []
+    if acc:
+        parts.append("; ".join(a.cell() for a in acc))
+    if cumulative:
+        parts.append("vs baseline: " + "; ".join(a.cell() for a in cumulative))
+    return " | ".join(parts)

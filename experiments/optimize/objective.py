@@ -4,15 +4,21 @@ measurements compare on it -- a ratio (> 1: the candidate is better) with its 95
 `optimize.objective` spells it: `tpot` (default), `ttft`, `output_tok_s`, `max_rate` (capacity at the SLO),
 `peak_memory`; `0.7*tpot+0.3*peak_memory` (weighted: the weighted geometric mean of the ratios);
 `tpot>peak_memory` (lexicographic: the first term whose ratio is not within noise decides).
+
+Two readings of a comparison: `compare` (one look, 95%: what a report shows) and `sequential` (the chain's
+decision: the per-round log ratios of every attempt of a pair pooled, each round's terms combined in that round --
+the terms of a weighted objective come from the same runs, so their errors are not independent and must not be
+added in quadrature -- with exact signed-rank bounds at the look's level, engine.measure.spread.sequential_ratio).
 """
 from __future__ import annotations
 
 import math
 import re
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, Sequence
 
-from engine.measure.spread import FASTER, SLOWER, WITHIN_NOISE, Ratio, paired_ratio, ratio, spread_of
+from engine.measure.spread import (FASTER, SLOWER, WITHIN_NOISE, Ratio, paired_ratio, ratio, signed_rank_bounds,
+                                  spread_of)
 
 from .measurement import Measurement
 
@@ -110,9 +116,63 @@ class Objective:
             return next((r for r in rs if r.verdict != WITHIN_NOISE), rs[0])
         if self.mode == SINGLE:
             return rs[0]
-        # weighted geometric mean: ln r = sum w ln r_i / W; the log half-widths add in quadrature (weighted)
+        # weighted geometric mean: ln r = sum w ln r_i / W. Its terms come from the same runs, so their errors
+        # are not independent: with rounds, the terms are combined round by round and the interval is that of
+        # the combined ratios; without, the log half-widths add linearly (the worst case of a correlation)
+        if self.round_logs([(inc, cand)]) is not None:
+            return self.sequential([(inc, cand)], 0.025)
         total = sum(self.weights)
         ln_r = sum(w * math.log(r.value) for w, r in zip(self.weights, rs)) / total
-        half = math.sqrt(sum((w / total * (math.log(r.hi) - math.log(r.lo)) / 2) ** 2 for w, r in zip(self.weights, rs)))
+        half = sum(w / total * (math.log(r.hi) - math.log(r.lo)) / 2 for w, r in zip(self.weights, rs))
         lo, hi = math.exp(ln_r - half), math.exp(ln_r + half)
         return Ratio(math.exp(ln_r), lo, hi, FASTER if lo > 1 else (SLOWER if hi < 1 else WITHIN_NOISE))
+
+    # --- the sequential decision's reading ---------------------------------------------------------------
+    def round_logs(self, pairs: Sequence[tuple[Measurement, Measurement]]) -> Optional[list[list[float]]]:
+        """Per term, the log ratios (> 0: the candidate better) of every round of every (incumbent, candidate)
+        pair, pooled in order; a term logged without rounds (peak memory) contributes its exact ratio to each
+        round. None where a term is missing, or no term has rounds (then `compare` is exact)."""
+        out: list[list[float]] = [[] for _ in self.terms]
+        any_rounds = False
+        for inc, cand in pairs:
+            per_term: list[Optional[list[float]]] = []
+            for t in self.terms:
+                a, b = inc.rounds.get(t.metric), cand.rounds.get(t.metric)
+                if a and b and len(a) == len(b) and all(x > 0 and math.isfinite(x) for x in (*a, *b)):
+                    per_term.append([math.log(y / x) if t.higher_is_better else math.log(x / y) for x, y in zip(a, b)])
+                    any_rounds = True
+                else:
+                    per_term.append(None)
+            n = max((len(x) for x in per_term if x is not None), default=0)
+            for i, (t, logs) in enumerate(zip(self.terms, per_term)):
+                if logs is None:
+                    r = metric_ratio(inc, cand, t.metric, t.higher_is_better)
+                    if r is None or r.value <= 0:
+                        return None
+                    logs = [math.log(r.value)] * max(n, 1)
+                if n and len(logs) != n:
+                    return None
+                out[i].extend(logs)
+        return out if any_rounds else None
+
+    def sequential(self, pairs: Sequence[tuple[Measurement, Measurement]], alpha: float) -> Optional[Ratio]:
+        """The candidate's ratio over the pooled rounds of `pairs`, with exact one-sided bounds at `alpha` each."""
+        if not pairs:
+            return None
+        logs = self.round_logs(pairs)
+        if logs is None:  # no rounds at all: the metrics' exact ratios (peak memory) are all there is
+            return self.compare(*pairs[-1])
+
+        def of(xs: list[float]) -> Ratio:
+            c, lo, hi = (float(v[0]) for v in signed_rank_bounds(xs, alpha))
+            lo_r = math.exp(lo) if math.isfinite(lo) else 0.0
+            hi_r = math.exp(hi) if math.isfinite(hi) else math.inf
+            return Ratio(math.exp(c), lo_r, hi_r, FASTER if lo_r > 1 else (SLOWER if hi_r < 1 else WITHIN_NOISE))
+
+        if self.mode == WEIGHTED:
+            total = sum(self.weights)
+            return of([sum(w * x[i] for w, x in zip(self.weights, logs)) / total for i in range(len(logs[0]))])
+        rs = [of(x) for x in logs]
+        if self.mode == LEXICOGRAPHIC:
+            return next((r for r in rs if r.verdict != WITHIN_NOISE), rs[0])
+        return rs[0]

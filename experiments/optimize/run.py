@@ -61,7 +61,7 @@ def prepare(overrides: list[str]) -> tuple[Space, OptimizeConf, Dispatcher]:
         found.append("optimize.search.objectives: 'accuracy' needs task accuracy (eval=tasks); drop it from the list "
                      "or choose eval=tasks")
     tracking = space.config["tracking"]
-    disp = Dispatcher(space.fixed, space.config["sweep_name"], tracking, None, o.rounds,
+    disp = Dispatcher(space.fixed, space.config["sweep_name"], tracking, None, rounds_of(o),
                       "infersweep optimize " + " ".join(overrides))
     if space.axes and not found:
         base = baseline_of(space.axes)
@@ -69,6 +69,14 @@ def prepare(overrides: list[str]) -> tuple[Space, OptimizeConf, Dispatcher]:
     if found:
         raise OptimizeError(found)
     return space, o, disp
+
+
+def rounds_of(o: OptimizeConf) -> int:
+    """The interleaved rounds of a pair: optimize.rounds, raised to the fewest that can give a bound at the timing
+    rule's per-look level (decide.min_rounds: 9 at the shipped settings)."""
+    from .decide import min_rounds
+
+    return max(o.rounds, min_rounds(rules_of(o, False)))
 
 
 def study_storage(tracking: dict[str, Any]) -> str:
@@ -105,6 +113,9 @@ def run_optimize(overrides: list[str], in_process: bool = False, echo=print) -> 
     tracker.client.log_text(rid, yaml.safe_dump({"space": space.axes, "fixed": space.fixed, "optimize": o.__dict__ | {
         "gate": o.gate.__dict__, "search": o.search.__dict__}}, sort_keys=False, default_flow_style=None), "optimize/settings.yaml")
     disp.parent_run_id, disp.in_process, disp.echo = rid, in_process, echo
+    if disp.rounds > o.rounds:
+        echo(f"optimize.rounds={o.rounds} raised to {disp.rounds}: fewer rounds cannot show a gain at the timing rule's "
+             f"per-look level ({rules_of(o, False).timing_alpha:.4f})")
     echo(f"optimize ({o.strategy}, objective {objective.label}) over {len(space.axes)} axes: "
          + ", ".join(f"{k}={','.join(v)}" for k, v in space.axes.items()) + f"; experiment '{experiment}', run {rid}")
     status = "FAILED"
@@ -146,6 +157,14 @@ def score_neutral(space: Space) -> tuple[str, ...]:
     return (axes.KV_CACHE.key, axes.BATCHING.key, axes.SPECULATIVE.key)
 
 
+def model_documents(space: Space) -> tuple[str, ...]:
+    """The tasks whose documents each model builds with its own tokenizer (the needle tasks: a haystack cut to
+    the context in tokens), so that a position is no item identity across models."""
+    from engine.tasks.run import needs_generation
+
+    return tuple(t for t in (space.config.get("eval") or {}).get("tasks") or [] if needs_generation(t))
+
+
 def _chain(space: Space, o: OptimizeConf, objective: Objective, gate: bool, disp: Dispatcher, echo) -> OptimizeResult:
     limit = int((space.config.get("eval") or {}).get("limit") or 0)
     predict = None
@@ -154,13 +173,17 @@ def _chain(space: Space, o: OptimizeConf, objective: Objective, gate: bool, disp
 
         predict = CostModelSkip(disp, space.axes).predicted
     neutral = score_neutral(space) if gate else ()
-    c = Chain(space.axes, objective, rules_of(o, gate), budget_of(o), disp, eval_limit=limit,
+    c = Chain(space.axes, objective, rules_of(o, gate, limit, model_documents(space)), budget_of(o), disp, eval_limit=limit,
               trust_regime=o.trust_regime, echo=echo, predict=predict, score_neutral=neutral,
               eval_baseline=not neutral)  # log-likelihood tasks only: the pairs measure every accuracy that decides
     r: ChainResult = c.run()
     final_hash = r.incumbent_measurement.config_hash if r.incumbent_measurement else ""
+    notes = order_notes(r.rows)
+    if r.total is not None:
+        notes.append(f"total gain of the chain: {objective.label} {r.total.cell()} (final vs baseline, one "
+                     f"interleaved pair, 95%)")
     return OptimizeResult("chain", "", None, r.incumbent, final_hash, r.stop, r.trials, r.reused, 0.0,
-                          table=to_markdown(r.rows), notes=order_notes(r.rows),
+                          table=to_markdown(r.rows), notes=notes,
                           measured=dict(r.incumbent_measurement.point) if r.incumbent_measurement else {},
                           rows_json=json.dumps([row.as_dict() for row in r.rows], indent=1))
 
@@ -176,7 +199,8 @@ def _search(space: Space, o: OptimizeConf, gate: bool, disp: Dispatcher, echo, s
 
         predict = CostModelSkip(disp, space.axes, o.search.predicted_loss)
     goals = [g for g in o.search.objectives if g != ACCURACY or gate or (space.config.get("eval") or {}).get("tasks")]
-    s = Search(space.axes, goals, rules_of(o, gate), budget_of(o), disp, batch=batch, validate=disp.validate,
+    s = Search(space.axes, goals, rules_of(o, gate, int((space.config.get("eval") or {}).get("limit") or 0)),
+               budget_of(o), disp, batch=batch, validate=disp.validate,
                predict=predict or (lambda p, done: ""), storage=storage, study_name=name, seed=o.search.seed, echo=echo)
     r: SearchResult = s.run()
     best = r.best

@@ -71,7 +71,7 @@ def constraints_of(m: Measurement, rules: Rules) -> dict[str, float]:
     for metric, limit in rules.slo.items():
         v = m.metrics.get(metric)
         out[f"slo:{metric}"] = (v - limit) if v is not None else 1.0
-    if rules.max_memory_bytes:
+    if rules.max_memory_bytes is not None:  # a missing peak breaks the limit, as in decide.memory_problem
         out["memory"] = (m.metrics.get("peak_mem_bytes", math.inf) - rules.max_memory_bytes) / 1e9
     return out
 

@@ -3,9 +3,9 @@ problem with them and with the space, found at once before anything runs."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Optional
 
-from .accuracy import TESTS
+from .accuracy import gate_looks
 from .chain import Budget
 from .decide import Rules
 from .objective import Objective, ObjectiveError
@@ -17,9 +17,8 @@ STRATEGIES = ("chain", "search")
 @dataclass
 class GateConf:
     enabled: bool = True  # judge task accuracy (needs eval.tasks)
-    max_drop: float = 0.03  # the accuracy drop (share of items) tolerated against the incumbent
-    alpha: float = 0.05
-    test: str = "mcnemar-midp"  # mcnemar | mcnemar-midp | bootstrap
+    max_drop: float = 0.03  # the accuracy drop (share of items) tolerated, vs the incumbent and vs the baseline
+    false_holds: float = 0.05  # P(the gate holds | the true drop is max_drop), over all its looks
     max_items: int = 200  # an undecided pair is measured again on more items (eval.limit doubled) up to this
 
 
@@ -36,14 +35,15 @@ class SearchConf:
 class OptimizeConf:
     strategy: str = "chain"
     objective: str = "tpot"  # tpot | ttft | output_tok_s | max_rate | peak_memory | 0.7*tpot+0.3*peak_memory | tpot>peak_memory
-    min_effect: float = 0.03  # the smallest gain a step must clear (3%)
+    min_effect: float = 0.03  # the smallest gain a step must clear (3%), by the lower bound of its interval
+    false_accept: float = 0.025  # P(a pair is accepted | its true gain < min_effect), over the whole procedure
     max_trials: int = 24  # trials run now (FINISHED ones reused by hash are free)
     max_minutes: float = 0.0  # 0: no time limit
-    remeasure: int = 2  # re-measurements of a pair with an unstable trial
+    remeasure: int = 2  # further measurements of an undecided pair (its rounds pooled; load-flagged ones dropped)
     rounds: int = 5  # interleaved rounds of a pair (cluster.interleave)
     trust_regime: bool = True  # skip chain steps the measured regime says cannot pay off
     slo: dict[str, float] = field(default_factory=dict)  # metric -> limit, e.g. {ttft_ms_p99: 500}
-    max_memory_gb: float = 0.0  # 0: no limit
+    max_memory_gb: Optional[float] = None  # None: no limit; judged on the candidate measured alone
     gate: GateConf = field(default_factory=GateConf)
     search: SearchConf = field(default_factory=SearchConf)
 
@@ -55,13 +55,18 @@ def from_dict(d: dict[str, Any]) -> OptimizeConf:
     return OptimizeConf(**d, gate=gate, search=search)
 
 
-def rules_of(o: OptimizeConf, gate: bool) -> Rules:
-    return Rules(min_effect=o.min_effect, alpha=o.gate.alpha, max_drop=o.gate.max_drop, test=o.gate.test, gate=gate,
-                 slo={str(k): float(v) for k, v in (o.slo or {}).items()}, max_memory_bytes=o.max_memory_gb * 1e9)
+def rules_of(o: OptimizeConf, gate: bool, eval_limit: int = 0, model_documents: tuple[str, ...] = ()) -> Rules:
+    """The decision rules of `o`; `eval_limit`: the configured item count, from which the gate's looks follow."""
+    return Rules(min_effect=o.min_effect, false_accept=o.false_accept, attempts=1 + o.remeasure,
+                 max_drop=o.gate.max_drop, false_holds=o.gate.false_holds,
+                 gate_looks=gate_looks(eval_limit, o.gate.max_items) if eval_limit else 1, gate=gate,
+                 slo={str(k): float(v) for k, v in (o.slo or {}).items()},
+                 max_memory_bytes=None if o.max_memory_gb is None else o.max_memory_gb * 1e9,
+                 model_documents=tuple(model_documents))
 
 
 def budget_of(o: OptimizeConf) -> Budget:
-    return Budget(max_trials=o.max_trials, max_s=60 * o.max_minutes, remeasure=o.remeasure, max_items=o.gate.max_items)
+    return Budget(max_trials=o.max_trials, max_s=60 * o.max_minutes, max_items=o.gate.max_items)
 
 
 def problems(o: OptimizeConf, space: dict[str, list[str]], config: dict[str, Any]) -> list[str]:
@@ -91,10 +96,22 @@ def problems(o: OptimizeConf, space: dict[str, list[str]], config: dict[str, Any
         out.append(f"optimize.remeasure: must be >= 0, got {o.remeasure}")
     if o.rounds < 2:
         out.append(f"optimize.rounds: a pair needs >= 2 interleaved rounds for an interval, got {o.rounds}")
-    if o.gate.test not in TESTS:
-        out.append(f"optimize.gate.test: unknown test {o.gate.test!r}; use one of {', '.join(TESTS)}")
-    if not 0 < o.gate.alpha < 1:
-        out.append(f"optimize.gate.alpha: must be in (0, 1), got {o.gate.alpha}")
+    if not 0 < o.false_accept < 0.5:
+        out.append(f"optimize.false_accept: must be in (0, 0.5), got {o.false_accept}")
+    if not 0 < o.gate.false_holds < 0.5:
+        out.append(f"optimize.gate.false_holds: must be in (0, 0.5), got {o.gate.false_holds}")
+    if o.gate.max_items < 1:
+        out.append(f"optimize.gate.max_items: must be >= 1, got {o.gate.max_items}")
+    if o.max_memory_gb is not None and not o.max_memory_gb > 0:
+        out.append(f"optimize.max_memory_gb: a memory limit must be > 0 GB, got {o.max_memory_gb}; leave it unset "
+                   f"(null) for no limit")
+    for metric, limit in (o.slo or {}).items():
+        try:
+            bad = not float(limit) > 0
+        except (TypeError, ValueError):
+            bad = True
+        if bad:
+            out.append(f"optimize.slo.{metric}: a limit must be a number > 0, got {limit!r}")
     if not 0 <= o.gate.max_drop < 1:
         out.append(f"optimize.gate.max_drop: must be in [0, 1) (a share of the items), got {o.gate.max_drop}")
     ev = config.get("eval") or {}

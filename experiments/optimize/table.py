@@ -6,9 +6,9 @@ from pathlib import Path
 from typing import Optional, Sequence
 
 from .chain import Row
-from .decide import ACCEPTED, BASELINE, REJECTED, SKIPPED, UNDECIDED_
+from .decide import ACCEPTED, BASELINE, REJECTED, SKIPPED, TOTAL, UNDECIDED_PAIR
 
-COLUMNS = ("step", "candidate", "decision", "reason", "ratio [95% CI]", "accuracy (paired vs incumbent)",
+COLUMNS = ("step", "candidate", "decision", "reason", "ratio [interval]", "accuracy (paired: vs incumbent | vs baseline)",
            "regime before -> after", "trials")
 
 
@@ -19,9 +19,10 @@ def _esc(s: str) -> str:
 def to_markdown(rows: Sequence[Row]) -> str:
     lines = ["| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
     for r in rows:
-        regime = f"{r.regime_before or '?'} -> {r.regime_after or '?'}" if r.decision not in (SKIPPED, BASELINE) else (r.regime_before or "")
+        regime = (f"{r.regime_before or '?'} -> {r.regime_after or '?'}" if r.decision not in (SKIPPED, BASELINE, TOTAL)
+                  else (r.regime_before or ""))
         hashes = ", ".join(h[:8] for h in r.hashes if h)
-        cells = (f"{r.step} {r.label}", r.candidate, r.decision, r.reason, r.ratio, r.accuracy, regime,
+        cells = (f"{r.step} {r.label}", r.candidate, r.decision, r.reason, r.ratio_cell, r.accuracy, regime,
                  f"{hashes}" + (f" (x{r.attempts})" if r.attempts > 1 else ""))
         lines.append("| " + " | ".join(_esc(c) for c in cells) + " |")
     return "\n".join(lines)
@@ -32,13 +33,13 @@ def order_notes(rows: Sequence[Row]) -> list[str]:
     out = []
     steps: dict[int, list[Row]] = {}
     for r in rows:
-        if r.step:
+        if r.step and r.decision != TOTAL:
             steps.setdefault(r.step, []).append(r)
     for i, rs in sorted(steps.items()):
         if any(r.decision == ACCEPTED for r in rs):
             continue
         why = "; ".join(f"{r.candidate}: {r.reason}" for r in rs)
-        if all(r.decision == UNDECIDED_ for r in rs):
+        if all(r.decision == UNDECIDED_PAIR for r in rs):
             out.append(f"the seed's step '{rs[0].label}' could not be decided here ({why})")
         else:
             out.append(f"the seed's step '{rs[0].label}' did not pay off here ({why})")
@@ -48,13 +49,10 @@ def order_notes(rows: Sequence[Row]) -> list[str]:
 def plot_path(rows: Sequence[Row], out: Path, title: str = "") -> Optional[Path]:
     """Each measured candidate's ratio to its incumbent with its 95% interval, coloured by the decision; the
     accepted ones form the path."""
-    import re
+    import math
 
-    pts = []
-    for r in rows:
-        m = re.match(r"x([0-9.]+) \[([0-9.]+)-([0-9.]+)\]", r.ratio or "")
-        if m:
-            pts.append((f"{r.step}: {r.candidate}", *(float(x) for x in m.groups()), r.decision))
+    pts = [(f"{r.step}: {r.candidate}", *r.ratio, r.decision) for r in rows
+           if r.ratio is not None and all(math.isfinite(x) for x in r.ratio)]
     if not pts:
         return None
     import matplotlib
@@ -62,13 +60,13 @@ def plot_path(rows: Sequence[Row], out: Path, title: str = "") -> Optional[Path]
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    colors = {ACCEPTED: "tab:green", REJECTED: "tab:red"}
+    colors = {ACCEPTED: "tab:green", REJECTED: "tab:red", TOTAL: "tab:blue"}
     fig, ax = plt.subplots(figsize=(8, 0.5 * len(pts) + 1.5))
     for y, (label, v, lo, hi, decision) in enumerate(reversed(pts)):
         ax.errorbar(v, y, xerr=[[v - lo], [hi - v]], fmt="o", color=colors.get(decision, "tab:gray"), capsize=3)
     ax.set_yticks(range(len(pts)), [p[0] for p in reversed(pts)], fontsize=8)
     ax.axvline(1.0, color="black", lw=0.8)
-    ax.set_xlabel("candidate vs incumbent (x, > 1 better; green accepted, red rejected, grey undecided)")
+    ax.set_xlabel("candidate vs incumbent (x, > 1 better; green accepted, red rejected, grey undecided, blue total)")
     ax.set_title(title or "optimize: the path taken", fontsize=10)
     fig.tight_layout()
     out.parent.mkdir(parents=True, exist_ok=True)
