@@ -1,262 +1,184 @@
-"""Our own fused dequantize-GEMV kernels for weight-only INT8 / INT4 on CPU (issue 28), and a GEMV of the same
-kind for full-precision fp32 / bf16 weights (`quant.kernel=gemv-all`).
+"""Our own GEMV kernels on CPU: fused dequantize-GEMV for weight-only INT8 / INT4 (issue 28), a GEMV of the same
+kind for full-precision fp32 / bf16 weights (`quant.kernel=gemv-all`), and integer dot products (issue 36): W8A8
+for `int8-dynamic` (the activation row quantized per token, int8 x int8 -> int32: AVX-512 VNNI `vpdpbusd`, AVX2
+`vpmaddubsw`) and INT4 x Q8_0 (the activation quantized per block of 32, llama.cpp's Q4_0 x Q8_0).
 
-At batch-1 decode a linear layer is a GEMV bound by reading its weights. torch's paths for int8 weights
-read them badly on CPU: dequantize-then-GEMM casts the whole weight to float (it reads 1 byte and writes 4
-per weight, then the GEMM reads 4), and torch 2.13's `_weight_int8pack_mm` is an unblocked loop. These
-kernels read each int8 (or packed int4) weight once, widen it to fp32 in registers and accumulate in fp32:
-y[r, o] = s[o] * sum_k x[r, k] * q[o, k]  (INT4: a scale per group of 32 inputs). Output rows are split
-over torch's OpenMP threads (`at::parallel_for`), so `engine.threads` governs them like every other op.
+At batch-1 decode a linear layer is a GEMV bound by reading its weights. The kernels read each weight once and
+accumulate in fp32 (or int32): y[r, o] = s[o] * sum_k x[r, k] * q[o, k]  (INT4: a scale per group of 32 inputs).
 
-They are C++ compiled at first use on the machine that runs them (`torch.utils.cpp_extension.load_inline`,
-`-O3 -march=native`, cached in torch's extensions directory): AVX-512 or AVX2 intrinsics, chosen by what
-the compiler finds on this CPU, with a plain C++ loop otherwise. If the compile fails (no compiler, no
-headers), `load()` returns None, `load_error()` says why, and callers use the portable torch path
-(dequantize, then `F.linear`), which computes the same function.
+Sources are sources: the C++ lives in engine/kernels/ (gemv.h: the row kernels, one definition shared with the
+native engine's C++ decode step; gemv.cpp: the entry points this module calls through ctypes -- their signatures
+are read from the source, declared nowhere else). `build()` compiles a library once per machine and target: its
+build key hashes the sources, the compiler, and the ISA flags, which are chosen from the CPU's flags at run time
+(`target_isa()`: avx512-vnni, avx512, avx2 or scalar; never -march=native, so a cache directory shared by nodes of
+different CPUs never loads another CPU's build). Output rows are split over OpenMP threads of the runtime torch
+itself loaded (torch's libgomp), `engine.threads` of them like every other op. If the build fails (no compiler, an
+unsupported flag), `load()` returns None, `load_error()` says why (kept beside the build as FAILED.txt), `isa()`
+says "torch fallback (<why>)" in a trial's info, and callers run the portable torch path (dequantize, then
+`F.linear`; torch's own int8 matmul for W8A8), which computes the same function.
+
+Environment: INFERSWEEP_NO_CPP_KERNELS=1 skips the build (the torch path); INFERSWEEP_KERNEL_ISA=avx2|scalar|...
+builds for a lower tier than the CPU's (tests of every code path on one machine; a tier the CPU lacks is refused);
+INFERSWEEP_KERNEL_FORCE_ERROR=1 makes the compile fail (the fallback's test); CXX names the compiler (g++).
 """
 from __future__ import annotations
 
+import ctypes
+import dataclasses
 import functools
 import hashlib
 import os
+import re
+import subprocess
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
 INT4_GROUP = 32  # inputs per INT4 scale; one group = 16 bytes = one 128-bit load
-# A weight smaller than this per thread runs on fewer threads (grain_for in the C++ source)
+# A weight smaller than this per thread runs on fewer threads (threads_for in gemv.cpp)
 MIN_BYTES_PER_THREAD = int(os.environ.get("INFERSWEEP_GEMV_MIN_BYTES", 1 << 20))
+KERNEL_DIR = Path(__file__).resolve().parent / "kernels"
+ISA_ENV, FORCE_ERROR_ENV, NO_KERNELS_ENV = "INFERSWEEP_KERNEL_ISA", "INFERSWEEP_KERNEL_FORCE_ERROR", "INFERSWEEP_NO_CPP_KERNELS"
 
-_CPP = r"""
-#include <torch/extension.h>
-#include <ATen/Parallel.h>
-#include <immintrin.h>
-#include <algorithm>
-#include <cstdint>
-#include <cstring>
+# target tier -> (the CPU flags it needs, /proc/cpuinfo names; the compiler flags it builds with), best first
+TIERS: dict[str, tuple[frozenset, tuple[str, ...]]] = {
+    "avx512-vnni": (frozenset({"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni", "avx2", "fma", "f16c"}),
+                    ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512vnni", "-mavx2", "-mfma", "-mf16c")),
+    "avx512": (frozenset({"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx2", "fma", "f16c"}),
+               ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx2", "-mfma", "-mf16c")),
+    "avx2": (frozenset({"avx2", "fma", "f16c"}), ("-mavx2", "-mfma", "-mf16c")),
+    "scalar": (frozenset(), ()),
+}
+BASE_FLAGS = ("-O3", "-std=c++17", "-shared", "-fPIC", "-fopenmp", "-fno-math-errno")
 
-// at::parallel_for's grain (output rows per chunk): at least min_bytes of weight per thread, because an OpenMP
-// region costs a barrier and on a loaded machine a descheduled thread stalls it for a whole time slice
-static int64_t grain_for(int64_t N, int64_t weight_bytes, int64_t min_bytes) {
-  int64_t threads = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), weight_bytes / std::max<int64_t>(1, min_bytes)));
-  return std::max<int64_t>(16, (N + threads - 1) / threads);
-}
 
-// Weight elements widened to fp32 in registers: int8 (weight-only INT8), fp32, or bf16 held as uint16 and widened
-// by a 16-bit shift (exact, so bf16 needs no bf16 arithmetic from the CPU); all accumulate in fp32
-static inline float to_f(float v) { return v; }
-static inline float to_f(int8_t v) { return (float)v; }
-static inline float to_f(uint16_t v) { uint32_t u = (uint32_t)v << 16; float f; std::memcpy(&f, &u, 4); return f; }
-#if defined(__AVX512F__)
-static inline __m512 ld16(const float* p) { return _mm512_loadu_ps(p); }
-static inline __m512 ld16(const int8_t* p) { return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)p))); }
-static inline __m512 ld16(const uint16_t* p) {
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p)), 16));
-}
-#elif defined(__AVX2__) && defined(__FMA__)
-static inline __m256 ld8(const float* p) { return _mm256_loadu_ps(p); }
-static inline __m256 ld8(const int8_t* p) { return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)p))); }
-static inline __m256 ld8(const uint16_t* p) {
-  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)p)), 16));
-}
-#endif
+def cpu_tiers() -> list[str]:
+    """The tiers this CPU runs, best first (from /proc/cpuinfo's flags; scalar everywhere)."""
+    from .measure.hardware import cpu_flags, cpuinfo_text
 
-// RB rows of x against one weight row of element type T: out[r] = sum_k x[r*K + k] * w[k]. U independent
-// accumulators per row keep the FMA latency chain from bounding a single row (RB * U = 4 chains in flight)
-template <int RB, typename T>
-static inline void dot_w(const float* x, int64_t K, const T* w, float* out) {
-  constexpr int U = RB >= 4 ? 1 : 4 / RB;
-  int64_t k = 0;
-#if defined(__AVX512F__)
-  __m512 a[RB][U];
-  for (int r = 0; r < RB; ++r) for (int u = 0; u < U; ++u) a[r][u] = _mm512_setzero_ps();
-  for (; k + 16 * U <= K; k += 16 * U) {
-    for (int u = 0; u < U; ++u) {
-      __m512 wf = ld16(w + k + 16 * u);
-      for (int r = 0; r < RB; ++r) a[r][u] = _mm512_fmadd_ps(_mm512_loadu_ps(x + r * K + k + 16 * u), wf, a[r][u]);
-    }
-  }
-  for (; k + 16 <= K; k += 16) {
-    __m512 wf = ld16(w + k);
-    for (int r = 0; r < RB; ++r) a[r][0] = _mm512_fmadd_ps(_mm512_loadu_ps(x + r * K + k), wf, a[r][0]);
-  }
-  for (int r = 0; r < RB; ++r) {
-    for (int u = 1; u < U; ++u) a[r][0] = _mm512_add_ps(a[r][0], a[r][u]);
-    out[r] = _mm512_reduce_add_ps(a[r][0]);
-  }
-#elif defined(__AVX2__) && defined(__FMA__)
-  __m256 a[RB][U];
-  for (int r = 0; r < RB; ++r) for (int u = 0; u < U; ++u) a[r][u] = _mm256_setzero_ps();
-  for (; k + 8 * U <= K; k += 8 * U) {
-    for (int u = 0; u < U; ++u) {
-      __m256 wf = ld8(w + k + 8 * u);
-      for (int r = 0; r < RB; ++r) a[r][u] = _mm256_fmadd_ps(_mm256_loadu_ps(x + r * K + k + 8 * u), wf, a[r][u]);
-    }
-  }
-  for (; k + 8 <= K; k += 8) {
-    __m256 wf = ld8(w + k);
-    for (int r = 0; r < RB; ++r) a[r][0] = _mm256_fmadd_ps(_mm256_loadu_ps(x + r * K + k), wf, a[r][0]);
-  }
-  for (int r = 0; r < RB; ++r) {
-    for (int u = 1; u < U; ++u) a[r][0] = _mm256_add_ps(a[r][0], a[r][u]);
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(a[r][0]), _mm256_extractf128_ps(a[r][0], 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    s = _mm_add_ss(s, _mm_movehdup_ps(s));
-    out[r] = _mm_cvtss_f32(s);
-  }
-#else
-  for (int r = 0; r < RB; ++r) out[r] = 0.f;
-#endif
-  for (int r = 0; r < RB; ++r)
-    for (int64_t j = k; j < K; ++j) out[r] += x[r * K + j] * to_f(w[j]);
-}
+    flags = cpu_flags(cpuinfo_text())
+    return [t for t, (need, _) in TIERS.items() if need <= flags]
 
-// Output rows [n0, n1) of y [R, N] for RB rows of x: y[r, n] = dot(x[r], w[n]) (* s[n] when s is given)
-template <int RB, typename T>
-static void rows_w(const float* x, int64_t K, const T* w, const float* s, float* y, int64_t N, int64_t n0, int64_t n1) {
-  float acc[RB];
-  for (int64_t n = n0; n < n1; ++n) {
-    dot_w<RB>(x, K, w + n * K, acc);
-    for (int r = 0; r < RB; ++r) y[r * N + n] = s ? acc[r] * s[n] : acc[r];
-  }
-}
 
-// y fp32 [R, N] = x fp32 [R, K] against weight rows w [N, K] of type T (scaled by s [N] if given), output rows split
-// over torch's threads; blocks of 4 rows of x share each widened weight vector
-template <typename T>
-static torch::Tensor gemv_rows(const torch::Tensor& x, const T* wp, const float* sp, int64_t N, int64_t weight_bytes,
-                               int64_t min_bytes) {
-  const int64_t R = x.size(0), K = x.size(1);
-  auto y = torch::empty({R, N}, x.options());
-  const float* xp = x.data_ptr<float>();
-  float* yp = y.data_ptr<float>();
-  at::parallel_for(0, N, grain_for(N, weight_bytes, min_bytes), [&](int64_t n0, int64_t n1) {
-    int64_t r = 0;
-    for (; r + 4 <= R; r += 4) rows_w<4>(xp + r * K, K, wp, sp, yp + r * N, N, n0, n1);
-    for (; r + 2 <= R; r += 2) rows_w<2>(xp + r * K, K, wp, sp, yp + r * N, N, n0, n1);
-    for (; r < R; ++r) rows_w<1>(xp + r * K, K, wp, sp, yp + r * N, N, n0, n1);
-  });
-  return y;
-}
+def target_isa() -> str:
+    """The tier the kernels are built for here: the CPU's best, or INFERSWEEP_KERNEL_ISA (one the CPU runs)."""
+    tiers = cpu_tiers()
+    forced = os.environ.get(ISA_ENV, "").strip()
+    if not forced:
+        return tiers[0]
+    if forced not in TIERS:
+        raise ValueError(f"{ISA_ENV}={forced!r}: choose one of {', '.join(TIERS)}")
+    if forced not in tiers:
+        raise ValueError(f"{ISA_ENV}={forced}: this CPU lacks {', '.join(sorted(TIERS[forced][0] - set().union(*[TIERS[t][0] for t in tiers])))}")
+    return forced
 
-// x fp32 [R, K], w int8 [N, K], s fp32 [N] -> y fp32 [R, N]
-torch::Tensor int8_gemv(torch::Tensor x, torch::Tensor w, torch::Tensor s, int64_t min_bytes) {
-  TORCH_CHECK(x.dtype() == torch::kFloat32 && w.dtype() == torch::kInt8 && s.dtype() == torch::kFloat32);
-  TORCH_CHECK(x.is_contiguous() && w.is_contiguous() && s.is_contiguous() && x.size(1) == w.size(1));
-  return gemv_rows(x, w.data_ptr<int8_t>(), s.data_ptr<float>(), w.size(0), w.numel(), min_bytes);
-}
 
-// INT4: w uint8 [N, G*16], group g of row n holds inputs g*32+j in the low nibble of byte j and g*32+16+j
-// in the high nibble (j < 16), stored as q+8 for q in [-8, 7]; s fp32 [N, G]; x fp32 [R, G*32] (zero-padded)
-template <int RB>
-static void rows_i4(const float* x, int64_t G, const uint8_t* w, const float* s, float* y, int64_t N,
-                    int64_t n0, int64_t n1) {
-  const int64_t K = G * 32;
-  for (int64_t n = n0; n < n1; ++n) {
-    const uint8_t* wr = w + n * G * 16;
-    const float* sr = s + n * G;
-#if defined(__AVX512F__)
-    __m512 a[RB];
-    for (int r = 0; r < RB; ++r) a[r] = _mm512_setzero_ps();
-    // nibble -> float by a 16-entry table lookup (one permute instead of subtract + convert)
-    const __m512 lut = _mm512_setr_ps(-8, -7, -6, -5, -4, -3, -2, -1, 0, 1, 2, 3, 4, 5, 6, 7);
-    for (int64_t g = 0; g < G; ++g) {
-      __m512i b32 = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(wr + g * 16)));
-      __m512 lo = _mm512_permutexvar_ps(b32, lut);  // uses the index's low 4 bits: the low nibble
-      __m512 hi = _mm512_permutexvar_ps(_mm512_srli_epi32(b32, 4), lut);
-      __m512 sc = _mm512_set1_ps(sr[g]);
-      for (int r = 0; r < RB; ++r) {
-        const float* xr = x + r * K + g * 32;
-        __m512 t = _mm512_mul_ps(_mm512_loadu_ps(xr), lo);
-        t = _mm512_fmadd_ps(_mm512_loadu_ps(xr + 16), hi, t);
-        a[r] = _mm512_fmadd_ps(t, sc, a[r]);
-      }
-    }
-    for (int r = 0; r < RB; ++r) y[r * N + n] = _mm512_reduce_add_ps(a[r]);
-#elif defined(__AVX2__) && defined(__FMA__)
-    __m256 a[RB];
-    for (int r = 0; r < RB; ++r) a[r] = _mm256_setzero_ps();
-    const __m128i m = _mm_set1_epi8(0x0F);
-    const __m256i eight = _mm256_set1_epi32(8);
-    for (int64_t g = 0; g < G; ++g) {
-      __m128i b = _mm_loadu_si128((const __m128i*)(wr + g * 16));
-      __m128i l = _mm_and_si128(b, m), h = _mm_and_si128(_mm_srli_epi16(b, 4), m);
-      __m256 w0 = _mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_cvtepu8_epi32(l), eight));
-      __m256 w1 = _mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_cvtepu8_epi32(_mm_srli_si128(l, 8)), eight));
-      __m256 w2 = _mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_cvtepu8_epi32(h), eight));
-      __m256 w3 = _mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_cvtepu8_epi32(_mm_srli_si128(h, 8)), eight));
-      __m256 sc = _mm256_set1_ps(sr[g]);
-      for (int r = 0; r < RB; ++r) {
-        const float* xr = x + r * K + g * 32;
-        __m256 t = _mm256_mul_ps(_mm256_loadu_ps(xr), w0);
-        t = _mm256_fmadd_ps(_mm256_loadu_ps(xr + 8), w1, t);
-        t = _mm256_fmadd_ps(_mm256_loadu_ps(xr + 16), w2, t);
-        t = _mm256_fmadd_ps(_mm256_loadu_ps(xr + 24), w3, t);
-        a[r] = _mm256_fmadd_ps(t, sc, a[r]);
-      }
-    }
-    for (int r = 0; r < RB; ++r) {
-      __m128 t = _mm_add_ps(_mm256_castps256_ps128(a[r]), _mm256_extractf128_ps(a[r], 1));
-      t = _mm_add_ps(t, _mm_movehl_ps(t, t));
-      t = _mm_add_ss(t, _mm_movehdup_ps(t));
-      y[r * N + n] = _mm_cvtss_f32(t);
-    }
-#else
-    for (int r = 0; r < RB; ++r) {
-      const float* xr = x + r * K;
-      float acc = 0.f;
-      for (int64_t g = 0; g < G; ++g) {
-        float t = 0.f;
-        for (int j = 0; j < 16; ++j) {
-          uint8_t b = wr[g * 16 + j];
-          t += xr[g * 32 + j] * (float)((int)(b & 15) - 8) + xr[g * 32 + 16 + j] * (float)((int)(b >> 4) - 8);
-        }
-        acc += t * sr[g];
-      }
-      y[r * N + n] = acc;
-    }
-#endif
-  }
-}
+@dataclasses.dataclass
+class Library:
+    """A built library: its functions (ctypes, signatures read from the source), or why there is none."""
 
-torch::Tensor int4_gemv(torch::Tensor x, torch::Tensor w, torch::Tensor s, int64_t min_bytes) {
-  TORCH_CHECK(x.dtype() == torch::kFloat32 && w.dtype() == torch::kUInt8 && s.dtype() == torch::kFloat32);
-  TORCH_CHECK(x.is_contiguous() && w.is_contiguous() && s.is_contiguous());
-  const int64_t R = x.size(0), N = w.size(0), G = s.size(1);
-  TORCH_CHECK(x.size(1) == G * 32 && w.size(1) == G * 16);
-  auto y = torch::empty({R, N}, x.options());
-  const float* xp = x.data_ptr<float>();
-  const uint8_t* wp = w.data_ptr<uint8_t>();
-  const float* sp = s.data_ptr<float>();
-  float* yp = y.data_ptr<float>();
-  const int64_t K = G * 32;
-  at::parallel_for(0, N, grain_for(N, w.numel(), min_bytes), [&](int64_t n0, int64_t n1) {
-    int64_t r = 0;
-    for (; r + 4 <= R; r += 4) rows_i4<4>(xp + r * K, G, wp, sp, yp + r * N, N, n0, n1);
-    for (; r < R; ++r) rows_i4<1>(xp + r * K, G, wp, sp, yp + r * N, N, n0, n1);
-  });
-  return y;
-}
+    name: str
+    key: str  # the build key: sources + compiler + flags
+    isa: str
+    path: Path | None = None
+    error: str | None = None
+    lib: ctypes.CDLL | None = None
 
-// x fp32 [R, K], w fp32 or bf16 [N, K] -> y fp32 [R, N]
-torch::Tensor dense_gemv(torch::Tensor x, torch::Tensor w, int64_t min_bytes) {
-  TORCH_CHECK(x.dtype() == torch::kFloat32 && (w.dtype() == torch::kFloat32 || w.dtype() == torch::kBFloat16));
-  TORCH_CHECK(x.is_contiguous() && w.is_contiguous() && x.size(1) == w.size(1));
-  const int64_t bytes = w.numel() * w.element_size();
-  if (w.dtype() == torch::kFloat32) return gemv_rows(x, w.data_ptr<float>(), nullptr, w.size(0), bytes, min_bytes);
-  return gemv_rows(x, reinterpret_cast<const uint16_t*>(w.data_ptr<at::BFloat16>()), nullptr, w.size(0), bytes, min_bytes);
-}
+    def __getattr__(self, fn):
+        if self.lib is None:
+            raise AttributeError(fn)
+        return getattr(self.lib, fn)
 
-std::string isa() {
-#if defined(__AVX512F__)
-  return "avx512";
-#elif defined(__AVX2__) && defined(__FMA__)
-  return "avx2";
-#else
-  return "scalar";
-#endif
-}
-"""
+
+_CTYPES = {"int64_t": ctypes.c_int64, "int": ctypes.c_int, "float": ctypes.c_float, "double": ctypes.c_double,
+           "void": None, "const char*": ctypes.c_char_p}
+_SIG = re.compile(r"^([\w ]+?\*?)\s*\b(isw_\w+)\(([^)]*)\)\s*\{", re.M)
+
+
+def exported(source: str) -> dict[str, tuple]:
+    """{name: (restype, [argtypes])} of the `isw_*` functions a source defines (its extern "C" entry points):
+    pointers become c_void_p, the scalar types their ctypes."""
+    out = {}
+    for ret, name, args in _SIG.findall(source):
+        types = []
+        for a in filter(None, (x.strip() for x in args.replace("\n", " ").split(","))):
+            t = a.rsplit(" ", 1)[0].strip() if "*" not in a else "ptr"
+            types.append(ctypes.c_void_p if t == "ptr" else _CTYPES[t])
+        out[name] = (_CTYPES[ret.strip()], types)
+    return out
+
+
+def _compiler() -> tuple[str, str]:
+    cxx = os.environ.get("CXX", "g++")
+    try:
+        version = subprocess.run([cxx, "--version"], capture_output=True, text=True, timeout=30).stdout.splitlines()[0]
+    except (OSError, IndexError, subprocess.SubprocessError) as e:
+        version = f"unavailable ({type(e).__name__})"
+    return cxx, version
+
+
+def build_key(sources: list[Path], include: list[Path], flags: tuple[str, ...], compiler: str) -> str:
+    h = hashlib.sha256()
+    for f in sorted(sources) + sorted(p for d in include for p in d.glob("*.h")):
+        h.update(f.name.encode() + b"\0" + f.read_bytes())
+    h.update(repr((flags, compiler)).encode())
+    return h.hexdigest()[:16]
+
+
+_BUILT: dict[Path, Library] = {}
+
+
+def build(name: str, sources: list[Path], include: tuple[Path, ...] = (KERNEL_DIR,)) -> Library:
+    """Compile `sources` into a shared library once per build key (cached under <cache>/kernels/build/, reused by
+    every later process on a machine with the same key) and load it; a failed build returns a Library whose
+    `error` says why (also written to FAILED.txt in its build directory). Memoized per process."""
+    from .cachedir import cache_root
+
+    try:
+        isa = target_isa()
+    except ValueError as e:
+        return Library(name, "-", "?", error=str(e))
+    flags = BASE_FLAGS + TIERS[isa][1] + (("-DINFERSWEEP_FORCE_COMPILE_ERROR",) if os.environ.get(FORCE_ERROR_ENV) else ())
+    cxx, version = _compiler()
+    key = build_key(list(sources), list(include), flags, version)
+    out_dir = cache_root() / "kernels" / "build" / f"{name}-{isa}-{key}"
+    if out_dir in _BUILT:
+        return _BUILT[out_dir]
+    so = out_dir / f"lib{name}.so"
+    lib = Library(name, key, isa, path=so)
+    if not so.is_file():
+        out_dir.mkdir(parents=True, exist_ok=True)
+        tmp = out_dir / f".lib{name}.{os.getpid()}.so"  # built aside, renamed: concurrent builders never see half a file
+        torch_lib = Path(torch.__file__).parent / "lib"  # link torch's OpenMP runtime: one thread pool, not two
+        cmd = [cxx, *flags, *(f"-I{d}" for d in include), *map(str, sources), "-o", str(tmp),
+               f"-L{torch_lib}", f"-Wl,-rpath,{torch_lib}"]
+        try:
+            r = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+        except (OSError, subprocess.SubprocessError) as e:
+            lib.error = f"{cxx} could not run: {type(e).__name__}: {e}"
+        else:
+            if r.returncode != 0:
+                errs = [ln for ln in r.stderr.splitlines() if "error" in ln] or r.stderr.strip().splitlines()[-1:]
+                lib.error = f"{cxx} failed ({isa}): {errs[0].strip() if errs else f'exit {r.returncode}'}"
+                tmp.unlink(missing_ok=True)
+            else:
+                tmp.replace(so)
+        if lib.error:
+            (out_dir / "FAILED.txt").write_text(lib.error + "\n" + " ".join(cmd) + "\n")
+            _BUILT[out_dir] = lib
+            return lib
+    try:
+        lib.lib = ctypes.CDLL(str(so))
+        for src in sources:
+            for fn, (res, args) in exported(Path(src).read_text()).items():
+                f = getattr(lib.lib, fn)
+                f.restype, f.argtypes = res, args
+    except (OSError, AttributeError, KeyError) as e:
+        lib.lib, lib.error = None, f"loading {so.name} failed: {type(e).__name__}: {e}"
+    _BUILT[out_dir] = lib
+    return lib
+
 
 _load_error: str | None = None
 _OPS: tuple | None = None  # the custom ops, once load() succeeded
@@ -264,59 +186,100 @@ _OPS: tuple | None = None  # the custom ops, once load() succeeded
 
 @functools.lru_cache(maxsize=1)
 def load():
-    """The compiled kernels (a module with int8_gemv, int4_gemv, dense_gemv, isa), or None with `load_error()` set."""
+    """The compiled kernels (a Library with the isw_* functions), or None with `load_error()` set."""
     global _load_error, _OPS
-    if os.environ.get("INFERSWEEP_NO_CPP_KERNELS"):
-        _load_error = "INFERSWEEP_NO_CPP_KERNELS is set"
+    if os.environ.get(NO_KERNELS_ENV):
+        _load_error = f"{NO_KERNELS_ENV} is set"
         return None
-    try:
-        from torch.utils.cpp_extension import load_inline
-
-        # the source's hash names the build, so an edited kernel never reuses a stale cached .so
-        name = "infersweep_woq_" + hashlib.sha256(_CPP.encode()).hexdigest()[:10]
-        mod = load_inline(
-            name=name, cpp_sources=[_CPP], functions=["int8_gemv", "int4_gemv", "dense_gemv", "isa"],
-            # -fopenmp makes at::parallel_for's pragma real; libgomp.so.1 is torch's own, already loaded
-            extra_cflags=["-O3", "-march=native", "-fopenmp"], extra_ldflags=["-lgomp"], verbose=False,
-        )
-        _OPS = _register_ops(mod)
-        return mod
-    except Exception as e:  # no compiler / headers / unsupported platform: the torch path stands in
-        _load_error = f"{type(e).__name__}: {str(e).strip().splitlines()[-1] if str(e).strip() else e}"
+    lib = build("infersweep_gemv", [KERNEL_DIR / "gemv.cpp"])
+    if lib.error:
+        _load_error = lib.error
         return None
+    _OPS = _register_ops()
+    return lib
 
 
-def _register_ops(mod) -> tuple:
+def _ptr(t: torch.Tensor | None):
+    return None if t is None else t.data_ptr()
+
+
+def _dense(x: torch.Tensor, w: torch.Tensor, s: torch.Tensor | None) -> torch.Tensor:
+    """x fp32 [R, K] contiguous, w [N, K] fp32 / bf16 / int8 (then s fp32 [N]) -> y fp32 [R, N]"""
+    wtype = {torch.float32: 0, torch.bfloat16: 1, torch.int8: 2}[w.dtype]
+    y = torch.empty((x.shape[0], w.shape[0]), dtype=torch.float32)
+    load().isw_dense_gemv(x.data_ptr(), x.shape[0], x.shape[1], w.data_ptr(), wtype, _ptr(s), y.data_ptr(),
+                          w.shape[0], MIN_BYTES_PER_THREAD, torch.get_num_threads())
+    return y
+
+
+def _int4(x: torch.Tensor, w: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
+    y = torch.empty((x.shape[0], w.shape[0]), dtype=torch.float32)
+    load().isw_int4_gemv(x.data_ptr(), x.shape[0], s.shape[1], w.data_ptr(), s.data_ptr(), y.data_ptr(), w.shape[0],
+                         MIN_BYTES_PER_THREAD, torch.get_num_threads())
+    return y
+
+
+def _w8a8(x: torch.Tensor, w: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
+    r, k = x.shape
+    y = torch.empty((r, w.shape[0]), dtype=torch.float32)
+    xq, xs = torch.empty((r, k), dtype=torch.int8), torch.empty(r, dtype=torch.float32)
+    load().isw_w8a8_gemv(x.data_ptr(), r, k, xq.data_ptr(), xs.data_ptr(), w.data_ptr(), s.data_ptr(), y.data_ptr(),
+                         w.shape[0], MIN_BYTES_PER_THREAD, torch.get_num_threads())
+    return y
+
+
+def _w4a8(x: torch.Tensor, w: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
+    r, g = x.shape[0], s.shape[1]
+    y = torch.empty((r, w.shape[0]), dtype=torch.float32)
+    xq = torch.empty((r, g * 32), dtype=torch.int8)
+    xs, xsum = torch.empty((r, g), dtype=torch.float32), torch.empty((r, g), dtype=torch.int32)
+    load().isw_w4a8_gemv(x.data_ptr(), r, g, xq.data_ptr(), xs.data_ptr(), xsum.data_ptr(), w.data_ptr(), s.data_ptr(),
+                         y.data_ptr(), w.shape[0], MIN_BYTES_PER_THREAD, torch.get_num_threads())
+    return y
+
+
+def _register_ops() -> tuple:
     """The kernels as torch custom ops (torch.ops.infersweep.*), so that torch.compile (engine.compile_mode=
-    static, fullgraph) traces through them; eager calls go straight to the extension (no dispatcher cost)."""
+    static, fullgraph) traces through them; eager calls go straight to the library (no dispatcher cost)."""
 
     @torch.library.custom_op("infersweep::int8_gemv", mutates_args=())
-    def int8_op(x: torch.Tensor, w: torch.Tensor, s: torch.Tensor, min_bytes: int) -> torch.Tensor:
-        return mod.int8_gemv(x, w, s, min_bytes)
+    def int8_op(x: torch.Tensor, w: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
+        return _dense(x, w, s)
 
     @torch.library.custom_op("infersweep::int4_gemv", mutates_args=())
-    def int4_op(x: torch.Tensor, w: torch.Tensor, s: torch.Tensor, min_bytes: int) -> torch.Tensor:
-        return mod.int4_gemv(x, w, s, min_bytes)
+    def int4_op(x: torch.Tensor, w: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
+        return _int4(x, w, s)
 
     @torch.library.custom_op("infersweep::dense_gemv", mutates_args=())
-    def dense_op(x: torch.Tensor, w: torch.Tensor, min_bytes: int) -> torch.Tensor:
-        return mod.dense_gemv(x, w, min_bytes)
+    def dense_op(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        return _dense(x, w, None)
 
-    for op in (int8_op, int4_op):
-        op.register_fake(lambda x, w, s, min_bytes: x.new_empty((x.shape[0], w.shape[0])))
-    dense_op.register_fake(lambda x, w, min_bytes: x.new_empty((x.shape[0], w.shape[0])))
-    return int8_op, int4_op, dense_op
+    @torch.library.custom_op("infersweep::w8a8_gemv", mutates_args=())
+    def w8a8_op(x: torch.Tensor, w: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
+        return _w8a8(x, w, s)
+
+    @torch.library.custom_op("infersweep::w4a8_gemv", mutates_args=())
+    def w4a8_op(x: torch.Tensor, w: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
+        return _w4a8(x, w, s)
+
+    for op in (int8_op, int4_op, w8a8_op, w4a8_op):
+        op.register_fake(lambda x, w, s: x.new_empty((x.shape[0], w.shape[0])))
+    dense_op.register_fake(lambda x, w: x.new_empty((x.shape[0], w.shape[0])))
+    return int8_op, int4_op, dense_op, w8a8_op, w4a8_op
+
+
+_EAGER = (lambda x, w, s: _dense(x, w, s), _int4, lambda x, w: _dense(x, w, None), _w8a8, _w4a8)
 
 
 def _entry(i: int, device: torch.device):
-    """Kernel i (0: int8, 1: int4, 2: dense fp32/bf16) for a tensor on `device`, or None (then the torch path runs). While
-    torch.compile traces, only module globals are read (it cannot trace the loader) and the custom op is used."""
+    """Kernel i (0: int8, 1: int4, 2: dense fp32/bf16, 3: W8A8, 4: INT4 x Q8_0) for a tensor on `device`, or None
+    (then the torch path runs). While torch.compile traces, only module globals are read (it cannot trace the
+    loader) and the custom op is used."""
     if device.type != "cpu":
         return None
     if torch.compiler.is_compiling():
         return None if _OPS is None else _OPS[i]
-    mod = load()
-    return None if mod is None else (mod.int8_gemv, mod.int4_gemv, mod.dense_gemv)[i]
+    return None if load() is None else _EAGER[i]
 
 
 def load_error() -> str | None:
@@ -325,9 +288,9 @@ def load_error() -> str | None:
 
 
 def isa() -> str:
-    """Which code path the compiled kernels took on this CPU, or why there are none."""
+    """Which code path the compiled kernels took on this CPU (avx512-vnni, avx512, avx2, scalar), or why there are none."""
     mod = load()
-    return mod.isa() if mod is not None else f"torch fallback ({_load_error})"
+    return mod.isw_isa().decode() if mod is not None else f"torch fallback ({_load_error})"
 
 
 def int8_gemv(x2: torch.Tensor, q: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
@@ -335,14 +298,14 @@ def int8_gemv(x2: torch.Tensor, q: torch.Tensor, scales: torch.Tensor) -> torch.
     fn = _entry(0, x2.device)
     if fn is None:
         return F.linear(x2, q.to(x2.dtype)) * scales.to(x2.dtype)
-    return fn(x2.float().contiguous(), q, scales, MIN_BYTES_PER_THREAD).to(x2.dtype)
+    return fn(x2.float().contiguous(), q, scales).to(x2.dtype)
 
 
 def quantize_int4(w: torch.Tensor, group: int = INT4_GROUP) -> tuple[torch.Tensor, torch.Tensor]:
     """Symmetric INT4 per group of `group` inputs: w [out, in] -> (packed uint8 [out, G*16], fp32 scales [out, G]),
     G = ceil(in / group); the inputs are zero-padded to G*group. As llama.cpp's Q4_0: the scale is the group's
     largest-magnitude weight / -8, so that weight lands exactly on -8 and all 16 levels are used (absmax / 7
-    leaves -8 unused). Layout: see the C++ source above."""
+    leaves -8 unused). Layout: engine/kernels/gemv.h."""
     if group != 32:
         raise ValueError("the INT4 kernel's layout is fixed at groups of 32 inputs")
     w = w.detach().float()
@@ -373,7 +336,7 @@ def int4_gemv(x2: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, in_f
     pad = scales.shape[1] * 32 - in_features
     if pad:
         xf = F.pad(xf, (0, pad))
-    return fn(xf.contiguous(), packed, scales, MIN_BYTES_PER_THREAD).to(x2.dtype)
+    return fn(xf.contiguous(), packed, scales).to(x2.dtype)
 
 
 def dense_gemv(x2: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -382,4 +345,50 @@ def dense_gemv(x2: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     fn = _entry(2, x2.device) if w.dtype in (torch.float32, torch.bfloat16) else None
     if fn is None:
         return F.linear(x2, w)
-    return fn(x2.float().contiguous(), w.contiguous(), MIN_BYTES_PER_THREAD).to(x2.dtype)
+    return fn(x2.float().contiguous(), w.contiguous()).to(x2.dtype)
+
+
+def quantize_rows_int8(x2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """W8A8's activation quantization, per row (token): x2 [rows, K] -> (int8 [rows, K], fp32 scales [rows, 1]);
+    scale = max|x| / 127, q = round-half-even(x / scale). The C++ kernel computes exactly this."""
+    xf = x2.float()
+    xs = xf.abs().amax(dim=1, keepdim=True).clamp(min=1e-8) / 127.0
+    return torch.clamp(torch.round(xf / xs), -127, 127).to(torch.int8), xs
+
+
+def quantize_q8_0(x2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """llama.cpp's Q8_0 activation quantization (INT4 x Q8_0): x2 [rows, G*32] -> (int8 [rows, G*32], fp32 scales
+    [rows, G]); per block of 32, scale = max|x| / 127, q = round-half-even(x * (1 / scale)) (0 for an all-zero block)."""
+    r, k = x2.shape
+    xb = x2.float().reshape(r, k // 32, 32)
+    sc = xb.abs().amax(dim=2) / 127.0
+    inv = torch.where(sc > 0, 1.0 / sc, torch.zeros_like(sc))
+    q = torch.clamp(torch.round(xb * inv[..., None]), -127, 127).to(torch.int8)
+    return q.reshape(r, k), sc
+
+
+def w8a8_gemv(x2: torch.Tensor, q: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """W8A8: x2 [rows, in] quantized per row to int8, times q int8 [out, in] in int32, rescaled by both scales ->
+    [rows, out] float32. The torch path (no kernels) computes the same integers with torch._int_mm or int64."""
+    fn = _entry(3, x2.device)
+    if fn is not None:
+        return fn(x2.float().contiguous(), q, scales)
+    xq, xs = quantize_rows_int8(x2)
+    acc = (xq.to(torch.int32) @ q.to(torch.int32).t()) if x2.device.type == "cpu" else torch._int_mm(xq, q.t())
+    return acc.float() * xs * scales
+
+
+def int4_q8_gemv(x2: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, in_features: int) -> torch.Tensor:
+    """INT4 x Q8_0: x2 [rows, in] quantized per block of 32 (Q8_0), times the INT4 weight (quantize_int4's layout)
+    block by block in int32, each block's sum scaled by both blocks' scales -> [rows, out] float32."""
+    pad = scales.shape[1] * 32 - in_features
+    xf = F.pad(x2.float(), (0, pad)) if pad else x2.float()
+    fn = _entry(4, x2.device)
+    if fn is not None:
+        return fn(xf.contiguous(), packed, scales)
+    xq, xs = quantize_q8_0(xf)  # [R, G*32], [R, G]
+    out, g = scales.shape
+    b = packed.reshape(out, g, 16).to(torch.int32)
+    wq = torch.cat([b & 15, b >> 4], dim=2) - 8  # [N, G, 32]
+    d = torch.einsum("rgk,ngk->rng", xq.reshape(-1, g, 32).to(torch.int32), wq)  # exact block sums [R, N, G]
+    return (d.float() * (xs[:, None, :] * scales[None])).sum(-1)

@@ -38,7 +38,7 @@ def kernel_cache(tmp_path, monkeypatch):
 
 def test_kernels_compiled_on_this_machine():
     assert qk.load() is not None, qk.load_error()
-    assert qk.isa() in ("avx512", "avx2", "scalar")
+    assert qk.isa() in qk.TIERS
 
 
 @pytest.mark.parametrize("i,o", SHAPES)
@@ -283,3 +283,100 @@ def test_compiled_static_step_traces_the_fused_kernels(level):
     compiled, eager = greedy(True), greedy(False)
     assert torch.equal(torch.as_tensor(compiled), torch.as_tensor(eager))
     assert kernel_info(loaded.model)["quant_kernels"].startswith("gemv x")
+
+
+# --- the build (engine/kernels/*.cpp compiled once per build key) and the integer kernels (issue 36) --------------
+def _with_lib(monkeypatch, lib):
+    """Route the module's kernels through `lib` (a Library built for another tier) for the rest of a test."""
+    assert lib.error is None, lib.error
+    monkeypatch.setattr(qk, "load", lambda: lib)
+
+
+def _references(i: int, o: int, rows: int):
+    torch.manual_seed(i * o + rows)
+    w, x = torch.randn(o, i) * 0.05, torch.randn(rows, i)
+    q, s = quantize_per_channel(w)
+    p4, s4 = qk.quantize_int4(w)
+    xq, xs = qk.quantize_rows_int8(x)
+    w8a8 = (xq.long() @ q.long().t()).float() * xs * s  # exact integer products, the kernel's scaling order
+    xp = F.pad(x, (0, s4.shape[1] * 32 - i))
+    x8, x8s = qk.quantize_q8_0(xp)
+    b = p4.reshape(o, -1, 16).long()
+    w4 = torch.cat([b & 15, b >> 4], dim=2) - 8
+    blocks = torch.einsum("rgk,ngk->rng", x8.reshape(rows, -1, 32).long(), w4)  # exact per-block integer sums
+    w4a8 = (blocks.double() * (x8s[:, None, :].double() * s4[None].double())).sum(-1).float()
+    return w, x, q, s, p4, s4, w8a8, w4a8
+
+
+@pytest.mark.parametrize("i,o", [(37, 101), (577, 1539), (130, 65)])
+@pytest.mark.parametrize("rows", [1, 3, 8])
+def test_every_isa_tier_of_this_cpu_computes_the_kernels(i, o, rows, monkeypatch):
+    """Each tier this CPU runs (avx512-vnni: vpdpbusd, avx2: vpmaddubsw, scalar) built apart (its own build key) and
+    checked against references on odd shapes and row counts: W8A8 exactly (integer products, the same float
+    scaling), INT4 x Q8_0 to fp32 rounding of the block sums, the float kernels to fp32 rounding."""
+    w, x, q, s, p4, s4, w8a8, w4a8 = _references(i, o, rows)
+    keys = set()
+    for tier in qk.cpu_tiers():
+        monkeypatch.setenv(qk.ISA_ENV, tier)
+        lib = qk.build("infersweep_gemv", [qk.KERNEL_DIR / "gemv.cpp"])
+        _with_lib(monkeypatch, lib)
+        assert lib.isa == tier and lib.isw_isa().decode() == tier
+        keys.add(lib.key)
+        assert torch.equal(qk.w8a8_gemv(x, q, s), w8a8), tier
+        torch.testing.assert_close(qk.int4_q8_gemv(x, p4, s4, i), w4a8, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(qk.int8_gemv(x, q, s), F.linear(x, q.float() * s[:, None]), **FP32_TOL)
+        torch.testing.assert_close(qk.int4_gemv(x, p4, s4, i), F.linear(x, qk.dequantize_int4(p4, s4, i)), **FP32_TOL)
+        torch.testing.assert_close(qk.dense_gemv(x, w.bfloat16()), F.linear(x, w.bfloat16().float()), **FP32_TOL)
+    assert len(keys) == len(qk.cpu_tiers())  # the target ISA is part of the build key
+
+
+def test_the_torch_paths_of_the_integer_kernels_compute_the_same(monkeypatch):
+    """Without the compiled kernels, W8A8 and INT4 x Q8_0 run in torch (same integers, same scales)."""
+    w, x, q, s, p4, s4, w8a8, w4a8 = _references(70, 33, 3)
+    monkeypatch.setattr(qk, "load", lambda: None)
+    assert torch.equal(qk.w8a8_gemv(x, q, s), w8a8)
+    torch.testing.assert_close(qk.int4_q8_gemv(x, p4, s4, 70), w4a8, atol=1e-5, rtol=1e-5)
+
+
+def test_a_build_is_compiled_once_per_key_and_reused_by_later_processes(monkeypatch):
+    lib = qk.build("infersweep_gemv", [qk.KERNEL_DIR / "gemv.cpp"])
+    assert lib.error is None and lib.path.is_file() and lib.isa in lib.path.parent.name and lib.key in lib.path.parent.name
+    stamp = lib.path.stat().st_mtime_ns
+    monkeypatch.setattr(qk, "_BUILT", {})  # a new process: the library on disk is loaded, not compiled again
+    again = qk.build("infersweep_gemv", [qk.KERNEL_DIR / "gemv.cpp"])
+    assert again.path == lib.path and again.path.stat().st_mtime_ns == stamp and again.error is None
+
+
+def test_a_failed_build_is_recorded_with_its_reason_and_the_torch_path_says_so(monkeypatch):
+    torch.manual_seed(1)
+    w, x = torch.randn(33, 70), torch.randn(3, 70)
+    q, s = quantize_per_channel(w)
+    fused = qk.int8_gemv(x, q, s)
+    monkeypatch.setenv(qk.FORCE_ERROR_ENV, "1")
+    monkeypatch.setattr(qk, "_BUILT", {})
+    qk.load.cache_clear()
+    try:
+        assert qk.load() is None
+        assert "INFERSWEEP_FORCE_COMPILE_ERROR" in qk.load_error()
+        assert qk.isa().startswith("torch fallback (") and "failed" in qk.isa()
+        from engine.cachedir import cache_root
+
+        failed = list(cache_root().glob("kernels/build/*/FAILED.txt"))
+        assert failed and "INFERSWEEP_FORCE_COMPILE_ERROR" in failed[0].read_text()
+        torch.testing.assert_close(qk.int8_gemv(x, q, s), fused, **FP32_TOL)  # the fallback computes the same
+    finally:
+        monkeypatch.delenv(qk.FORCE_ERROR_ENV)
+        qk.load.cache_clear()
+    assert qk.load() is not None
+
+
+def test_a_tier_the_cpu_lacks_is_refused(monkeypatch):
+    monkeypatch.setenv(qk.ISA_ENV, "avx9000")
+    lib = qk.build("infersweep_gemv", [qk.KERNEL_DIR / "gemv.cpp"])
+    assert lib.error and qk.ISA_ENV in lib.error
+
+
+def test_the_exported_signatures_are_read_from_the_source():
+    sigs = qk.exported((qk.KERNEL_DIR / "gemv.cpp").read_text())
+    assert set(sigs) == {"isw_isa", "isw_dense_gemv", "isw_int4_gemv", "isw_w8a8_gemv", "isw_w4a8_gemv"}
+    assert len(sigs["isw_w8a8_gemv"][1]) == 11

@@ -1,0 +1,378 @@
+// The GEMV row kernels of engine/quant_kernels.py (called from Python through gemv.cpp) and of the native engine's
+// C++ decode step (engine/engines/native/csrc/decode_step.cpp): one definition, included by both.
+//
+// Every kernel computes output rows [n0, n1) of y [R, N] for R activation rows; the caller splits the rows over
+// threads (an OpenMP region of its own). No torch, no allocation. The ISA is chosen at compile time by the flags the
+// builder passes (engine/quant_kernels.py: -mavx512f ... or -mavx2 -mfma, from the CPU's flags at run time, never
+// -march=native), with a plain C++ loop otherwise.
+//
+// Weight layouts (the Python modules' buffers, engine/quant.py):
+//   dense   fp32 or bf16 (uint16, widened to fp32 by a 16-bit shift: exact, no bf16 arithmetic needed) [N, K]
+//   int8    int8 [N, K] with an fp32 scale per output row [N]; activations fp32 (weight-only) or int8 (W8A8)
+//   int4    uint8 [N, G*16]: group g of row n holds inputs g*32+j in the low nibble of byte j and g*32+16+j in the
+//           high nibble (j < 16), stored as q+8 for q in [-8, 7]; an fp32 scale per group [N, G]; activations fp32
+//           zero-padded to G*32 (weight-only) or int8 per block of 32 with an fp32 scale per block (Q4_0 x Q8_0)
+#pragma once
+#include <immintrin.h>
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+
+#ifdef INFERSWEEP_FORCE_COMPILE_ERROR
+#error "INFERSWEEP_FORCE_COMPILE_ERROR is defined (the builder's test of its fallback path)"
+#endif
+
+namespace isw {
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+#define ISW_AVX512 1
+#endif
+#if defined(ISW_AVX512) && defined(__AVX512VNNI__)
+#define ISW_VNNI 1
+#endif
+#if !defined(ISW_AVX512) && defined(__AVX2__) && defined(__FMA__)
+#define ISW_AVX2 1
+#endif
+
+inline const char* isa_name() {
+#if defined(ISW_VNNI)
+  return "avx512-vnni";
+#elif defined(ISW_AVX512)
+  return "avx512";
+#elif defined(ISW_AVX2)
+  return "avx2";
+#else
+  return "scalar";
+#endif
+}
+
+// ---- scalar helpers -------------------------------------------------------------------------------------------
+static inline float bf16_to_f(uint16_t v) { uint32_t u = (uint32_t)v << 16; float f; std::memcpy(&f, &u, 4); return f; }
+// fp32 -> the nearest bf16 (ties to even), as torch's .to(torch.bfloat16); NaN stays NaN
+static inline uint16_t f_to_bf16(float f) {
+  uint32_t u; std::memcpy(&u, &f, 4);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40);
+  u += 0x7fffu + ((u >> 16) & 1u);
+  return (uint16_t)(u >> 16);
+}
+static inline float round_bf16(float f) { return bf16_to_f(f_to_bf16(f)); }
+static inline float to_f(float v) { return v; }
+static inline float to_f(int8_t v) { return (float)v; }
+static inline float to_f(uint16_t v) { return bf16_to_f(v); }
+
+#if defined(ISW_AVX512)
+static inline __m512 ld16(const float* p) { return _mm512_loadu_ps(p); }
+static inline __m512 ld16(const int8_t* p) { return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)p))); }
+static inline __m512 ld16(const uint16_t* p) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p)), 16));
+}
+#elif defined(ISW_AVX2)
+static inline __m256 ld8(const float* p) { return _mm256_loadu_ps(p); }
+static inline __m256 ld8(const int8_t* p) { return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)p))); }
+static inline __m256 ld8(const uint16_t* p) {
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)p)), 16));
+}
+#endif
+
+#if defined(ISW_AVX512) || defined(ISW_AVX2)
+static inline float hsum8(__m256 a) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+static inline int hsum8i(__m256i a) {
+  __m128i s = _mm_add_epi32(_mm256_castsi256_si128(a), _mm256_extracti128_si256(a, 1));
+  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4e));
+  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0xb1));
+  return _mm_cvtsi128_si32(s);
+}
+#endif
+
+// ---- float activations x weights of type T (fp32, bf16, int8 weight-only) -------------------------------------
+// RB rows of x against one weight row: out[r] = sum_k x[r*K + k] * w[k]. U independent accumulators per row keep
+// the FMA latency chain from bounding a single row (RB * U = 4 chains in flight)
+template <int RB, typename T>
+static inline void dot_w(const float* x, int64_t K, const T* w, float* out) {
+  constexpr int U = RB >= 4 ? 1 : 4 / RB;
+  int64_t k = 0;
+#if defined(ISW_AVX512)
+  __m512 a[RB][U];
+  for (int r = 0; r < RB; ++r) for (int u = 0; u < U; ++u) a[r][u] = _mm512_setzero_ps();
+  for (; k + 16 * U <= K; k += 16 * U) {
+    for (int u = 0; u < U; ++u) {
+      __m512 wf = ld16(w + k + 16 * u);
+      for (int r = 0; r < RB; ++r) a[r][u] = _mm512_fmadd_ps(_mm512_loadu_ps(x + r * K + k + 16 * u), wf, a[r][u]);
+    }
+  }
+  for (; k + 16 <= K; k += 16) {
+    __m512 wf = ld16(w + k);
+    for (int r = 0; r < RB; ++r) a[r][0] = _mm512_fmadd_ps(_mm512_loadu_ps(x + r * K + k), wf, a[r][0]);
+  }
+  for (int r = 0; r < RB; ++r) {
+    for (int u = 1; u < U; ++u) a[r][0] = _mm512_add_ps(a[r][0], a[r][u]);
+    out[r] = _mm512_reduce_add_ps(a[r][0]);
+  }
+#elif defined(ISW_AVX2)
+  __m256 a[RB][U];
+  for (int r = 0; r < RB; ++r) for (int u = 0; u < U; ++u) a[r][u] = _mm256_setzero_ps();
+  for (; k + 8 * U <= K; k += 8 * U) {
+    for (int u = 0; u < U; ++u) {
+      __m256 wf = ld8(w + k + 8 * u);
+      for (int r = 0; r < RB; ++r) a[r][u] = _mm256_fmadd_ps(_mm256_loadu_ps(x + r * K + k + 8 * u), wf, a[r][u]);
+    }
+  }
+  for (; k + 8 <= K; k += 8) {
+    __m256 wf = ld8(w + k);
+    for (int r = 0; r < RB; ++r) a[r][0] = _mm256_fmadd_ps(_mm256_loadu_ps(x + r * K + k), wf, a[r][0]);
+  }
+  for (int r = 0; r < RB; ++r) {
+    for (int u = 1; u < U; ++u) a[r][0] = _mm256_add_ps(a[r][0], a[r][u]);
+    out[r] = hsum8(a[r][0]);
+  }
+#else
+  for (int r = 0; r < RB; ++r) out[r] = 0.f;
+#endif
+  for (int r = 0; r < RB; ++r)
+    for (int64_t j = k; j < K; ++j) out[r] += x[r * K + j] * to_f(w[j]);
+}
+
+template <int RB, typename T>
+static inline void rows_w_rb(const float* x, int64_t K, const T* w, const float* s, float* y, int64_t ys,
+                             int64_t n0, int64_t n1) {
+  float acc[RB];
+  for (int64_t n = n0; n < n1; ++n) {
+    dot_w<RB>(x, K, w + n * K, acc);
+    for (int r = 0; r < RB; ++r) y[r * ys + n] = s ? acc[r] * s[n] : acc[r];
+  }
+}
+
+// y[r, n] (row stride ys) = dot(x[r], w[n]) (* s[n] when s is given), n in [n0, n1), r < R; blocks of 4 rows of x
+// share each widened weight vector
+template <typename T>
+static inline void rows_w(const float* x, int64_t R, int64_t K, const T* w, const float* s, float* y, int64_t ys,
+                          int64_t n0, int64_t n1) {
+  int64_t r = 0;
+  for (; r + 4 <= R; r += 4) rows_w_rb<4>(x + r * K, K, w, s, y + r * ys, ys, n0, n1);
+  for (; r + 2 <= R; r += 2) rows_w_rb<2>(x + r * K, K, w, s, y + r * ys, ys, n0, n1);
+  for (; r < R; ++r) rows_w_rb<1>(x + r * K, K, w, s, y + r * ys, ys, n0, n1);
+}
+
+// ---- INT4 weights x float activations (weight-only) ---------------------------------------------------------
+template <int RB>
+static inline void rows_i4_rb(const float* x, int64_t G, const uint8_t* w, const float* s, float* y, int64_t ys,
+                              int64_t n0, int64_t n1) {
+  const int64_t K = G * 32;
+  for (int64_t n = n0; n < n1; ++n) {
+    const uint8_t* wr = w + n * G * 16;
+    const float* sr = s + n * G;
+#if defined(ISW_AVX512)
+    __m512 a[RB];
+    for (int r = 0; r < RB; ++r) a[r] = _mm512_setzero_ps();
+    // nibble -> float by a 16-entry table lookup (one permute instead of subtract + convert)
+    const __m512 lut = _mm512_setr_ps(-8, -7, -6, -5, -4, -3, -2, -1, 0, 1, 2, 3, 4, 5, 6, 7);
+    for (int64_t g = 0; g < G; ++g) {
+      __m512i b32 = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(wr + g * 16)));
+      __m512 lo = _mm512_permutexvar_ps(b32, lut);  // uses the index's low 4 bits: the low nibble
+      __m512 hi = _mm512_permutexvar_ps(_mm512_srli_epi32(b32, 4), lut);
+      __m512 sc = _mm512_set1_ps(sr[g]);
+      for (int r = 0; r < RB; ++r) {
+        const float* xr = x + r * K + g * 32;
+        __m512 t = _mm512_mul_ps(_mm512_loadu_ps(xr), lo);
+        t = _mm512_fmadd_ps(_mm512_loadu_ps(xr + 16), hi, t);
+        a[r] = _mm512_fmadd_ps(t, sc, a[r]);
+      }
+    }
+    for (int r = 0; r < RB; ++r) y[r * ys + n] = _mm512_reduce_add_ps(a[r]);
+#elif defined(ISW_AVX2)
+    __m256 a[RB];
+    for (int r = 0; r < RB; ++r) a[r] = _mm256_setzero_ps();
+    const __m128i m = _mm_set1_epi8(0x0F);
+    const __m256i eight = _mm256_set1_epi32(8);
+    for (int64_t g = 0; g < G; ++g) {
+      __m128i b = _mm_loadu_si128((const __m128i*)(wr + g * 16));
+      __m128i l = _mm_and_si128(b, m), h = _mm_and_si128(_mm_srli_epi16(b, 4), m);
+      __m256 w0 = _mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_cvtepu8_epi32(l), eight));
+      __m256 w1 = _mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_cvtepu8_epi32(_mm_srli_si128(l, 8)), eight));
+      __m256 w2 = _mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_cvtepu8_epi32(h), eight));
+      __m256 w3 = _mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_cvtepu8_epi32(_mm_srli_si128(h, 8)), eight));
+      __m256 sc = _mm256_set1_ps(sr[g]);
+      for (int r = 0; r < RB; ++r) {
+        const float* xr = x + r * K + g * 32;
+        __m256 t = _mm256_mul_ps(_mm256_loadu_ps(xr), w0);
+        t = _mm256_fmadd_ps(_mm256_loadu_ps(xr + 8), w1, t);
+        t = _mm256_fmadd_ps(_mm256_loadu_ps(xr + 16), w2, t);
+        t = _mm256_fmadd_ps(_mm256_loadu_ps(xr + 24), w3, t);
+        a[r] = _mm256_fmadd_ps(t, sc, a[r]);
+      }
+    }
+    for (int r = 0; r < RB; ++r) y[r * ys + n] = hsum8(a[r]);
+#else
+    for (int r = 0; r < RB; ++r) {
+      const float* xr = x + r * K;
+      float acc = 0.f;
+      for (int64_t g = 0; g < G; ++g) {
+        float t = 0.f;
+        for (int j = 0; j < 16; ++j) {
+          uint8_t b = wr[g * 16 + j];
+          t += xr[g * 32 + j] * (float)((int)(b & 15) - 8) + xr[g * 32 + 16 + j] * (float)((int)(b >> 4) - 8);
+        }
+        acc += t * sr[g];
+      }
+      y[r * ys + n] = acc;
+    }
+#endif
+  }
+}
+
+// x fp32 [R, G*32] (zero-padded inputs), w/s the INT4 layout -> y[r, n] for n in [n0, n1)
+static inline void rows_i4(const float* x, int64_t R, int64_t G, const uint8_t* w, const float* s, float* y,
+                           int64_t ys, int64_t n0, int64_t n1) {
+  const int64_t K = G * 32;
+  int64_t r = 0;
+  for (; r + 4 <= R; r += 4) rows_i4_rb<4>(x + r * K, G, w, s, y + r * ys, ys, n0, n1);
+  for (; r < R; ++r) rows_i4_rb<1>(x + r * K, G, w, s, y + r * ys, ys, n0, n1);
+}
+
+// ---- integer activations ----------------------------------------------------------------------------------------
+// W8A8 (quant=int8-dynamic): one row x fp32 [K] -> int8 [K] with one scale, as the torch path computes it:
+// scale = max|x| / 127 (at least 1e-8 / 127), q = round-half-even(x / scale) clamped to [-127, 127]
+static inline float quantize_row_i8(const float* x, int64_t K, int8_t* q) {
+  float amax = 0.f;
+  for (int64_t k = 0; k < K; ++k) amax = std::max(amax, std::fabs(x[k]));
+  const float sc = std::max(amax, 1e-8f) / 127.0f;
+  for (int64_t k = 0; k < K; ++k) {
+    float v = std::nearbyint(x[k] / sc);
+    q[k] = (int8_t)std::min(127.f, std::max(-127.f, v));
+  }
+  return sc;
+}
+
+// Q8_0 (int4-weight's integer path): x fp32 [G*32] -> int8 [G*32] with a scale per block of 32 inputs (llama.cpp's
+// Q8_0: max|x| / 127, round-half-even(x / scale)) and each block's sum of q (the INT4 kernel's -8 offset)
+static inline void quantize_row_q8_0(const float* x, int64_t G, int8_t* q, float* scales, int32_t* sums) {
+  for (int64_t g = 0; g < G; ++g) {
+    const float* xb = x + g * 32;
+    float amax = 0.f;
+    for (int j = 0; j < 32; ++j) amax = std::max(amax, std::fabs(xb[j]));
+    const float sc = amax / 127.0f;
+    const float inv = sc > 0.f ? 1.0f / sc : 0.f;
+    int32_t sum = 0;
+    for (int j = 0; j < 32; ++j) {
+      int v = sc > 0.f ? (int)std::nearbyint(xb[j] * inv) : 0;
+      v = std::min(127, std::max(-127, v));
+      q[g * 32 + j] = (int8_t)v;
+      sum += v;
+    }
+    scales[g] = sc;
+    sums[g] = sum;
+  }
+}
+
+// int8 dot product of n bytes: sum_k a[k] * b[k] (a, b signed int8 in [-127, 127])
+static inline int32_t dot_i8(const int8_t* a, const int8_t* b, int64_t n) {
+  int64_t k = 0;
+  int32_t out = 0;
+#if defined(ISW_VNNI)
+  // vpdpbusd multiplies unsigned by signed bytes: |a| as the unsigned side, b negated where a < 0
+  __m512i acc = _mm512_setzero_si512();
+  for (; k + 64 <= n; k += 64) {
+    __m512i va = _mm512_loadu_si512(a + k), vb = _mm512_loadu_si512(b + k);
+    __mmask64 neg = _mm512_movepi8_mask(va);
+    vb = _mm512_mask_sub_epi8(vb, neg, _mm512_setzero_si512(), vb);
+    acc = _mm512_dpbusd_epi32(acc, _mm512_abs_epi8(va), vb);
+  }
+  if (k < n) {
+    __mmask64 m = (n - k) >= 64 ? ~0ULL : ((1ULL << (n - k)) - 1);
+    __m512i va = _mm512_maskz_loadu_epi8(m, a + k), vb = _mm512_maskz_loadu_epi8(m, b + k);
+    __mmask64 neg = _mm512_movepi8_mask(va);
+    vb = _mm512_mask_sub_epi8(vb, neg, _mm512_setzero_si512(), vb);
+    acc = _mm512_dpbusd_epi32(acc, _mm512_abs_epi8(va), vb);
+    k = n;
+  }
+  out = _mm512_reduce_add_epi32(acc);
+#elif defined(ISW_AVX512)
+  __m512i acc = _mm512_setzero_si512();
+  const __m512i ones = _mm512_set1_epi16(1);
+  for (; k + 64 <= n; k += 64) {
+    __m512i va = _mm512_loadu_si512(a + k), vb = _mm512_loadu_si512(b + k);
+    __mmask64 neg = _mm512_movepi8_mask(va);
+    vb = _mm512_mask_sub_epi8(vb, neg, _mm512_setzero_si512(), vb);
+    acc = _mm512_add_epi32(acc, _mm512_madd_epi16(_mm512_maddubs_epi16(_mm512_abs_epi8(va), vb), ones));
+  }
+  out = _mm512_reduce_add_epi32(acc);
+#elif defined(ISW_AVX2)
+  // vpmaddubsw: |a| (unsigned) x sign(b, a); a pair sums to at most 2 * 127 * 127 < 32767, so no saturation
+  __m256i acc = _mm256_setzero_si256();
+  const __m256i ones = _mm256_set1_epi16(1);
+  for (; k + 32 <= n; k += 32) {
+    __m256i va = _mm256_loadu_si256((const __m256i*)(a + k)), vb = _mm256_loadu_si256((const __m256i*)(b + k));
+    __m256i p = _mm256_maddubs_epi16(_mm256_sign_epi8(va, va), _mm256_sign_epi8(vb, va));
+    acc = _mm256_add_epi32(acc, _mm256_madd_epi16(p, ones));
+  }
+  out = hsum8i(acc);
+#endif
+  for (; k < n; ++k) out += (int32_t)a[k] * (int32_t)b[k];
+  return out;
+}
+
+// W8A8: xq int8 [R, K] with per-row scales xs [R], w int8 [N, K] with per-row scales ws [N]:
+// y[r, n] = (float)(xq[r] . w[n]) * xs[r] * ws[n]  (the torch path's order: acc * xs, then * ws)
+static inline void rows_w8a8(const int8_t* xq, const float* xs, int64_t R, int64_t K, const int8_t* w,
+                             const float* ws, float* y, int64_t ys, int64_t n0, int64_t n1) {
+  for (int64_t n = n0; n < n1; ++n)
+    for (int64_t r = 0; r < R; ++r) y[r * ys + n] = (float)dot_i8(xq + r * K, w + n * K, K) * xs[r] * ws[n];
+}
+
+// INT4 x Q8_0 (llama.cpp's Q4_0 x Q8_0): per block of 32, an integer dot of the weight nibbles (stored as q+8) with
+// the int8 activations, minus 8 * the block's activation sum (exact, in int32), times both blocks' scales
+#if defined(ISW_AVX512) || defined(ISW_AVX2)
+static inline __m256i q4_nibbles(const uint8_t* wb) {  // 16 bytes -> the 32 nibbles in input order, one per byte
+  __m128i b = _mm_loadu_si128((const __m128i*)wb);
+  const __m128i m = _mm_set1_epi8(0x0F);
+  return _mm256_inserti128_si256(_mm256_castsi128_si256(_mm_and_si128(b, m)), _mm_and_si128(_mm_srli_epi16(b, 4), m), 1);
+}
+#endif
+
+static inline void rows_w4a8(const int8_t* xq, const float* xs, const int32_t* xsum, int64_t R, int64_t G,
+                             const uint8_t* w, const float* s, float* y, int64_t ys, int64_t n0, int64_t n1) {
+  const int64_t K = G * 32;
+  for (int64_t n = n0; n < n1; ++n) {
+    const uint8_t* wr = w + n * G * 16;
+    const float* sr = s + n * G;
+    for (int64_t r = 0; r < R; ++r) {
+      const int8_t* xr = xq + r * K;
+      const float* xsr = xs + r * G;
+      const int32_t* xsumr = xsum + r * G;
+#if defined(ISW_AVX512) || defined(ISW_AVX2)
+      __m256 acc = _mm256_setzero_ps();
+      for (int64_t g = 0; g < G; ++g) {
+        __m256i nib = q4_nibbles(wr + g * 16);
+        __m256i xv = _mm256_loadu_si256((const __m256i*)(xr + g * 32));
+        __m256i d = _mm256_set_epi32(0, 0, 0, 0, 0, 0, 0, -8 * xsumr[g]);  // the offset, folded into lane 0 of the integer sum
+#if defined(ISW_VNNI)
+        d = _mm256_dpbusd_epi32(d, nib, xv);
+#else
+        // nibble (unsigned, <= 15) x int8: a pair sums to at most 2 * 15 * 127, no saturation
+        d = _mm256_add_epi32(d, _mm256_madd_epi16(_mm256_maddubs_epi16(nib, xv), _mm256_set1_epi16(1)));
+#endif
+        acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d), _mm256_set1_ps(xsr[g] * sr[g]), acc);
+      }
+      y[r * ys + n] = hsum8(acc);
+#else
+      float out = 0.f;
+      for (int64_t g = 0; g < G; ++g) {
+        const uint8_t* wb = wr + g * 16;
+        const int8_t* xb = xr + g * 32;
+        int32_t t = -8 * xsumr[g];
+        for (int j = 0; j < 16; ++j) t += (int32_t)(wb[j] & 15) * xb[j] + (int32_t)(wb[j] >> 4) * xb[16 + j];
+        out += (float)t * (xsr[g] * sr[g]);
+      }
+      y[r * ys + n] = out;
+#endif
+    }
+  }
+}
+
+}  // namespace isw
