@@ -52,6 +52,13 @@ class Synthetic:
                 out[i], flipped = 0.0, flipped + 1
         return out
 
+    def _memory(self, p: Point, req: Request) -> dict:
+        """A solo trial logs the process peak; a variant of an interleaved group its own small footprint, beside
+        the group's peak (as engine.pipeline.run_interleaved does)."""
+        if req.interleaved and len(req.points) > 1:
+            return {"peak_mem_bytes": 0.01 * self.memory(p), "group_peak_mem_bytes": sum(map(self.memory, req.points))}
+        return {"peak_mem_bytes": self.memory(p)}
+
     def __call__(self, requests: Sequence[Request]) -> list[list[Measurement]]:
         out = []
         self.batches.append(len(requests))
@@ -68,7 +75,7 @@ class Synthetic:
                 rounds = [self.tpot(p) * d * (1 + rng.gauss(0, self.noise)) for d in drift]
                 ms.append(Measurement(
                     point=dict(p), status=FINISHED,
-                    metrics={"tpot_ms_p50": sorted(rounds)[ROUNDS // 2], "peak_mem_bytes": self.memory(p), **self.extra(p)},
+                    metrics={"tpot_ms_p50": sorted(rounds)[ROUNDS // 2], **self._memory(p, req), **self.extra(p)},
                     rounds={"tpot_ms_p50": rounds},
                     correct={} if p.get(EVAL_OFF) == "false" else {"bigbench_emoji_movie": self._correct(p)},
                     labels={**self.labels, **({"unstable": u} if (u := self.unstable(p, req.attempt)) else {})},

@@ -195,6 +195,19 @@ def test_loaded_measurements_are_dropped_and_the_pair_measured_again():
     assert res.incumbent == {"kv_cache": "off"}
 
 
+def test_the_memory_limit_is_judged_on_the_candidate_measured_alone():
+    # in a pair each variant logs only its own footprint (1% here): the limit is judged on a solo run of it
+    syn = Synthetic(tpot_of({("kv_cache", "contiguous"): 0.5}),
+                    memory=lambda p: 1.2e9 if p.get("kv_cache") == "contiguous" else 0.4e9)
+    res = chain(syn, space={"kv_cache": ["off", "contiguous"]}, rules=rules(gate=False, max_memory_bytes=1e9)).run()
+    assert res.rows[1].decision == REJECTED and res.rows[1].reason.startswith("memory: peak 1.20 GB > 1.00 GB (measured alone")
+    solo = [r.points for r in syn.requests if not r.interleaved][1:]
+    assert solo == [({"kv_cache": "contiguous", "eval.enabled": "false"},)]
+    res = chain(Synthetic(syn.tpot, memory=lambda p: 0.9e9), space={"kv_cache": ["off", "contiguous"]},
+                rules=rules(gate=False, max_memory_bytes=1e9)).run()
+    assert res.rows[1].decision == ACCEPTED
+
+
 def test_regime_skips_steps_that_cannot_pay_off():
     syn = Synthetic(tpot_of({("quant", "int8-weight"): 0.5}),
                     labels={"regime.decode.measured": "compute", "regime.phase": "decode", "regime": "compute"})

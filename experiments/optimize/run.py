@@ -66,6 +66,11 @@ def prepare(overrides: list[str]) -> tuple[Space, OptimizeConf, Dispatcher]:
     if space.axes and not found:
         base = baseline_of(space.axes)
         found += [f"baseline ({describe(base)}): {p}" for p in disp.validate(base)]
+        if not found:  # every value of every axis, each on the baseline: an unknown model is refused now, not at step 5
+            for k, values in space.axes.items():
+                for v in values:
+                    if v != base[k]:
+                        found += [f"{k}={v}: {p}" for p in disp.validate({**base, k: v})]
     if found:
         raise OptimizeError(found)
     return space, o, disp

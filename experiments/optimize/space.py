@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from ..config.compose import Composer, SweepError, _first_lines, _key, _parse, _values, describe_error
+from ..config.compose import Composer, SweepError, _first_lines, _key, _parse, _values, conf_dir, describe_error
 
 
 @dataclass
@@ -27,6 +27,14 @@ def read_space(overrides: list[str]) -> Space:
     sweeps = [o for o in parsed if o.is_sweep_override()]
     problems = [f"{_key(o)}: optimize settings take one value, not a list" for o in sweeps
                 if _key(o).split(".")[0] == "optimize" or _key(o) == "experiment"]
+    # `attention=[sdpa]` would select a list of group options (Hydra merges them): neither a pinned value nor an
+    # axis. Refused like `attention=choice(sdpa)`, with both spellings of what was meant.
+    for o in fixed:
+        key = _key(o).lstrip("+~")
+        if isinstance(o.value(), list) and key and (conf_dir() / key).is_dir():
+            vals = [str(v) for v in o.value()]
+            problems.append(f"{key}: a list ([{', '.join(vals)}]) is no axis; write {key}={','.join(vals) or 'a,b'} for "
+                            f"an axis of several values" + (f", or pin it as {key}={vals[0]}" if vals else ""))
     fixed_strs = [o.input_line for o in fixed]
     with Composer() as c:
         for o in fixed:
