@@ -15,7 +15,7 @@ from mlflow.tracking import MlflowClient  # noqa: E402
 
 from experiments.tracking.store import resolve_uri  # noqa: E402
 
-MC = ("bigbench_general_knowledge", "bigbench_emoji_movie", "bigbench_code_line_description")
+MC = ("arc_easy", "sciq", "piqa")  # conf/accuracy_point/mc.yaml
 NEEDLE = ("niah_single", "niah_multikey")
 
 

@@ -1,7 +1,7 @@
 """The fp32 reference's task accuracy: which tasks can SmolLM2-135M-Instruct do at all? (docs/accuracy.md)
 
 Runs lm-evaluation-harness through the trial contract (engine=hf, float32, sdpa, no quantization: the
-reference configuration) on the shipped BIG-bench tasks and/or the needle tasks, and prints each task's
+reference configuration) on the shipped multiple-choice tasks and/or the needle tasks, and prints each task's
 acc / acc_norm / exact_match +- stderr with n and the chance level (mean of 1 / number of choices over the
 examples scored). Needs `infersweep prepare` and `infersweep prepare --data`.
 
@@ -10,7 +10,6 @@ examples scored). Needs `infersweep prepare` and `infersweep prepare --data`.
 from __future__ import annotations
 
 import argparse
-import json
 import time
 
 
@@ -26,13 +25,14 @@ def main() -> None:
     p.add_argument("--context-len", type=int, default=1024, help="needle tasks' context length")
     p.add_argument("--depths", default="0.1,0.5,0.9")
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    p.add_argument("--dtype", default="float32", help="model.dtype (float32: the reference)")
     args = p.parse_args()
-    problem = data.data_problems()
+    problem = data.data_problems(args.tasks.split(","))
     if problem:
         raise SystemExit(problem)
     tasks = args.tasks.split(",")
     trial = TrialConfig(model=ModelConfig(name="smollm2-135m-instruct", path="prepared://smollm2-135m-instruct",
-                                          dtype="float32"),
+                                          dtype=args.dtype),
                         workload=WorkloadConfig(context_len=args.context_len),
                         eval=EvalConfig(tasks=tasks, limit=args.limit, depths=[float(d) for d in args.depths.split(",")]))
     if args.threads:
@@ -43,7 +43,7 @@ def main() -> None:
     eng = engines.get(trial.engine.backend)
     session = eng.open(trial, eng.load(trial, print), print)
     res = run_lmeval(session, trial, tasks, 8192, lambda m: print(f"[{time.time() - t0:.0f}s] {m}", flush=True))
-    print(f"\nSmolLM2-135M-Instruct fp32 (hf, sdpa), lm-eval, {time.time() - t0:.0f} s\n")
+    print(f"\nSmolLM2-135M-Instruct {args.dtype} (hf, sdpa), lm-eval, {time.time() - t0:.0f} s\n")
     print("| task | n | acc | acc_norm | exact_match | chance | judged by |")
     print("|---|---:|---:|---:|---:|---:|---|")
     for t in tasks:
@@ -57,8 +57,7 @@ def main() -> None:
             depths = ", ".join(f"d{k.rsplit('.d', 1)[1]} {v:.2f}" for k, v in m.items() if k.startswith(f"task_score.{t}.d"))
             t_label = f"{t} @ {args.context_len} ({depths})"
         else:
-            docs = [json.loads(x) for x in (data.tasks_dir() / f"{t}.jsonl").read_text().splitlines()][:args.limit]
-            chance = f"{sum(1 / len(d['choices']) for d in docs) / len(docs):.3f}"
+            chance = f"{res.chance[t]:.3f}"
             t_label = t
         print(f"| {t_label} | {int(m[f'task_n.{t}'])} | {cell('acc')} | {cell('acc_norm')} | {cell('exact_match')} "
               f"| {chance} | {primary_metric(t)} |")

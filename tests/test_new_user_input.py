@@ -315,7 +315,7 @@ def test_an_eval_that_measures_nothing_exits_2(tmp_path, capsys):
     rc = main(["sweep", "--in-process", "eval=tasks", "eval.tasks=[]", *TINY_NO_EVAL, *_store(tmp_path)])
     err = capsys.readouterr().err
     assert rc == 2 and "invalid sweep" in err
-    assert "eval.tasks: eval=tasks needs at least one task" in err and "eval.tasks=[bigbench_general_knowledge]" in err
+    assert "eval.tasks: eval=tasks needs at least one task" in err and "eval.tasks=[arc_easy]" in err
     assert "eval=none" in err and "niah_single" in err  # the fix, and what there is to choose from
     assert not (tmp_path / "mlflow.db").exists()
     (msg,) = _problems(TINY_NO_EVAL + ["eval=ppl", "eval.num_windows=0"])
@@ -337,7 +337,7 @@ def task_data_copy(tmp_path, monkeypatch):
     monkeypatch.setenv("INFERSWEEP_CACHE", str(tmp_path / "cache"))
     dst = task_data.data_dir()
     dst.mkdir(parents=True)
-    for name in ("bigbench", "essays", "tasks"):
+    for name in ("mc", "essays"):
         shutil.copytree(src / name, dst / name)
     shutil.copy2(src / "manifest.json", dst / "manifest.json")
     assert task_data.data_problems() is None
@@ -349,27 +349,27 @@ def test_a_truncated_task_file_is_refused_before_launch(task_data_copy, tmp_path
 
     from engine.tasks import data as task_data
 
-    eval_tasks = ["eval=tasks", "eval.tasks=[bigbench_emoji_movie]", "eval.limit=2", *TINY_NO_EVAL]
+    eval_tasks = ["eval=tasks", "eval.tasks=[arc_easy]", "eval.limit=2", *TINY_NO_EVAL]
     assert len(expand(eval_tasks)) == 1
     hashed = task_data._cached_sha256.cache_info().misses
     assert task_data.data_problems() is None  # validating again reads no file again: cached by path, size, mtime
     assert task_data._cached_sha256.cache_info().misses == hashed
 
-    f = task_data_copy / "tasks" / "bigbench_emoji_movie.jsonl"
+    f = task_data_copy / "mc" / "arc_easy.jsonl"
     body = f.read_bytes()
     f.write_bytes(body[: len(body) // 2])  # cut in half; the manifest is intact
     rc = main(["sweep", "--in-process", *eval_tasks, *_store(tmp_path)])
     err = capsys.readouterr().err
     assert rc == 2 and "invalid sweep" in err
-    assert f"eval.tasks: task data file {f} is altered" in err and "infersweep prepare --data --force" in err
+    assert f"eval.tasks: task data file {f} is truncated or altered ({len(body) // 2} bytes, the manifest says " \
+           f"{len(body)})" in err and "infersweep prepare --data --force" in err
     assert not (tmp_path / "mlflow.db").exists()
-    # a manifest that records sizes (prepare_data writes them) names the truncation itself
+    # a manifest without sizes: the digest alone names the change
     m = _json.loads(task_data.manifest_path().read_text())
-    m["sizes"] = {rel: (task_data_copy / rel).stat().st_size for rel in m["files"]}
-    m["sizes"]["tasks/bigbench_emoji_movie.jsonl"] = len(body)
+    del m["sources"]["mc"]["sizes"]
     task_data.manifest_path().write_text(_json.dumps(m))
-    assert task_data.data_problems() == (f"task data file {f} is truncated or altered ({len(body) // 2} bytes, the "
-                                         f"manifest says {len(body)}): run `infersweep prepare --data --force`")
+    assert task_data.data_problems() == (f"task data file {f} is altered (its sha256 differs from the manifest's): "
+                                         f"run `infersweep prepare --data --force`")
     f.write_bytes(body)  # restored (new mtime): valid again
     assert task_data.data_problems() is None
 

@@ -1,8 +1,8 @@
 """Task accuracy through lm-evaluation-harness (engine/tasks): the adapter over the trial contract, the
 offline task data, the needle documents, validation, and the real model's accuracy (slow tier).
 
-The fast tier runs a seeded tiny random Llama (byte tokenizer) on a 5-example task written into a temporary
-cache (`INFERSWEEP_CACHE`), so it needs neither the 358 MB download nor the real model.
+The fast tier runs a seeded tiny random Llama (byte tokenizer) on 5-item tasks written into a temporary cache
+(`INFERSWEEP_CACHE`) in each dataset's own schema, so it needs neither the download nor the real model.
 """
 from __future__ import annotations
 
@@ -27,7 +27,7 @@ from support import make_trial
 TINY = ModelConfig(name="tiny-llama", path="tiny://llama")
 HAVE_LLAMA_CPP = importlib.util.find_spec("llama_cpp") is not None
 LL_ATOL = 1e-3  # summed log-probs of a few tokens: float32 kernels of different engines agree to ~1e-5 per token
-MC_TASK = "bigbench_general_knowledge"
+MC_TASK = "arc_easy"
 
 
 class _Req:
@@ -35,27 +35,52 @@ class _Req:
         self.args = args
 
 
+# Five items per shipped task in its dataset's own schema (the rows `infersweep prepare --data` extracts)
+_QA = [("How many legs do horses have?", ["two", "four", "six", "eight"], 1),
+       ("What color is the sky on a clear day?", ["green", "blue", "red", "black"], 1),
+       ("What do bees make?", ["honey", "milk", "silk", "wool"], 0),
+       ("Which is the largest planet?", ["Mars", "Venus", "Jupiter", "Pluto"], 2),
+       ("What is frozen water called?", ["steam", "ice", "sand", "salt"], 1)]
+
+
+def _rows(task: str) -> list[dict]:
+    out = []
+    for i, (q, c, y) in enumerate(_QA):
+        letters = list("ABCD")
+        arc = {"id": f"q{i}", "question": q, "choices": {"text": c, "label": letters}, "answerKey": letters[y]}
+        out.append({
+            "arc_easy": arc, "arc_challenge": arc,
+            "openbookqa": {"id": f"q{i}", "question_stem": q, "choices": {"text": c, "label": letters},
+                           "answerKey": letters[y]},
+            "sciq": {"question": q, "support": "Animals and planets are facts." if i % 2 else "",
+                     "correct_answer": c[y], **{f"distractor{k + 1}": d for k, d in enumerate(x for x in c if x != c[y])}},
+            "piqa": {"goal": q, "sol1": c[y], "sol2": c[(y + 1) % 4], "label": 0},
+            "hellaswag": {"ind": i, "activity_label": "Quiz", "ctx_a": q, "ctx_b": "the answer is",
+                          "ctx": q + " the answer is", "endings": c, "source_id": "x", "split": "val",
+                          "split_type": "indomain", "label": str(y)},
+            "copa": {"premise": f"The man asked: {q}", "choice1": f"He said {c[y]}.", "choice2": f"He said {c[0]}.",
+                     "question": "effect" if i % 2 else "cause", "idx": i, "label": 0},
+            "winogrande": {"sentence": f"{c[y]} beat {c[(y + 1) % 4]} because _ knew that {q.lower()}",
+                           "option1": c[y], "option2": c[(y + 1) % 4], "answer": "1"},
+        }[task])
+    return out
+
+
 def _fake_data(root) -> None:
-    """A prepared-looking data dir: 5 examples per shipped BIG-bench task and a small essay haystack."""
+    """A prepared-looking data dir: 5 items per shipped multiple-choice task and a small essay haystack."""
     d = root / "data"
-    files = {}
-    examples = [("How many legs do horses have?", ["two", "four", "six"], 1),
-                ("What color is the sky on a clear day?", ["green", "blue", "red"], 1),
-                ("What do bees make?", ["honey", "milk", "silk"], 0),
-                ("Which is the largest planet?", ["Mars", "Venus", "Jupiter"], 2),
-                ("What is frozen water called?", ["steam", "ice", "sand"], 1)]
-    (d / "tasks").mkdir(parents=True)
+    (d / "mc").mkdir(parents=True)
     (d / "essays").mkdir(parents=True)
-    for t in task_data.BIGBENCH_TASKS:
-        body = "".join(json.dumps({"prompt": f"Q: {q}\nA:", "choices": c, "label": y}) + "\n" for q, c, y in examples)
-        rel = f"tasks/bigbench_{t}.jsonl"
-        (d / rel).write_text(body)
-        files[rel] = hashlib.sha256(body.encode()).hexdigest()
+    entries = {"mc": {"files": {}, "sizes": {}}, "essays": {"files": {}, "sizes": {}}}
+    for t in task_data.MC_TASKS:
+        body = "".join(json.dumps(r) + "\n" for r in _rows(t)).encode()
+        (d / "mc" / f"{t}.jsonl").write_bytes(body)
+        entries["mc"]["files"][f"mc/{t}.jsonl"] = hashlib.sha256(body).hexdigest()
+        entries["mc"]["sizes"][f"mc/{t}.jsonl"] = len(body)
     essay = " ".join(f"Sentence number {i} of a quiet essay about startups and painting." for i in range(400))
     (d / "essays" / "a.txt").write_text(essay)
-    files["essays/a.txt"] = hashlib.sha256(essay.encode()).hexdigest()
-    (d / "manifest.json").write_text(json.dumps({"version": task_data.DATA_VERSION, "tasks": list(task_data.BIGBENCH_TASKS),
-                                                 "files": files}))
+    entries["essays"]["files"]["essays/a.txt"] = hashlib.sha256(essay.encode()).hexdigest()
+    (d / "manifest.json").write_text(json.dumps({"version": task_data.DATA_VERSION, "sources": entries}))
 
 
 @pytest.fixture()
@@ -244,7 +269,7 @@ def test_sweep_with_bad_tasks_exits_2_and_logs_nothing(cache, tracking_overrides
 
 # --- the real model (slow tier) ----------------------------------------------------------------------------
 
-CHANCE = ("bigbench_general_knowledge", "bigbench_emoji_movie", "bigbench_code_line_description")
+CHANCE = ("arc_easy", "sciq", "piqa")  # eval=tasks' tasks (conf/eval/tasks.yaml)
 
 
 @pytest.mark.slow
@@ -255,12 +280,9 @@ def test_smollm2_fp32_is_above_chance_on_the_chosen_tasks():
     eng = engines.get("hf")
     s = eng.open(trial, eng.load(trial, lambda m: None), lambda m: None)
     r = run_lmeval(s, trial, list(CHANCE), 8192, lambda m: None)
-    docs = {t: [json.loads(x) for x in (task_data.tasks_dir() / f"{t}.jsonl").read_text().splitlines()[:100]]
-            for t in CHANCE}
     for task in CHANCE:
-        chance = sum(1 / len(d["choices"]) for d in docs[task]) / len(docs[task])
         acc, se = r.metrics[f"task_score.{task}"], r.metrics[f"task_score_stderr.{task}"]
-        assert acc - 2 * se > chance, (task, acc, se, chance)
+        assert acc - 2 * se > r.chance[task], (task, acc, se, r.chance[task])
 
 
 @pytest.mark.slow
@@ -278,15 +300,15 @@ def test_smollm2_finds_the_needle_at_short_context():
 def test_sweep_table_shows_task_scores_and_the_gate():
     from experiments.analysis.summary import table
 
-    m = {"task_score.bigbench_emoji_movie": 0.35, "task_score_stderr.bigbench_emoji_movie": 0.048,
-         "task_delta.bigbench_emoji_movie": -0.02, "task_recovery.bigbench_emoji_movie": 0.943,
+    m = {"task_score.sciq": 0.35, "task_score_stderr.sciq": 0.048,
+         "task_delta.sciq": -0.02, "task_recovery.sciq": 0.943,
          "task_gate": 0.0, "task_score.niah_single.d50": 1.0}
-    ref = {"task_score.bigbench_emoji_movie": 0.35, "task_score_stderr.bigbench_emoji_movie": 0.048,
-           "task_delta.bigbench_emoji_movie": 0.0, "task_recovery.bigbench_emoji_movie": 1.0, "task_gate": 1.0}
+    ref = {"task_score.sciq": 0.35, "task_score_stderr.sciq": 0.048,
+           "task_delta.sciq": 0.0, "task_recovery.sciq": 1.0, "task_gate": 1.0}
     text = table([{"hash": "a", "swept": {"quant": "int8"}, "metrics": m, "status": "FINISHED"},
                   {"hash": "b", "swept": {"quant": "none"}, "metrics": ref, "status": "FINISHED"}])
     header, _, row_a, row_b = text.splitlines()[:4]
-    assert "emoji_movie" in header and "acc gate" in header and "niah_single" not in header
+    assert "sciq" in header and "acc gate" in header and "niah_single" not in header
     assert "0.350±0.048 Δ-0.020" in row_a and "FAIL (94.3%)" in row_a
     assert "0.350±0.048 Δ+0.000" in row_b and "pass (100.0%)" in row_b
 
@@ -342,7 +364,7 @@ def test_accuracy_claims_are_judged_by_the_interval_of_the_pooled_drop():
 
     def mc(delta, se, ref=0.5):
         out = {}
-        for t in ("bigbench_emoji_movie", "bigbench_general_knowledge"):
+        for t in ("arc_easy", "sciq"):
             out.update({f"task_delta.{t}": delta, f"task_delta_stderr.{t}": se, f"task_ref.{t}": ref, f"task_n.{t}": 50.0})
         return out
 
@@ -369,7 +391,7 @@ def test_an_accuracy_claim_judges_every_level_the_sweep_ran():
 
     def row(level, delta, se):
         metrics = {"output_tok_s": 10.0}
-        for t in ("bigbench_emoji_movie", "bigbench_general_knowledge"):
+        for t in ("arc_easy", "sciq"):
             metrics.update({f"task_delta.{t}": delta, f"task_delta_stderr.{t}": se, f"task_ref.{t}": 0.5,
                             f"task_n.{t}": 50.0})
         return TrialRow(run_id=level, name="", status="FINISHED", metrics=metrics, tags={},
@@ -446,3 +468,200 @@ def test_needle_trial_logs_its_depth_plot_and_the_report_logs_the_heatmap_to_the
     state = json.loads(json.loads(exp.tags[dashboard.VIEW_TAG_PREFIX + dashboard.VIEW_KEY])["state"])
     cols = state["selectedColumns"]
     assert cols.index("metrics.`task_gate`") + 1 == cols.index(f"metrics.`acc {task}`")  # the rounded task_score
+
+
+# --- the shipped tasks are lm-eval's own --------------------------------------------------------------------
+
+LMEVAL_OWN = {"arc_easy": "arc/arc_easy.yaml", "arc_challenge": "arc/arc_challenge.yaml", "sciq": "sciq/sciq.yaml",
+              "piqa": "piqa/piqa.yaml", "hellaswag": "hellaswag/hellaswag.yaml",
+              "openbookqa": "openbookqa/openbookqa.yaml", "copa": "super_glue/copa/default.yaml",
+              "winogrande": "winogrande/default.yaml"}
+
+
+def test_shipped_tasks_build_exactly_lm_evals_own_requests(cache):
+    """Each shipped YAML, over the prepared rows, builds the same requests (context, continuation, order) and
+    answers as lm-eval's own task definition of that benchmark given the same rows."""
+    from pathlib import Path
+
+    import lm_eval.tasks
+    from lm_eval.api.task import ConfigurableTask
+    from lm_eval.tasks import TaskManager
+    from lm_eval.tasks._yaml_loader import load_yaml
+
+    from engine.tasks.lmeval import offline_env
+
+    offline_env()
+    assert set(LMEVAL_OWN) == set(task_data.MC_TASKS)
+    task_data.render_yamls()
+    tm = TaskManager(include_path=[str(task_data.yaml_dir())], include_defaults=False)
+    root = Path(lm_eval.tasks.__file__).parent
+    for task in task_data.MC_TASKS:
+        ours = tm.load_task_or_group([task])[task]
+        cfg = load_yaml(root / LMEVAL_OWN[task])
+        cfg.pop("tag", None)
+        cfg.update(dataset_path="json", dataset_name=None, validation_split="validation", test_split=None,
+                   training_split=None,
+                   dataset_kwargs={"data_files": {"validation": str(task_data.mc_dir() / f"{task}.jsonl")}})
+        own = ConfigurableTask(config=cfg)
+        for t in (ours, own):
+            t.build_all_requests(limit=5)
+        got = [(i.doc_id, i.idx, i.args) for i in ours.instances]
+        assert len(got) >= 10, task  # 5 items x 2-4 choices
+        assert got == [(i.doc_id, i.idx, i.args) for i in own.instances], task
+        assert [ours.doc_to_target(d) for d in ours.eval_docs] == [own.doc_to_target(d) for d in own.eval_docs], task
+
+
+def test_items_are_identified_by_doc_id_and_document_digest(cache):
+    trial, s = _session("hf")
+    trial = replace(trial, "eval", EvalConfig(tasks=[MC_TASK, "sciq"], limit=5))
+    r = run_lmeval(s, trial, [MC_TASK, "sciq"], 2048, lambda m: None)
+    ids = r.items[MC_TASK]
+    assert len(ids) == len(r.correct[MC_TASK]) == 5 and len(set(ids)) == 5
+    assert [i.split(":")[0] for i in ids] == ["0", "1", "2", "3", "4"]
+    assert ids != r.items["sciq"]  # the same index of another task's documents is another item
+    assert r.chance[MC_TASK] == pytest.approx(0.25) and r.chance["sciq"] == pytest.approx(0.25)
+
+
+# --- the user's own task files (eval.task_files) ------------------------------------------------------------
+
+MC_ITEMS = [{"context": "Q: What do bees make?\nA:", "choices": ["honey", "milk", "silk"], "gold": 0},
+            {"prompt": "Q: Which is the largest planet?\nA:", "choices": ["Mars", "Jupiter"], "gold": "Jupiter"},
+            {"context": "The opposite of hot is", "choices": ["cold", "warm"], "gold": 0}]
+GEN_ITEMS = [{"prompt": "Repeat after me: ab ab ab", "expected": "ab"},
+             {"prompt": "Count: 1 2 3", "expected": ["4", "four"]}]
+
+
+def _jsonl(path, items):
+    path.write_text("".join(json.dumps(x) + "\n" for x in items))
+    return path
+
+
+@pytest.mark.parametrize("backend", ["hf", "native"] + (["llamacpp"] if HAVE_LLAMA_CPP else []))
+def test_user_task_files_run_through_lm_eval(cache, tmp_path, backend):
+    """A multiple-choice and a generation JSONL of the user's, named in eval.tasks beside a shipped task: scored
+    by lm-eval on the trial's own engine, with the answers hf gives."""
+    mc = _jsonl(tmp_path / "my_mc.jsonl", MC_ITEMS)
+    gen = _jsonl(tmp_path / "my_gen.jsonl", GEN_ITEMS)
+    tasks = ["my_mc", "my_gen", MC_TASK]
+    trial, s = _session(backend)
+    trial = replace(trial, "eval", EvalConfig(tasks=tasks, task_files=[str(mc), str(gen)], limit=10))
+    assert task_problems(trial, 2048) == []
+    r = run_lmeval(s, trial, tasks, 2048, lambda m: None)
+    assert r.metrics["task_n.my_mc"] == 3.0 and r.metrics["task_n.my_gen"] == 2.0 and r.metrics[f"task_n.{MC_TASK}"] == 5.0
+    assert r.metrics["task_score.my_mc"] == r.metrics["acc.my_mc"] == sum(r.correct["my_mc"]) / 3
+    assert r.metrics["task_score.my_gen"] == r.metrics["exact_match.my_gen"] == sum(r.correct["my_gen"]) / 2
+    assert all(isinstance(a, int) for a in r.answers["my_mc"]) and all(isinstance(a, str) for a in r.answers["my_gen"])
+    # lm-eval's own scoring of the choices: the answer is the choice with the highest log-likelihood after the context
+    lm = SessionLM(s, 2048)
+    for item, answer, right in zip(MC_ITEMS, r.answers["my_mc"], r.correct["my_mc"]):
+        ctx = item.get("context", item.get("prompt"))
+        lls = [ll for ll, _ in lm.loglikelihood([_Req(ctx, " " + c) for c in item["choices"]], disable_tqdm=True)]
+        assert answer == max(range(len(lls)), key=lambda i: lls[i])
+        gold = item["gold"] if isinstance(item["gold"], int) else item["choices"].index(item["gold"])
+        assert right == float(answer == gold)
+    # exact match: case and surrounding whitespace ignored, any accepted answer counts
+    for item, text, right in zip(GEN_ITEMS, r.answers["my_gen"], r.correct["my_gen"]):
+        accepted = [item["expected"]] if isinstance(item["expected"], str) else item["expected"]
+        assert right == float(text.strip().lower() in [a.lower() for a in accepted])
+    if backend != "hf":
+        _, h = _session("hf")
+        ref = run_lmeval(h, trial, tasks, 2048, lambda m: None)
+        assert ref.answers == r.answers and ref.correct == r.correct
+
+
+def test_an_lm_eval_task_yaml_with_local_data_runs(cache, tmp_path):
+    """The user's own lm-eval YAML (data path relative to it, a !function module beside it) runs as written."""
+    d = tmp_path / "mytask"
+    d.mkdir()
+    _jsonl(d / "rows.jsonl", [{"q": q, "opts": c, "y": y} for q, c, y in
+                              [("2+2=", ["3", "4"], 1), ("Sky:", ["blue", "green"], 0)]])
+    (d / "helpers.py").write_text("def text(doc):\n    return 'Question: ' + doc['q']\n")
+    (d / "arith.yaml").write_text(
+        "task: arith\ndataset_path: json\ndataset_kwargs:\n  data_files: {test: rows.jsonl}\ntest_split: test\n"
+        "output_type: multiple_choice\ndoc_to_text: !function helpers.text\ndoc_to_choice: opts\ndoc_to_target: y\n"
+        "metric_list:\n  - metric: acc\n")
+    trial, s = _session("hf")
+    trial = replace(trial, "eval", EvalConfig(tasks=["arith"], task_files=[str(d / "arith.yaml")], limit=10))
+    assert task_problems(trial, 2048) == []
+    r = run_lmeval(s, trial, ["arith"], 2048, lambda m: None)
+    assert r.metrics["task_n.arith"] == 2.0 and r.metrics["task_score.arith"] == r.metrics["acc.arith"]
+
+
+def test_bad_task_files_are_refused_with_every_problem_at_once(cache, tmp_path):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text("\n".join([
+        json.dumps(MC_ITEMS[0]),
+        "{not json",
+        json.dumps({"context": "x", "choices": ["a"], "gold": 0}),  # one choice
+        json.dumps({"context": "x", "choices": ["a", "b"], "gold": 5}),  # gold out of range
+        json.dumps({"context": "x", "choices": ["a", "a"], "gold": 0}),  # repeated choices
+        json.dumps({"prompt": "p", "expected": "e"}),  # a generation item among multiple-choice ones
+        json.dumps({"question": "no schema"}),
+        json.dumps(MC_ITEMS[0]),  # a duplicate of line 1
+    ]) + "\n")
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("\n")
+    ydir = tmp_path / "y"
+    ydir.mkdir()
+    (ydir / "t.yaml").write_text("task: arc_easy\ndataset_path: allenai/ai2_arc\noutput_type: multiple_choice\n"
+                                 "metric_list:\n  - metric: bleu\n")
+    files = [str(bad), str(empty), str(tmp_path / "missing.jsonl"), str(tmp_path / "notes.txt"), str(ydir / "t.yaml")]
+    (tmp_path / "notes.txt").write_text("hello")
+    trial = replace(make_trial(TINY), "eval", EvalConfig(tasks=[MC_TASK, "bad"], task_files=files))
+    msg = _msgs(trial)
+    for want in (f"{bad}: line 2: not a JSON object", f"{bad}: line 3: choices must be a list of 2 to",
+                 f"{bad}: line 4: gold index 5 is outside 0..1", f"{bad}: line 5: choices repeat",
+                 f"{bad}: line 6: generation items in a file of multiple-choice items",
+                 f"{bad}: line 7: neither a multiple-choice item", f"{bad}: duplicate items: line 8 (= line 1)",
+                 f"{empty}: holds no items", f"{tmp_path / 'missing.jsonl'}: no such file",
+                 f"{tmp_path / 'notes.txt'}: a task file is .jsonl", "dataset_path must be a local format",
+                 "metric(s) 'bleu' need a download", "`eval.tasks: unknown task(s) 'bad'"[1:]):
+        assert want in msg, (want, msg)
+    # a file whose task clashes with a shipped name, and one that eval.tasks does not name
+    clash = _jsonl(tmp_path / "sciq.jsonl", MC_ITEMS)
+    extra = _jsonl(tmp_path / "mine.jsonl", MC_ITEMS)
+    msg = _msgs(replace(make_trial(TINY), "eval", EvalConfig(tasks=[MC_TASK], task_files=[str(clash), str(extra)])))
+    assert "defines task 'sciq', which is a shipped task's name" in msg
+    assert "mine.jsonl defines task 'mine', which eval.tasks does not name: name it to run it (eval.tasks=[arc_easy,mine])" in msg
+
+
+def test_sweep_with_a_bad_task_file_exits_2_before_launch(cache, tmp_path, tracking_overrides, mlflow_client, capsys):
+    from experiments.cli import main
+
+    bad = _jsonl(tmp_path / "items.jsonl", [{"context": "x", "choices": ["a"], "gold": 0}])
+    before = _all_runs(mlflow_client)
+    rc = main(["sweep", "model=tiny-llama", "eval=tasks", "eval.tasks=[items]", f"eval.task_files=[{bad}]"]
+              + tracking_overrides)
+    err = capsys.readouterr().err
+    assert rc == 2 and f"eval.task_files: {bad}: line 1: choices must be a list of 2 to" in err
+    assert _all_runs(mlflow_client) == before
+
+
+def test_task_files_are_hashed_by_content_not_path(cache, tmp_path, monkeypatch):
+    from experiments.config.compose import expand
+
+    a, b = tmp_path / "a", tmp_path / "b"
+    a.mkdir()
+    b.mkdir()
+    _jsonl(a / "mine.jsonl", MC_ITEMS)
+    _jsonl(b / "mine.jsonl", MC_ITEMS)
+    base = ["model=tiny-llama", "eval=tasks", "eval.tasks=[mine]", "eval.limit=2"]
+
+    def spec(*extra):
+        (s,) = expand(base + list(extra))
+        return s
+
+    here = spec(f"eval.task_files=[{a / 'mine.jsonl'}]")
+    assert here.config["eval"]["task_files"] == [str(a / "mine.jsonl")]
+    assert spec(f"eval.task_files=[{b / 'mine.jsonl'}]").config_hash == here.config_hash  # moved: the same trial
+    monkeypatch.chdir(a)  # a relative path is made absolute when composed, and hashes the same
+    rel = spec("eval.task_files=[mine.jsonl]")
+    assert rel.config["eval"]["task_files"] == [str(a / "mine.jsonl")] and rel.config_hash == here.config_hash
+    _jsonl(b / "mine.jsonl", MC_ITEMS[:2])  # edited: another trial
+    assert spec(f"eval.task_files=[{b / 'mine.jsonl'}]").config_hash != here.config_hash
+    # no task files: the hash of a config written before eval.task_files existed
+    from experiments.config.hashing import config_hash
+
+    plain = spec().config if False else expand(["model=tiny-llama", "eval=tasks", "eval.limit=2"])[0].config
+    old = {**plain, "eval": {k: v for k, v in plain["eval"].items() if k != "task_files"}}
+    assert config_hash(plain) == config_hash(old)

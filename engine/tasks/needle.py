@@ -82,6 +82,7 @@ def documents(task: str, tokenizer, context_len: int, depths: list[float], limit
 
 def render_needle_tasks(tasks: list[str], tokenizer, trial: TrialConfig, out: Path, say: Callable[[str], Any]) -> None:
     """Write each needle task's documents and YAML into `out` (an lm-eval include path)."""
+    out.mkdir(parents=True, exist_ok=True)
     for task in tasks:
         say(f"building {task} documents at {trial.workload.context_len} tokens")
         docs = documents(task, tokenizer, trial.workload.context_len, list(trial.eval.depths), trial.eval.limit, trial.seed)

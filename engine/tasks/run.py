@@ -4,9 +4,12 @@ and per task: lm-eval's metrics (acc, acc_norm, exact_match) with its stderr, n,
 metric), the delta against the reference's score with its paired stderr, the recovery (score / reference
 score) and the gate (recovery >= eval.gate).
 
+A task is a shipped one (engine/tasks/yaml over the prepared data, or a needle task) or the user's own, defined by
+a file in `eval.task_files` (engine/tasks/user.py) and named in `eval.tasks` like a shipped one.
+
 Metric keys are `<metric>.<task>` (engine/measure/metrics.py defines each <metric>); per needle depth
 `task_score.<task>.d<percent>`. The per-example answers (chosen choice index, or the generated text) come
-back for reproduce.
+back for reproduce, and per item its correctness and identity (`<doc_id>:<sha256 of the document>`).
 """
 from __future__ import annotations
 
@@ -24,19 +27,36 @@ from ..config import EngineError, TrialConfig
 
 log = logging.getLogger(__name__)
 Say = Callable[[str], None]
-TASKS_VERSION = 1
+TASKS_VERSION = 2  # 2: items identified by doc_id and document digest; user task files
 LM_EVAL_METRICS = ("acc", "acc_norm", "exact_match")  # registered by lm-eval itself (no `evaluate` download)
 
 
 def available_tasks() -> list[str]:
-    """The tasks `eval.tasks` accepts: the shipped YAMLs (engine/tasks/yaml) and the needle tasks."""
+    """The shipped tasks `eval.tasks` accepts: the YAMLs of engine/tasks/yaml and the needle tasks (a trial's own
+    task files add theirs)."""
     from .data import YAML_DIR
     from .needle import NEEDLE_TASKS
 
     return sorted(p.stem for p in YAML_DIR.glob("*.yaml")) + list(NEEDLE_TASKS)
 
 
-def needs_generation(task: str) -> bool:
+def user_tasks(trial: TrialConfig) -> dict:
+    """{task name: UserTask} of the trial's `eval.task_files` (the readable ones; `task_problems` reports the rest)."""
+    from .user import load_all
+
+    files = list(getattr(trial.eval, "task_files", None) or [])
+    return load_all(files, available_tasks())[0] if files else {}
+
+
+def needs_generation(task: str, user: Optional[dict] = None) -> bool:
+    from .needle import NEEDLE_TASKS
+
+    if user and task in user:
+        return user[task].request == "generate_until"
+    return task in NEEDLE_TASKS
+
+
+def is_needle(task: str) -> bool:
     from .needle import NEEDLE_TASKS
 
     return task in NEEDLE_TASKS
@@ -47,105 +67,136 @@ class TaskResult:
     metrics: dict[str, float] = field(default_factory=dict)
     answers: dict[str, list] = field(default_factory=dict)  # task -> per-example answers, in document order
     correct: dict[str, list] = field(default_factory=dict)  # task -> per-example 0/1 (the primary metric)
+    # task -> per-example identity "<doc_id>:<first 16 hex of sha256 of the document's canonical JSON>", in the
+    # order of `correct`: pairs items across trials and tells when the documents behind an index changed
+    items: dict[str, list] = field(default_factory=dict)
+    chance: dict[str, float] = field(default_factory=dict)  # multiple choice: mean of 1 / choices over the items
 
 
-def primary_metric(task: str) -> str:
-    """The lm-eval metric a task is judged by (its score): exact_match for generation, else the YAML's
-    `metadata.primary_metric` (acc_norm where the choices' lengths differ so much that raw log-likelihood
-    mostly measures length), else acc."""
-    if needs_generation(task):
-        return "exact_match"
+def item_id(doc_id: int, doc: Any) -> str:
+    text = json.dumps(doc, sort_keys=True, ensure_ascii=False, default=str)
+    return f"{doc_id}:{hashlib.sha256(text.encode()).hexdigest()[:16]}"
+
+
+def _shipped_yaml(task: str) -> dict:
     from .data import YAML_DIR
-
-    import yaml
+    from .user import yaml_load
 
     try:
-        meta = yaml.safe_load((YAML_DIR / f"{task}.yaml").read_text()).get("metadata") or {}
+        return yaml_load((YAML_DIR / f"{task}.yaml").read_text()) or {}
     except OSError:
-        meta = {}
+        return {}
+
+
+def primary_metric(task: str, user: Optional[dict] = None) -> str:
+    """The lm-eval metric a task is judged by (its score): a user task's own (engine/tasks/user.py), exact_match
+    for a needle task, else the YAML's `metadata.primary_metric` (acc_norm where the choices' lengths differ so
+    much that raw log-likelihood mostly measures length), else acc."""
+    if user and task in user:
+        return user[task].primary
+    if is_needle(task):
+        return "exact_match"
+    meta = _shipped_yaml(task).get("metadata") or {}
     return str(meta.get("primary_metric", "acc"))
 
 
 def run_lmeval(session: Any, trial: TrialConfig, tasks: list[str], max_length: int, say: Say) -> TaskResult:
-    """simple_evaluate over `tasks` on `session`; per-task metrics and per-example answers."""
-    from .data import data_problems, yaml_dir, render_yamls
+    """simple_evaluate over `tasks` on `session`; per-task metrics, per-example answers, correctness and identity."""
+    from .data import data_problems, render_yamls, yaml_dir
     from .lmeval import SessionLM, offline_env
     from .needle import needle_depth_of, render_needle_tasks
+    from .user import render as render_user
 
     offline_env()
     import lm_eval
     from lm_eval.tasks import TaskManager
 
-    problem = data_problems()
+    user = user_tasks(trial)
+    shipped = [t for t in tasks if t not in user]
+    problem = data_problems(shipped)
     if problem:
         raise EngineError(problem)
+    unknown = [t for t in tasks if t not in user and t not in available_tasks()]
+    if unknown:
+        raise EngineError(f"unknown task(s) {', '.join(unknown)} (not shipped, and no eval.task_files defines them)")
     render_yamls()
-    with tempfile.TemporaryDirectory(prefix="infersweep-needle-") as tmp:
+    with tempfile.TemporaryDirectory(prefix="infersweep-tasks-") as tmp:
         includes = [str(yaml_dir())]
-        if any(needs_generation(t) for t in tasks):
-            render_needle_tasks([t for t in tasks if needs_generation(t)], session.tokenizer, trial, Path(tmp), say)
-            includes.append(tmp)
+        needle = [t for t in tasks if is_needle(t)]
+        if needle:
+            render_needle_tasks(needle, session.tokenizer, trial, Path(tmp) / "needle", say)
+            includes.append(str(Path(tmp) / "needle"))
+        for t in tasks:
+            if t in user:
+                render_user(user[t], Path(tmp) / "user" / t)  # each in a folder of its own: its modules too
+                includes.append(str(Path(tmp) / "user" / t))
         lm = SessionLM(session, max_length, say)
         tm = TaskManager(include_path=includes, include_defaults=False)
-        mc = [t for t in tasks if not needs_generation(t)]
-        gen = [t for t in tasks if needs_generation(t)]
         out = {"results": {}, "samples": {}}
-        # multiple choice: the first eval.limit documents; needle: all generated (eval.limit per depth)
-        for group, limit in ((mc, trial.eval.limit), (gen, None)):
+        # the first eval.limit documents of a task; needle: all generated (eval.limit per depth)
+        for group, limit in (([t for t in tasks if not is_needle(t)], trial.eval.limit), (needle, None)):
             if not group:
                 continue
             say(f"lm-eval: {', '.join(group)}" + (f" (limit {limit})" if limit else ""))
-            got = lm_eval.simple_evaluate(model=lm, tasks=group, limit=limit, task_manager=tm,  # zero-shot: no fewshot in the YAMLs
-                                          log_samples=True, bootstrap_iters=1000,  # mean: closed-form stderr random_seed=trial.seed,
-                                          numpy_random_seed=trial.seed, torch_random_seed=trial.seed,
-                                          fewshot_random_seed=trial.seed)
+            got = lm_eval.simple_evaluate(model=lm, tasks=group, limit=limit, task_manager=tm,
+                                          log_samples=True, bootstrap_iters=1000,
+                                          random_seed=trial.seed, numpy_random_seed=trial.seed,
+                                          torch_random_seed=trial.seed, fewshot_random_seed=trial.seed)
             out["results"].update(got["results"])
             out["samples"].update(got["samples"])
     res = TaskResult()
     for task in tasks:
         r = out["results"][task]
         samples = sorted(out["samples"][task], key=lambda s: s["doc_id"])
-        prim = primary_metric(task)
+        prim = primary_metric(task, user)
         for key, value in r.items():  # lm-eval's own metrics: "<metric>,<filter>" and "<metric>_stderr,<filter>"
             name = key.split(",", 1)[0]
             if "," in key and isinstance(value, (int, float)) and name.removesuffix("_stderr") in LM_EVAL_METRICS:
                 res.metrics[f"{name}.{task}"] = float(value)
         res.metrics[f"task_n.{task}"] = float(len(samples))
+        if f"{prim}.{task}" not in res.metrics:
+            raise EngineError(f"task {task}: lm-eval reported no {prim} (its metrics: "
+                              f"{', '.join(sorted(k.split(',')[0] for k in r if ',' in k)) or 'none'})")
         res.metrics[f"task_score.{task}"] = res.metrics[f"{prim}.{task}"]
         if f"{prim}_stderr.{task}" in res.metrics:
             res.metrics[f"task_score_stderr.{task}"] = res.metrics[f"{prim}_stderr.{task}"]
         res.correct[task] = [float(s[prim]) for s in samples]
-        if needs_generation(task):
+        res.items[task] = [item_id(s["doc_id"], s["doc"]) for s in samples]
+        if needs_generation(task, user):
             res.answers[task] = [s["filtered_resps"][0] for s in samples]
-            by_depth: dict[int, list[float]] = {}
-            for s in samples:
-                by_depth.setdefault(needle_depth_of(s["doc"]), []).append(float(s[prim]))
-            for d, vals in sorted(by_depth.items()):
-                res.metrics[f"task_score.{task}.d{d}"] = sum(vals) / len(vals)
-        else:  # the chosen choice: highest log-likelihood (acc), or per character of the choice (acc_norm)
+            if is_needle(task):
+                by_depth: dict[int, list[float]] = {}
+                for s in samples:
+                    by_depth.setdefault(needle_depth_of(s["doc"]), []).append(float(s[prim]))
+                for d, vals in sorted(by_depth.items()):
+                    res.metrics[f"task_score.{task}.d{d}"] = sum(vals) / len(vals)
+        else:  # the chosen choice: highest log-likelihood (acc), or per character of the continuation (acc_norm)
             def pick(s):
                 lls = [x[0] for x in s["filtered_resps"]]
                 if prim == "acc_norm":
-                    lls = [ll / max(1, len(c)) for ll, c in zip(lls, s["doc"]["choices"])]
+                    lls = [ll / max(1, len(args[1].lstrip(" "))) for ll, args in zip(lls, s["arguments"])]
                 return max(range(len(lls)), key=lambda i: lls[i])
 
             res.answers[task] = [pick(s) for s in samples]
+            res.chance[task] = sum(1 / len(s["arguments"]) for s in samples) / max(1, len(samples))
     return res
 
 
-def _reference_key(trial: TrialConfig, task: str) -> str:
+def _reference_key(trial: TrialConfig, task: str, user: Optional[dict] = None) -> str:
     """What the reference's result on `task` depends on: the model, the task's documents, limit, and for
     needle tasks the context length, depths and seed."""
-    import dataclasses
-
-    from .data import YAML_DIR, manifest_path
+    from .data import YAML_DIR, _read_manifest, source_of
 
     ident = {k: v for k, v in dataclasses.asdict(trial.model).items() if k != "dtype"}
     ident.update(v=TASKS_VERSION, task=task, limit=trial.eval.limit)
-    if needs_generation(task):
+    if user and task in user:
+        ident.update(user=user[task].digest, kind=user[task].kind)
+    elif is_needle(task):
         ident.update(context_len=trial.workload.context_len, depths=list(trial.eval.depths), seed=trial.seed)
     else:
-        ident.update(yaml=(YAML_DIR / f"{task}.yaml").read_text(), data=json.loads(manifest_path().read_text())["files"])
+        src = (_read_manifest().get("sources") or {}).get(source_of(task) or "", {})
+        ident.update(yaml=(YAML_DIR / f"{task}.yaml").read_text(),
+                     data={k: v for k, v in (src.get("files") or {}).items() if Path(k).stem == task})
     return hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).hexdigest()
 
 
@@ -168,9 +219,10 @@ def _reference(trial: TrialConfig, loaded: Any, max_length: int, say: Say,
     from ..models import cache_root
 
     root = cache_root() / "tasks-reference"
+    user = user_tasks(trial)
     out, missing = {}, []
     for task in trial.eval.tasks:
-        path = root / f"{_reference_key(trial, task)}.json"
+        path = root / f"{_reference_key(trial, task, user)}.json"
         try:
             out[task] = json.loads(path.read_text())
         except (OSError, ValueError):
@@ -188,8 +240,8 @@ def _reference(trial: TrialConfig, loaded: Any, max_length: int, say: Say,
         root.mkdir(parents=True, exist_ok=True)
         for task in missing:
             entry = {"metrics": {k: v for k, v in got.metrics.items() if k.split(".")[1] == task},
-                     "correct": got.correct[task]}
-            path = root / f"{_reference_key(trial, task)}.json"
+                     "correct": got.correct[task], "items": got.items.get(task, [])}
+            path = root / f"{_reference_key(trial, task, user)}.json"
             tmp = path.with_suffix(".tmp")
             tmp.write_text(json.dumps(entry))
             tmp.replace(path)
@@ -224,45 +276,58 @@ def evaluate_tasks(trial: TrialConfig, session: Any, loaded: Any, max_length: in
 
 
 def task_problems(trial: TrialConfig, max_positions: Optional[int]) -> list[tuple[str, str]]:
-    """What makes `eval.tasks` impossible before anything loads: unknown tasks, data not prepared, a limit
-    below 1, a needle longer than the model's positions, a request type the engine does not serve."""
+    """What makes `eval.tasks` impossible before anything loads: unknown tasks, data not prepared, task files that
+    are unreadable or malformed (every problem of every file), a limit below 1, a needle longer than the model's
+    positions, a request type the engine does not serve."""
     from .. import engines
     from .data import data_problems
     from .needle import overhead_tokens
+    from .user import load_all
 
     ev = trial.eval
-    if not (ev.enabled and ev.tasks):
+    files = list(getattr(ev, "task_files", None) or [])
+    if not (ev.enabled and (ev.tasks or files)):
         return []
     p: list[tuple[str, str]] = []
-    known = available_tasks()
+    shipped = available_tasks()
+    user, file_problems = load_all(files, shipped)
+    p += [("eval.task_files", m) for m in file_problems]
+    known = shipped + sorted(user)
     unknown = [t for t in ev.tasks if t not in known]
     if unknown:
-        p.append(("eval.tasks", f"unknown task(s) {', '.join(map(repr, unknown))}; available: {', '.join(known)}"))
+        p.append(("eval.tasks", f"unknown task(s) {', '.join(map(repr, unknown))}; available: {', '.join(known)}"
+                                + ("" if files else " (or your own: eval.task_files=[path/to/items.jsonl])")))
+    unnamed = [t for t in user if t not in ev.tasks]
+    if unnamed:
+        wanted = ",".join(list(ev.tasks) + unnamed)
+        p.append(("eval.task_files", f"{', '.join(f'{user[t].path.name} defines task {t!r}' for t in unnamed)}, which "
+                                     f"eval.tasks does not name: name it to run it (eval.tasks=[{wanted}])"))
     if ev.limit < 1:
         p.append(("eval.limit", f"must be >= 1 (examples per task; needle: per depth), got {ev.limit}"))
     if not ev.depths or any(not 0.0 <= d <= 1.0 for d in ev.depths):
         p.append(("eval.depths", f"needs fractions in [0, 1], got {list(ev.depths)}"))
     if not 0.0 < ev.gate <= 1.0:
         p.append(("eval.gate", f"must be in (0, 1] (a share of the reference's accuracy), got {ev.gate}"))
-    problem = data_problems()
+    problem = data_problems([t for t in ev.tasks if t in shipped])
     if problem:
         p.append(("eval.tasks", problem))
-    gen = [t for t in ev.tasks if needs_generation(t)]
-    if gen and max_positions and trial.workload.context_len > max_positions:
-        p.append(("workload.context_len", f"{', '.join(gen)} at context_len {trial.workload.context_len} "
+    needle = [t for t in ev.tasks if is_needle(t)]
+    if needle and max_positions and trial.workload.context_len > max_positions:
+        p.append(("workload.context_len", f"{', '.join(needle)} at context_len {trial.workload.context_len} "
                                           f"exceeds the model's maximum of {max_positions} positions"))
-    if gen:
+    if needle:
         from ..models import local_tokenizer
 
         tok = local_tokenizer(trial.model)
         least = overhead_tokens(tok) + 16 if tok is not None else 64
         if trial.workload.context_len < least:
-            p.append(("workload.context_len", f"{', '.join(gen)} needs context_len >= {least} for this model's "
+            p.append(("workload.context_len", f"{', '.join(needle)} needs context_len >= {least} for this model's "
                                               f"tokenizer (intro, needles, question, answer and some haystack)"))
     if trial.engine.backend in engines.NAMES:
         eng = engines.get(trial.engine.backend)
-        for need, which in (("loglikelihood", [t for t in ev.tasks if t in known and not needs_generation(t)]),
-                            ("generate_until", gen)):
+        runnable = [t for t in ev.tasks if t in known]
+        for need, which in (("loglikelihood", [t for t in runnable if not needs_generation(t, user)]),
+                            ("generate_until", [t for t in runnable if needs_generation(t, user)])):
             if which and need not in eng.task_requests:
                 why = f": {eng.task_why}" if eng.task_why else ""
                 able = [e.name for e in engines.all_engines() if need in e.task_requests]

@@ -19,6 +19,7 @@ from typing import Any, Iterable
 from omegaconf import OmegaConf, open_dict
 
 from engine.config import EngineError
+from engine.tasks.user import absolute as absolute_task_files
 
 from . import schema
 from ..errors import UserError
@@ -552,6 +553,7 @@ def _trials(c: "Composer", fixed: list, fixed_strs: list[str], axes: dict[str, l
         # keys that cannot change this trial (speculative.k with speculative=off) are reset, and a
         # combination that only differed in them is the same trial: run it once
         config, inert = normalize(config)
+        config = absolute_task_files(config)  # eval.task_files read the same wherever the trial runs
         # a value the engine runs as another (llama.cpp attention=sdpa is eager) is that value
         config, folded = fold_aliases(config)
         kept = {k: folded.get(k, _unescape(v)) for k, v in swept.items() if k not in inert}

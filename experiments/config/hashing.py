@@ -47,6 +47,11 @@ def measured_view(config: dict[str, Any], added: dict[str, Any] | None = None) -
                     if parent[name]:
                         break
                     del parent[name]
+    ev = view.get("eval")
+    if isinstance(ev, dict) and ev.get("task_files"):  # the user's task files count by content, not by path
+        from engine.tasks.user import identity
+
+        ev["task_files"] = identity(ev["task_files"])
     return view
 
 
