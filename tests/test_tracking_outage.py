@@ -258,6 +258,42 @@ def test_trials_a_dead_driver_was_running_are_logged_killed(tmp_path):
     _client(tracking["uri"]).set_terminated(parents["live"])
 
 
+def test_an_optimize_run_of_a_dead_driver_is_closed_with_its_trials(tmp_path):
+    """`optimize` reaps through the Tracker (no Recorder): its dead parent run, the trial it was writing (RUNNING
+    under it) and the trial it had only noted (in the spool, under a batch's own sweep id) all end KILLED; a live
+    driver's trial run stays RUNNING."""
+    from experiments.config.compose import expand
+    from experiments.tracking.spool import Recorder
+    from experiments.tracking.store import Tracker
+
+    tracking = {"uri": f"sqlite:///{tmp_path}/mlflow.db", "artifact_root": f"{tmp_path}/artifacts",
+                "spool_dir": f"{tmp_path}/spool"}
+    specs = expand(TINY + ["seed=0,1"])
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    dead_driver, live_driver = f"{socket.gethostname()}:{gone.pid}", f"{socket.gethostname()}:{os.getpid()}"
+    tracker = Tracker(tracking)
+    exp = tracker.experiment_id("t-opt-reap")
+    opt = tracker.client.create_run(exp, tags={"kind": "optimize", "driver": dead_driver}).info.run_id
+    half = tracker.client.create_run(exp, tags={"kind": "trial", "driver": dead_driver, "sweep_id": "batch-1",
+                                                "trial_index": "0", "mlflow.parentRunId": opt}).info.run_id
+    live = tracker.client.create_run(exp, tags={"kind": "trial", "driver": live_driver}).info.run_id
+    rec = Recorder(tracking)
+    rec.note_running("t-opt-reap", specs[0], opt, "batch-1")  # its own run exists (half): no second record
+    rec.note_running("t-opt-reap", specs[1], opt, "batch-1")  # never written: a KILLED record
+    rec.close()
+    assert Tracker(tracking).reap_stale_sweeps("t-opt-reap") == 1
+    c = _client(tracking["uri"])
+    assert c.get_run(opt).info.status == "KILLED"
+    assert c.get_run(half).info.status == "KILLED" and "killed (SIGKILL)" in c.get_run(half).data.tags["error"]
+    assert c.get_run(live).info.status == "RUNNING"
+    noted = c.search_runs([exp], f"tags.trial_index = '{specs[1].index}' and tags.sweep_id = 'batch-1'")
+    assert [(r.info.status, r.data.tags["mlflow.parentRunId"]) for r in noted] == [("KILLED", opt)]
+    assert len(c.search_runs([exp], "tags.sweep_id = 'batch-1'")) == 2
+    assert not list(Path(tracking["spool_dir"], "running").glob("*/*.json"))
+    c.set_terminated(live)
+
+
 def test_cluster_definitions_parse():
     import yaml
 

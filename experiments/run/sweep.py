@@ -111,8 +111,7 @@ def _affinity_key(spec: TrialSpec) -> Optional[str]:
 
 def _left_to_run(rec, specs: list[TrialSpec], sweep_name: str, recorder: SweepRecorder, echo) -> list[TrialSpec]:
     """Resume: the specs whose hash has no FINISHED run in the sweep's experiment yet (the others get a
-    SKIPPED row). Sweeps that a killed driver left RUNNING are closed first."""
-    rec.reap_stale_sweeps(sweep_name)
+    SKIPPED row)."""
     done = rec.finished_hashes(sweep_name)
     for s in specs:
         if s.config_hash in done:
@@ -201,10 +200,12 @@ def run_specs(
         result = SweepResult(sweep_id, sweep_name, None, rec.uri, spool_dir=str(rec.spool.root),
                              store_uri=redact(str(first["tracking"]["uri"]) if first["tracking"].get("serve") else rec.uri))
         recorder = SweepRecorder(rec, sweep_name, sweep_id, extra_tags)
+        own = parent_run_id is None
+        if own:  # an `optimize` run reaped its experiment when it started
+            rec.reap_stale_sweeps(sweep_name)
         todo = _left_to_run(rec, specs, sweep_name, recorder, echo) if skip_finished else specs
         result.skipped = len(specs) - len(todo)
         sweep_rec = sweep_record(sweep_name, sweep_id, specs, command)
-        own = parent_run_id is None
         parent = (rec.start_sweep(sweep_rec) if len(specs) > 1 and todo else None) if own else parent_run_id
         result.parent_run_id = recorder.parent_run_id = parent
         status = FINISHED

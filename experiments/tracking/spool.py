@@ -119,6 +119,26 @@ def _outcome(rec: dict[str, Any]) -> TrialOutcome:
     return TrialOutcome(**rec["outcome"])
 
 
+def log_killed_notes(tracker, spool: Spool, parent_run_id: str, sweep_id: str) -> None:
+    """The trials a dead driver noted as running (`Recorder.note_running`) under its run `parent_run_id` (a
+    sweep, or an `optimize` run whose batches each had a sweep id of their own) become KILLED runs -- except
+    where the trial already has its own run (the driver died while writing it, or just after): that run is the
+    trial's one record (`Tracker.reap_stale_sweeps` closes it if it is still RUNNING), no second one is made."""
+    base = spool.root / RUNNING
+    dirs = [d for d in sorted(base.iterdir()) if d.is_dir()] if base.is_dir() else []
+    for d in dirs:
+        for path in sorted(d.glob("*.json")):
+            rec = json.loads(path.read_text())
+            if not (sweep_id and d.name == sweep_id or rec.get("parent_run_id") == parent_run_id):
+                continue
+            if not tracker.trial_runs(rec["exp_name"], rec.get("sweep_id") or d.name, rec["spec"]["index"]):
+                tracker.log_trial(rec["exp_name"], _spec(rec), _outcome(rec), rec.get("parent_run_id") or parent_run_id,
+                                  rec.get("sweep_id") or d.name, rec.get("extra_tags"), rec["record_id"])
+            path.unlink()
+        if not any(d.iterdir()):
+            d.rmdir()
+
+
 class Recorder:
     """The driver's single path to the store: tracker while it answers, spool after it fails once."""
 
@@ -188,20 +208,11 @@ class Recorder:
         return (found or set()) | self.spool.finished_hashes(exp_name)
 
     def reap_stale_sweeps(self, exp_name: str) -> int:
-        """Mark KILLED the sweeps of `exp_name` whose driver died (SIGKILL), and the trials each was running."""
-        n, _ = self._try(self.tracker.reap_stale_sweeps, exp_name, self._log_killed_trials) if self.tracker else (0, False)
+        """Close what drivers of `exp_name` killed with SIGKILL left RUNNING: their sweeps, the trials each was
+        running (noted here), and the trial runs they were writing (store.Tracker.reap_stale_sweeps)."""
+        n, _ = self._try(self.tracker.reap_stale_sweeps, exp_name,
+                         lambda rid, sid: log_killed_notes(self.tracker, self.spool, rid, sid)) if self.tracker else (0, False)
         return n or 0
-
-    def _log_killed_trials(self, parent_run_id: str, sweep_id: str) -> None:
-        d = self.spool.running_dir(sweep_id) if sweep_id else None
-        if d is None or not d.is_dir():
-            return
-        for path in sorted(d.glob("*.json")):
-            rec = json.loads(path.read_text())
-            self.tracker.log_trial(rec["exp_name"], _spec(rec), _outcome(rec), rec.get("parent_run_id") or parent_run_id,
-                                   sweep_id, rec.get("extra_tags"), rec["record_id"])
-            path.unlink()
-        d.rmdir()
 
     def note_running(self, exp_name: str, spec: TrialSpec, parent_run_id: Optional[str], sweep_id: str,
                      extra_tags: Optional[dict[str, str]] = None) -> None:

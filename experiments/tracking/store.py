@@ -155,6 +155,15 @@ def driver_id() -> str:
     return f"{socket.gethostname()}:{os.getpid()}"
 
 
+ORPHAN_ERROR = "the sweep driver was killed (SIGKILL) while this trial's result was being written; incomplete"
+
+
+def _driver_gone(tags: dict[str, str]) -> bool:
+    """Whether the run's `driver` tag names a process on this host that no longer exists."""
+    host, _, pid = tags.get("driver", "").rpartition(":")
+    return host == socket.gethostname() and pid.isdigit() and not _pid_alive(int(pid))
+
+
 def _pid_alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
@@ -167,6 +176,7 @@ def _pid_alive(pid: int) -> bool:
 
 class Tracker:
     def __init__(self, tracking: dict[str, Any]):
+        self.tracking = tracking
         self.uri = resolve_uri(tracking["uri"])
         self.artifact_root = resolve_artifact_root(tracking["artifact_root"])
         self.http_env: dict[str, str] = {}
@@ -240,24 +250,58 @@ class Tracker:
         return runs[0].info.run_id if runs else None
 
     def reap_stale_sweeps(self, exp_name: str, on_reaped: Optional[Callable[[str, str], None]] = None) -> int:
-        """Mark KILLED the RUNNING sweep runs of this experiment whose driver process (on this host) is
-        gone, e.g. killed with SIGKILL: nothing stays RUNNING forever. `on_reaped(run_id, sweep_id)` is
-        called for each, before it is marked (its trials that were running get their KILLED runs there)."""
+        """Close what drivers killed with SIGKILL (process gone, on this host) left RUNNING in this experiment:
+        nothing stays RUNNING forever. Their sweep / optimize runs become KILLED (tag `reaped`); before that,
+        `on_reaped(run_id, sweep_id)` is called for each (default: the trials each was running, noted in the
+        spool, get their KILLED runs -- spool.log_killed_notes); then every other run those drivers left RUNNING
+        -- a trial's own run half-written when the driver died, under the dead run, of its sweep, or tagged with
+        the dead driver -- is closed KILLED too (tags `reaped`, `incomplete`, `error`). Returns how many sweep /
+        optimize runs were reaped."""
         exp = self.client.get_experiment_by_name(exp_name)
         if exp is None:
             return 0
-        runs = [r for kind in ("sweep", "optimize") for r in self.client.search_runs(  # optimize: its parent run
-            [exp.experiment_id], filter_string=f"tags.kind = '{kind}' and attributes.status = 'RUNNING'", max_results=500)]
-        n = 0
-        for r in runs:
-            host, _, pid = r.data.tags.get("driver", "").rpartition(":")
-            if host == socket.gethostname() and pid.isdigit() and not _pid_alive(int(pid)):
-                if on_reaped is not None:
-                    on_reaped(r.info.run_id, r.data.tags.get("sweep_id", ""))
+        running = self._search_all([exp.experiment_id], "attributes.status = 'RUNNING'")
+        dead = [r for r in running if r.data.tags.get("kind") in ("sweep", "optimize") and _driver_gone(r.data.tags)]
+        if on_reaped is None:
+            from .spool import Spool, log_killed_notes, spool_root
+
+            spool = Spool(spool_root(self.tracking))
+            on_reaped = lambda rid, sid: log_killed_notes(self, spool, rid, sid)  # noqa: E731
+        for r in dead:
+            on_reaped(r.info.run_id, r.data.tags.get("sweep_id", ""))
+        dead_ids = {r.info.run_id for r in dead}
+        dead_sweeps = {r.data.tags["sweep_id"] for r in dead if r.data.tags.get("sweep_id")}
+        for r in running:  # children first: a parent ends after its runs, as in a sweep that ends normally
+            t = r.data.tags
+            if r.info.run_id in dead_ids or t.get("kind") in ("sweep", "optimize") and not _driver_gone(t):
+                continue
+            if t.get(PARENT_TAG) in dead_ids or t.get("sweep_id") in dead_sweeps or _driver_gone(t):
                 self.client.set_tag(r.info.run_id, "reaped", "driver process gone")
+                self.client.set_tag(r.info.run_id, "incomplete", "the driver died before this run was complete")
+                if "error" not in t:
+                    self.client.set_tag(r.info.run_id, "error", ORPHAN_ERROR)
                 self.client.set_terminated(r.info.run_id, status="KILLED")
-                n += 1
-        return n
+        for r in dead:
+            self.client.set_tag(r.info.run_id, "reaped", "driver process gone")
+            self.client.set_terminated(r.info.run_id, status="KILLED")
+        return len(dead)
+
+    def _search_all(self, exp_ids: list[str], flt: str) -> list:
+        out, token = [], None
+        while True:
+            page = self.client.search_runs(exp_ids, filter_string=flt, max_results=500, page_token=token)
+            out += list(page)
+            token = page.token
+            if not token:
+                return out
+
+    def trial_runs(self, exp_name: str, sweep_id: str, index: int) -> list:
+        """The runs (any status) of trial `index` of sweep `sweep_id`."""
+        exp = self.client.get_experiment_by_name(exp_name)
+        if exp is None or not sweep_id:
+            return []
+        return list(self.client.search_runs([exp.experiment_id], filter_string=(
+            f"tags.kind = 'trial' and tags.sweep_id = '{_q(sweep_id)}' and tags.trial_index = '{int(index)}'")))
 
     def finished_hashes(self, exp_name: str) -> set[str]:
         """config_hash of every FINISHED trial run of the experiment (what a resumed sweep skips)."""
@@ -309,6 +353,7 @@ class Tracker:
             "trial_index": str(spec.index),
             "kind": "trial",
             "attempts": str(outcome.attempts),
+            "driver": driver_id(),  # the process writing it: a run it leaves RUNNING is closed once it is gone
             **environment_tags(),
             **{f"env.{k}": v for k, v in outcome.info.items()},
             **outcome.labels,
