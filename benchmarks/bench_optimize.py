@@ -56,11 +56,14 @@ def cpu_name() -> str:
         return platform.processor() or "?"
 
 
+EQUIVALENT = 0.95  # the pick is as good as the grid's best when its ratio's 95% lower bound is at least this
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("axes", nargs="*", help="the space (comma lists); default: " + " ".join(SPACE))
     ap.add_argument("--fixed", nargs="*", default=FIXED, help="overrides every configuration shares")
-    ap.add_argument("--rounds", type=int, default=4, help="interleaved rounds of a pair (chain and the final checks)")
+    ap.add_argument("--rounds", type=int, default=9, help="interleaved rounds of a pair (chain and the final checks; >= 6 for a 95%% bound)")
     ap.add_argument("--store", default=None, help="tracking directory (default: a fresh temporary one)")
     ap.add_argument("--search-trials", type=int, default=0, help="the search's budget (default: grid trials // 4)")
     ap.add_argument("--dry", action="store_true", help="list the grid's valid configurations and stop")
@@ -71,7 +74,6 @@ def main() -> int:
     from experiments.optimize.objective import Objective
     from experiments.optimize.run import run_optimize
     from experiments.optimize.space import read_space
-    from engine.measure.spread import SLOWER
 
     store = Path(args.store or tempfile.mkdtemp(prefix="bench-optimize-"))
     store.mkdir(parents=True, exist_ok=True)
@@ -141,18 +143,20 @@ def main() -> int:
                 # the same pick twice (chain and search agree): its check pair is measured again (attempt 1)
                 attempt = sum(1 for r in out if r[1] == describe(pick))
                 b, c = check([Request((best.point, pick), interleaved=True, attempt=attempt)])[0]
-                r = objective.compare(b, c)
+                # equivalence, not "not shown slower": the pick's ratio to the grid's best has its 95% lower
+                # bound at or above x0.95 (x0.95 [0.86-1.04] is no success: it may be 14% slower)
+                r = objective.sequential([(b, c)], 0.025) if b.ok and c.ok else None
                 if r is None:
                     verdict = "? (the check pair failed)"
                 else:
-                    within = r.verdict != SLOWER
+                    within = r.lo >= EQUIVALENT
                     verdict = f"{'yes' if within else 'no'}: pick vs grid best {r.cell()}" + (
                         f" (check pair unstable: {b.unstable or c.unstable})" if (b.unstable or c.unstable) else "")
         out.append((label, describe(pick), f"{grid_tpot:.1f}" if grid_tpot else "?", trials, distinct[label],
                     f"{trials / len(measured):.2f}", f"{wall / 60:.1f}", verdict))
     echo(f"\nload at end {loadavg()}\n")
     echo("| strategy | pick | grid's TPOT of the pick (ms) | trials | configurations | trials / grid's | wall (min) "
-         "| within noise of the grid's best |")
+         f"| equivalent to the grid's best (95% lower bound >= x{EQUIVALENT}) |")
     echo("|---|---|---|---|---|---|---|---|")
     for row in out:
         echo("| " + " | ".join(str(x) for x in row) + " |")

@@ -18,7 +18,7 @@ log ratios (engine.measure.spread.signed_rank_bounds).
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Optional, Sequence
 
 import numpy as np
@@ -97,32 +97,41 @@ def grouped(m: Measurement) -> bool:
     return "group_peak_mem_bytes" in m.metrics
 
 
-def memory_problem(m: Measurement, rules: Rules) -> str:
-    """The memory limit on a solo measurement ('' when it holds or no limit is set). A missing peak breaks
-    the limit: a limit that cannot be checked does not hold (the search's constraint says the same)."""
-    if rules.max_memory_bytes is None:
-        return ""
-    v = m.metrics.get("peak_mem_bytes")
-    if v is None:
-        return "memory: peak not measured"
-    if v > rules.max_memory_bytes:
-        return f"memory: peak {v / 1e9:.2f} GB > {rules.max_memory_bytes / 1e9:.2f} GB"
-    return ""
+def limit_violations(m: Measurement, rules: Rules) -> dict[str, float]:
+    """Each SLO / memory limit of `rules` -> by how much `m` breaks it (> 0: broken; <= 0: holds). A metric not
+    measured breaks its limit (1.0): a limit that cannot be checked does not hold. Memory only where the
+    measurement's peak is the process's (not `grouped`). The one rule, read by the chain (limit_problems) and by
+    the search's constraints."""
+    out: dict[str, float] = {}
+    for metric, limit in rules.slo.items():
+        v = m.metrics.get(metric)
+        out[f"slo:{metric}"] = (v - limit) if v is not None else 1.0
+    if rules.max_memory_bytes is not None and not grouped(m):
+        v = m.metrics.get("peak_mem_bytes")
+        out["memory"] = (v - rules.max_memory_bytes) / 1e9 if v is not None else 1.0
+    return out
 
 
 def limit_problems(m: Measurement, rules: Rules) -> list[str]:
-    """The SLO / memory limits the measurement breaks ('SLO: p99 TTFT 910 ms > 500'); memory only where the
-    measurement's peak is the process's (a solo trial, `grouped` false)."""
+    """The SLO / memory limits the measurement breaks, in words ('SLO: p99 TTFT 910 ms > 500')."""
     out = []
-    for metric, limit in rules.slo.items():
+    for key, over in limit_violations(m, rules).items():
+        if over <= 0:
+            continue
+        metric = key.removeprefix("slo:") if key.startswith("slo:") else "peak_mem_bytes"
         v = m.metrics.get(metric)
-        if v is None:
-            out.append(f"SLO: {metric_label(metric)} not measured")
-        elif v > limit:
-            out.append(f"SLO: {metric_label(metric)} {_value(metric, v)} > {limit:g}")
-    if not grouped(m) and (mem := memory_problem(m, rules)):
-        out.append(mem)
+        if key == "memory":
+            out.append("memory: peak not measured" if v is None else
+                       f"memory: peak {v / 1e9:.2f} GB > {rules.max_memory_bytes / 1e9:.2f} GB")
+        else:
+            out.append(f"SLO: {metric_label(metric)} not measured" if v is None else
+                       f"SLO: {metric_label(metric)} {_value(metric, v)} > {rules.slo[metric]:g}")
     return out
+
+
+def memory_problem(m: Measurement, rules: Rules) -> str:
+    """The memory limit on a solo measurement ('' when it holds or no limit is set)."""
+    return next((p for p in limit_problems(m, replace(rules, slo={})) if p.startswith("memory")), "")
 
 
 def min_rounds(rules: Rules) -> int:

@@ -103,13 +103,13 @@ class Dispatcher:
                 if len(mine) <= req.attempt:
                     return None
                 picked.append(mine[req.attempt])
-        else:
+        else:  # attempt 0: the newest FINISHED run of the hash; attempt k > 0 (measured again): the k-th, or run it
             picked = []
             for s in specs:
                 runs = self._finished(f"tags.config_hash = '{s.config_hash}'")
-                if not runs:
+                if len(runs) <= req.attempt:
                     return None
-                picked.append(runs[-1])
+                picked.append(runs[-1] if req.attempt == 0 else runs[req.attempt])
         return [self._from_run(r, p, req.interleaved) for r, p in zip(picked, req.points)]
 
     # --- measuring -------------------------------------------------------------------------------------

@@ -1,10 +1,12 @@
 """Cost-model skips for the search: a configuration the roofline (engine/measure/costmodel.py) predicts to
 lose is not spent as a trial.
 
-"Lose" is judged only where the prediction can be trusted to rank: against another configuration of the space
-with the same numerics (model, dtype, quantization: the same answers, so accuracy cannot differ) whose
-predicted time per generated token is shorter by more than `margin` and whose predicted weight bytes are no
-larger. That catches what the roofline is sure of (no KV cache recomputing the sequence, an attention kernel
+"Lose" is judged only where the prediction can be trusted to rank, and only where the configuration is
+predicted dominated on **every** objective: against another configuration of the space with the same numerics
+(model, dtype, quantization: the same answers, so accuracy cannot differ) whose predicted time per generated
+token is shorter by more than `margin`, and -- when memory is an objective -- whose predicted footprint is no
+larger (no more weight bytes, and no KV cache where this one has none: a configuration without a cache is
+slower but may win on memory, a point of the front). That catches what the roofline is sure of (no KV cache recomputing the sequence, an attention kernel
 that writes the score matrix at long context) and leaves what it cannot see (kernel quality: bitsandbytes on a
 CPU is slower than its bytes predict) to measurement.
 """
@@ -19,8 +21,8 @@ NUMERICS = ("model", "model.name", "model.dtype", "quant", "quant.level", "engin
 
 
 class CostModelSkip:
-    def __init__(self, disp, space: Mapping[str, list[str]], margin: float = 0.25):
-        self.disp, self.space, self.margin = disp, dict(space), margin
+    def __init__(self, disp, space: Mapping[str, list[str]], margin: float = 0.25, memory: bool = True):
+        self.disp, self.space, self.margin, self.memory = disp, dict(space), margin, memory
         self._pred: dict[tuple, Optional[tuple[float, float]]] = {}
         self._peaks: dict[tuple, object] = {}  # one probe per dtype: a loaded machine is re-probed on every call
 
@@ -64,6 +66,11 @@ class CostModelSkip:
         except Exception:
             return None  # no prediction: measure it
 
+    def kv_applied(self, p: Point) -> bool:
+        from engine import axes
+
+        return axes.KV_CACHE.applied({axes.resolve_key(k): v for k, v in p.items()})
+
     def __call__(self, p: Point, done) -> str:
         mine = self.predicted(p)
         if mine is None:
@@ -74,7 +81,10 @@ class CostModelSkip:
             if q == p or any(q.get(k) != v for k, v in same.items()):
                 continue
             theirs = self.predicted(q)
-            if theirs is not None and theirs[0] * (1 + self.margin) < mine[0] and theirs[1] <= mine[1]:
-                return (f"predicted {mine[0] / theirs[0]:.1f}x slower per token than {describe(q, p)} "
-                        f"(same numerics, no more weight bytes)")
+            if theirs is None or not theirs[0] * (1 + self.margin) < mine[0]:
+                continue
+            if self.memory and not (theirs[1] <= mine[1] and (not self.kv_applied(q) or self.kv_applied(p))):
+                continue  # it may win on memory: not dominated on every objective
+            return (f"predicted {mine[0] / theirs[0]:.1f}x slower per token than {describe(q, p)} "
+                    f"(same numerics: same accuracy" + (", no larger footprint)" if self.memory else ")"))
         return ""

@@ -14,12 +14,13 @@ from typing import Any, Optional
 
 import yaml
 
+from ..config.compose import SweepError
 from ..errors import UserError
-from .chain import MODEL_KEYS, Chain, ChainResult, baseline_of
+from .chain import MODEL_KEYS, Chain, ChainResult, Row, baseline_of
 from .dispatch import Dispatcher
 from .measurement import describe
 from .objective import Objective
-from .search import ACCURACY, Search, SearchResult, format_front
+from .search import ACCURACY, Search, SearchResult, summary
 from .settings import OptimizeConf, budget_of, from_dict, problems, rules_of
 from .space import Space, read_space
 from .table import order_notes, plot_path, to_markdown
@@ -45,10 +46,9 @@ class OptimizeResult:
     reused: int
     wall_s: float
     table: str = ""  # chain: the markdown table
-    rows_json: str = "[]"  # chain: the table's rows (chain.json)
+    rows: list[Row] = field(default_factory=list)  # chain: the table's rows (chain.json)
     notes: list[str] = field(default_factory=list)
-    front: list[str] = field(default_factory=list)  # search: the Pareto front's lines
-    skipped: list[str] = field(default_factory=list)  # search: configurations never measured, and why
+    summary: list[str] = field(default_factory=list)  # search: the front, best, races, pruned, refused, ... each in its section
     measured: dict[str, str] = field(default_factory=dict)  # the final point as its trial ran (eval.enabled=false ...)
 
 
@@ -190,7 +190,7 @@ def _chain(space: Space, o: OptimizeConf, objective: Objective, gate: bool, disp
     return OptimizeResult("chain", "", None, r.incumbent, final_hash, r.stop, r.trials, r.reused, 0.0,
                           table=to_markdown(r.rows), notes=notes,
                           measured=dict(r.incumbent_measurement.point) if r.incumbent_measurement else {},
-                          rows_json=json.dumps([row.as_dict() for row in r.rows], indent=1))
+                          rows=list(r.rows))
 
 
 def _search(space: Space, o: OptimizeConf, gate: bool, disp: Dispatcher, echo, storage: str, name: str) -> OptimizeResult:
@@ -202,20 +202,18 @@ def _search(space: Space, o: OptimizeConf, gate: bool, disp: Dispatcher, echo, s
     if o.search.skip_predicted:
         from .predict import CostModelSkip
 
-        predict = CostModelSkip(disp, space.axes, o.search.predicted_loss)
+        predict = CostModelSkip(disp, space.axes, o.search.predicted_loss, memory="peak_memory" in o.search.objectives)
     goals = [g for g in o.search.objectives if g != ACCURACY or gate or (space.config.get("eval") or {}).get("tasks")]
-    s = Search(space.axes, goals, rules_of(o, gate, int((space.config.get("eval") or {}).get("limit") or 0)),
-               budget_of(o), disp, batch=batch, validate=disp.validate,
-               predict=predict or (lambda p, done: ""), storage=storage, study_name=name, seed=o.search.seed, echo=echo)
+    limit = int((space.config.get("eval") or {}).get("limit") or 0)
+    s = Search(space.axes, goals, rules_of(o, gate, limit), budget_of(o), disp, batch=batch, validate=disp.validate,
+               predict=predict or (lambda p, done: ""), storage=storage, study_name=name, seed=o.search.seed,
+               eval_limit=limit, echo=echo)
     r: SearchResult = s.run()
     best = r.best
-    skipped = [f"refused by validation: {describe(p)} -- {why}" for p, why in r.invalid]
-    skipped += [f"cost model predicts a loss: {describe(p)} -- {why}" for p, why in r.predicted]
-    skipped += [f"failed: {describe(p)} -- {why}" for p, why in r.failed]
     return OptimizeResult("search", "", None, dict(best.point) if best else {}, best.config_hash if best else "", r.stop,
-                          r.trials, r.reused, 0.0, front=format_front(r), skipped=skipped,
+                          r.trials, r.reused, 0.0, summary=summary(r),
                           notes=[f"objectives: {', '.join(goals)}; {len(r.evaluated)} configuration(s) measured, "
-                                 f"{r.duplicates} repeated proposal(s) answered from earlier results"])
+                                 f"{r.duplicates} repeated proposal(s) of decided configurations (nothing measured)"])
 
 
 def _log(client, rid: str, res: OptimizeResult, disp: Dispatcher) -> None:
@@ -228,30 +226,26 @@ def _log(client, rid: str, res: OptimizeResult, disp: Dispatcher) -> None:
     if res.final:
         try:
             spec = disp.spec(res.measured or res.final)  # the hash of a trial that ran: `reproduce` finds it
+        except SweepError as e:  # it ran, so it validated: say so rather than hide it
+            res.notes.append(f"the final configuration no longer validates: {'; '.join(e.problems)}")
+        else:
             client.log_text(rid, yaml.safe_dump(spec.config, sort_keys=True), FINAL_ARTIFACT)
-            tags["final_config_hash"] = spec.config_hash
             client.set_tag(rid, "final_config_hash", spec.config_hash)
             res.final_hash = spec.config_hash
-        except Exception:
-            pass
     from mlflow.entities import Metric
 
     now = int(time.time() * 1000)
     client.log_batch(rid, metrics=[Metric(k, float(v), now, 0) for k, v in (
         ("optimize_trials", res.trials), ("optimize_reused", res.reused), ("optimize_wall_s", res.wall_s))])
     if res.strategy == "chain":
-        rows_json = res.rows_json
         client.log_text(rid, res.table + "\n\n" + "\n".join(f"- {n}" for n in res.notes) + "\n", TABLE_ARTIFACT)
-        client.log_text(rid, rows_json, ROWS_ARTIFACT)
-        from .chain import Row
-
-        rows = [Row(**{**d, "hashes": tuple(d["hashes"])}) for d in json.loads(rows_json)]
+        client.log_text(rid, json.dumps([row.as_dict() for row in res.rows], indent=1), ROWS_ARTIFACT)
         with tempfile.TemporaryDirectory() as d:
-            path = plot_path(rows, Path(d) / "path.png", f"optimize ({res.experiment}): final {describe(res.final)}")
+            path = plot_path(res.rows, Path(d) / "path.png", f"optimize ({res.experiment}): final {describe(res.final)}")
             if path is not None:
                 client.log_artifact(rid, str(path), "optimize")
     else:
-        client.log_text(rid, "\n".join(res.front + [""] + res.skipped + res.notes) + "\n", FRONT_ARTIFACT)
+        client.log_text(rid, "\n".join(res.summary + [""] + res.notes) + "\n", FRONT_ARTIFACT)
 
 
 def print_result(res: OptimizeResult, echo=print) -> None:
@@ -261,11 +255,8 @@ def print_result(res: OptimizeResult, echo=print) -> None:
         for n in res.notes:
             echo(f"note: {n}")
     else:
-        echo("Pareto front (feasible):" if res.front else "Pareto front: no feasible configuration measured")
-        for line in res.front:
-            echo("  " + line)
-        for line in res.skipped:
-            echo("  " + line)
+        for line in res.summary:
+            echo(line)
         for n in res.notes:
             echo(f"note: {n}")
     echo(f"\nstopped: {res.stop}; {res.trials} trial(s) run, {res.reused} reused from the store; "
