@@ -28,6 +28,7 @@ from .table import order_notes, plot_path, to_markdown
 KIND = "optimize"
 TABLE_ARTIFACT, ROWS_ARTIFACT, PLOT_ARTIFACT = "optimize/chain.md", "optimize/chain.json", "optimize/path.png"
 FRONT_ARTIFACT, FINAL_ARTIFACT = "optimize/front.md", "optimize/final_config.yaml"
+DEPLOY_ARTIFACT = "optimize/deploy.sh"
 
 
 class OptimizeError(UserError):
@@ -50,6 +51,7 @@ class OptimizeResult:
     notes: list[str] = field(default_factory=list)
     summary: list[str] = field(default_factory=list)  # search: the front, best, races, pruned, refused, ... each in its section
     measured: dict[str, str] = field(default_factory=dict)  # the final point as its trial ran (eval.enabled=false ...)
+    deploy: str = ""  # the final configuration as the command that deploys it (deploy.py)
 
 
 def prepare(overrides: list[str]) -> tuple[Space, OptimizeConf, Dispatcher]:
@@ -232,6 +234,8 @@ def _log(client, rid: str, res: OptimizeResult, disp: Dispatcher) -> None:
             client.log_text(rid, yaml.safe_dump(spec.config, sort_keys=True), FINAL_ARTIFACT)
             client.set_tag(rid, "final_config_hash", spec.config_hash)
             res.final_hash = spec.config_hash
+            res.deploy = _deployment(spec.trial)
+            client.log_text(rid, res.deploy, DEPLOY_ARTIFACT)
     from mlflow.entities import Metric
 
     now = int(time.time() * 1000)
@@ -246,6 +250,20 @@ def _log(client, rid: str, res: OptimizeResult, disp: Dispatcher) -> None:
                 client.log_artifact(rid, str(path), "optimize")
     else:
         client.log_text(rid, "\n".join(res.summary + [""] + res.notes) + "\n", FRONT_ARTIFACT)
+
+
+def _deployment(trial) -> str:
+    from engine.config import EngineError
+
+    from .deploy import deployment, gguf_of
+
+    def gguf(t):
+        try:
+            return gguf_of(t)
+        except (EngineError, OSError) as e:  # not in this machine's cache: named by what it holds
+            return f"<GGUF of {t.model.name}, weights {t.quant.level}: {e}>"
+
+    return deployment(trial, gguf).text()
 
 
 def print_result(res: OptimizeResult, echo=print) -> None:
@@ -263,4 +281,6 @@ def print_result(res: OptimizeResult, echo=print) -> None:
          f"{res.wall_s / 60:.1f} min")
     echo(f"final: {describe(res.final) if res.final else '(none)'}  config_hash {res.final_hash[:12] or '?'}"
          + (f"  (infersweep reproduce {res.final_hash[:12]})" if res.final_hash else ""))
+    if res.deploy:
+        echo("\n" + res.deploy.rstrip())
     echo(f"MLflow: experiment '{res.experiment}', optimize run {res.run_id} (artifacts optimize/)")

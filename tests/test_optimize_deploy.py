@@ -1,0 +1,40 @@
+"""The final configuration as the command that deploys it (experiments/optimize/deploy.py)."""
+from __future__ import annotations
+
+import dataclasses
+
+from engine.config import (BatchingConfig, EngineConfig, KVCacheConfig, ModelConfig, SpeculativeConfig, TrialConfig,
+                           WorkloadConfig)
+from experiments.optimize.deploy import deployment
+
+MODEL = ModelConfig(name="smollm2-135m", path="/models/smollm2", dtype="bfloat16")
+
+
+def test_vllm_serve_arguments_come_from_the_engine_args_the_trials_ran_with():
+    t = TrialConfig(model=MODEL, engine=EngineConfig(backend="vllm"),
+                    kv_cache=KVCacheConfig(mode="paged", prefix_caching=True),
+                    speculative=SpeculativeConfig(method="prompt-lookup", k=3),
+                    workload=WorkloadConfig(batch_size=4, context_len=128, max_new_tokens=32))
+    (cmd,) = deployment(t).commands
+    assert cmd.startswith("vllm serve /models/smollm2 ")
+    assert "--max-num-seqs 4" in cmd and "--dtype bfloat16" in cmd and "--enable-prefix-caching" in cmd
+    assert "--speculative-config '{\"method\":\"ngram\",\"num_speculative_tokens\":3" in cmd
+    assert "--seed" not in cmd and "--max-logprobs" not in cmd  # measuring settings, not serving ones
+
+
+def test_llama_server_and_llama_cpp_python_arguments():
+    t = TrialConfig(model=MODEL, engine=EngineConfig(backend="llamacpp", threads=2),
+                    kv_cache=KVCacheConfig(dtype="q8_0"), workload=WorkloadConfig(batch_size=1, context_len=128,
+                                                                               max_new_tokens=32))
+    t = dataclasses.replace(t, attention=dataclasses.replace(t.attention, impl="flash"))
+    d = deployment(t, gguf=lambda trial: "/cache/gguf/abc/model-q4_0.gguf")
+    server, py = d.commands
+    assert server.startswith("llama-server -m /cache/gguf/abc/model-q4_0.gguf -c 160 -np 1")
+    assert "-t 2 -tb 2" in server and "-fa on" in server and "-ctk q8_0 -ctv q8_0" in server
+    assert py.startswith("python -m llama_cpp.server --model /cache/gguf/abc/model-q4_0.gguf")
+    assert "--n_threads 2" in py and "--flash_attn true" in py
+
+
+def test_an_in_process_engine_says_it_has_no_server():
+    d = deployment(TrialConfig(model=MODEL))
+    assert d.commands == () and "reproduce" in d.text() and "no server command" in d.text()
