@@ -86,13 +86,17 @@ kv_cache=off,contiguous attention=eager,sdpa quant=none,int8-weight; settings ar
   optimize=chain (default)   from the baseline (every axis at its "off" value), take the seed's chain step by step
                              (KV cache, batching, fused attention, quantization: int8-weight first, speculative,
                              then the other axes, the model last); each candidate is measured against the
-                             incumbent as an interleaved pair and kept only when its ratio's 95% interval excludes 1,
-                             the gain clears optimize.min_effect (0.03), the paired accuracy gate holds (McNemar on
-                             the same items; undecided: more items up to optimize.gate.max_items) and optimize.slo /
-                             optimize.max_memory_gb hold; unstable pairs are re-measured (optimize.remeasure)
+                             incumbent as an interleaved pair and kept only when the lower bound of its ratio's
+                             interval clears 1 + optimize.min_effect (at a level that keeps optimize.false_accept
+                             over every look), the paired accuracy gate holds vs the incumbent and the baseline
+                             (non-inferiority within optimize.gate.max_drop; undecided: more items up to
+                             optimize.gate.max_items) and optimize.slo / optimize.max_memory_gb hold; undecided
+                             pairs are measured again (optimize.remeasure); the final config is printed as its
+                             deploy command (docs/optimize.md: what each verdict guarantees)
   optimize=search            Optuna multi-objective search (optimize.search.objectives: tpot, accuracy, peak_memory)
-                             with the gate / SLO / memory limit as constraints; refused and predicted-to-lose
-                             configurations are never measured; the study resumes from mlflow/optuna.db
+                             with the paired gate / SLO / memory limit as constraints; refused and predicted-dominated
+                             configurations are never measured; the top ones are raced in interleaved pairs before
+                             one is called best; the study resumes from mlflow/optuna.db
   optimize.objective=tpot | ttft | output_tok_s | max_rate | peak_memory | 0.7*tpot+0.3*peak_memory | tpot>peak_memory
   optimize.max_trials=24 optimize.max_minutes=0   the budget (trials reused by config hash are free)
 every measured configuration is an ordinary trial (one MLflow run with its config hash) nested under one
