@@ -78,6 +78,12 @@ def test_items_are_paired_by_identity():
     assert u.verdict == UNPAIRED and "no text hash" in u.why
     hashed = [{"doc_id": i, "text": f"doc {i}", "correct": x} for i, x in enumerate(inc)]
     assert paired_accuracy("needle", hashed, hashed, positional_ok=False).verdict != UNPAIRED
+    # the engine's item identities (engine/tasks/run.py TaskResult.items: "<doc_id>:<digest>") key the answers
+    from experiments.optimize.dispatch import identified_correct
+
+    a = identified_correct({"t": [1.0, 0.0]}, {"t": ["0:aa", "1:bb"]})["t"]
+    b = identified_correct({"t": [1.0, 1.0]}, {"t": ["0:aa", "1:cc"]})["t"]  # document 1 changed behind its index
+    assert a == {"0:aa": 1.0, "1:bb": 0.0} and paired_accuracy("t", a, b).verdict == UNPAIRED
 
 
 # --- objectives ----------------------------------------------------------------------------------------

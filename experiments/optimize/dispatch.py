@@ -149,5 +149,15 @@ class Dispatcher:
             return Measurement(dict(point), status=FAILED, error=(o.error if o else row.get("error", "")) or row["status"],
                                config_hash=o.config_hash if o else "", run_id=row.get("run_id"))
         return Measurement(dict(point), metrics=dict(o.metrics), rounds=dict(o.samples) if interleaved else {},
-                           correct=dict(getattr(o, "correct", {}) or {}), labels=dict(o.labels),
-                           config_hash=o.config_hash, run_id=row.get("run_id"))
+                           correct=identified_correct(getattr(o, "correct", {}), getattr(o, "items", {})),
+                           labels=dict(o.labels), config_hash=o.config_hash, run_id=row.get("run_id"))
+
+
+def identified_correct(correct, items) -> dict:
+    """task -> per-item correctness, keyed by the item's identity (`<doc_id>:<document digest>`, engine/tasks/run.py
+    TaskResult.items) where the trial gives it, else the list in document order (accuracy.items_of reads both)."""
+    out = {}
+    for task, values in (correct or {}).items():
+        ids = (items or {}).get(task)
+        out[task] = dict(zip(ids, values)) if ids and len(ids) == len(values) else list(values)
+    return out

@@ -30,7 +30,7 @@ import random
 from dataclasses import dataclass, field, replace
 from typing import Callable, Mapping, Optional, Sequence
 
-from .accuracy import HOLDS, UNDECIDED, WORSE, PairedAccuracy, paired_accuracy
+from .accuracy import HOLDS, UNDECIDED, WORSE, PairedAccuracy, items_of, paired_accuracy
 from .chain import Budget, Chain, baseline_of
 from .decide import ACCEPTED, Rules, limit_violations, loaded
 from .measurement import EVAL_LIMIT, Measure, Measurement, Point, Request, describe, point_key
@@ -54,7 +54,7 @@ def accuracy_value(m: Measurement) -> Optional[float]:
     scores = [v for k, v in m.metrics.items() if k.startswith("task_score.") and k.count(".") == 1]
     if scores:
         return sum(scores) / len(scores)
-    items = [x for xs in m.correct.values() for x in xs]
+    items = [x for xs in m.correct.values() for x in items_of(xs).values()]
     return sum(items) / len(items) if items else None
 
 
