@@ -408,7 +408,8 @@ def build_parser() -> argparse.ArgumentParser:
     r = sub.add_parser("run", help="run one trial in this process (same results path as sweep)")
     r.add_argument("overrides", nargs="*")
     r.set_defaults(fn=cmd_run)
-    rp = sub.add_parser("reproduce", help="re-run a recorded trial by config hash (a prefix is enough) and compare")
+    rp = sub.add_parser("reproduce", help="re-run a recorded trial by config hash (a prefix is enough) as it was "
+                                          "measured (alone, or with its interleaved partners) and compare")
     rp.add_argument("hash", help="config_hash or a unique prefix of it")
     rp.add_argument("overrides", nargs="*", help="tracking.* overrides, to read another store")
     rp.add_argument("--against-all", action="store_true",

@@ -341,8 +341,9 @@ class Tracker:
         sweep_id: Optional[str] = None,
         extra_tags: Optional[dict[str, str]] = None,
         record_id: Optional[str] = None,
+        run_name: Optional[str] = None,
     ) -> str:
-        """One trial run, terminal when this returns. `record_id` (unique per result) makes a re-upload
+        """One trial run, terminal when this returns (named `run_name`, else by its swept axes). `record_id` (unique per result) makes a re-upload
         from the spool idempotent. If the write breaks off, the half-written run is marked FAILED (or
         KILLED on Ctrl-C) where the store still answers, and the caller spools the result."""
         from mlflow.entities import Metric
@@ -367,7 +368,8 @@ class Tracker:
             tags["sweep_id"] = sweep_id
         if outcome.error:
             tags["error"] = outcome.error.splitlines()[0][:4000]
-        run = self.client.create_run(exp_id, start_time=outcome.start_ms or None, tags=tags, run_name=spec.label[:250])
+        run = self.client.create_run(exp_id, start_time=outcome.start_ms or None, tags=tags,
+                                     run_name=(run_name or spec.label)[:250])
         rid = run.info.run_id
         try:
             params = flatten({k: v for k, v in spec.config.items() if k != "tracking"})
