@@ -69,7 +69,7 @@ def main() -> int:
     ap.add_argument("--dry", action="store_true", help="list the grid's valid configurations and stop")
     args = ap.parse_args()
 
-    from experiments.optimize.dispatch import Dispatcher
+    from experiments.optimize.dispatch import TrialMeasure
     from experiments.optimize.measurement import Request, describe
     from experiments.optimize.objective import Objective
     from experiments.optimize.run import run_optimize
@@ -87,7 +87,7 @@ def main() -> int:
 
     # 1. the grid
     sp = read_space(base + axes + ["sweep_name=bench-opt-grid", "optimize.gate.enabled=false"])
-    grid = Dispatcher(sp.fixed, "bench-opt-grid", sp.config["tracking"], None, args.rounds, "bench_optimize grid",
+    grid = TrialMeasure(sp.fixed, "bench-opt-grid", sp.config["tracking"], None, args.rounds, "bench_optimize grid",
                       echo=lambda s: None)
     points = [dict(zip(sp.axes, vs)) for vs in itertools.product(*sp.axes.values())]
     valid = [p for p in points if not grid.validate(p)]
@@ -130,7 +130,7 @@ def main() -> int:
                 "optimize search": configs("bench-opt-search")}
 
     # 4. each pick against the grid's best: one interleaved pair (the drift of the machine cancels)
-    check = Dispatcher([o for o in sp.fixed if not o.startswith("sweep_name=")] + ["sweep_name=bench-opt-check"],
+    check = TrialMeasure([o for o in sp.fixed if not o.startswith("sweep_name=")] + ["sweep_name=bench-opt-check"],
                        "bench-opt-check", sp.config["tracking"], None, args.rounds, "bench_optimize check",
                        echo=lambda s: None)
     out = []

@@ -437,7 +437,7 @@ def expand(overrides: list[str], gpu_available: bool | None = None) -> list[Tria
         fixed = _known_options(c, fixed, problems)
         fixed, params = _compose_fixed(c, fixed, problems)
         fixed_strs = [o.input_line for o in fixed]
-        axes = _sweep_axes(c, fixed, fixed_strs, params, sweeps, problems)
+        axes = sweep_axes(c, fixed, fixed_strs, params, sweeps, problems)
         specs, conflicts = _trials(c, fixed, fixed_strs, axes, gpu_available, problems)
     problems += _bundle_problems(conflicts)
     problems += _trial_problems(specs, gpu_available)
@@ -492,10 +492,11 @@ def _compose_fixed(c: "Composer", fixed: list, problems: list[str]) -> tuple[lis
             raise SweepError(problems) from None
 
 
-def _sweep_axes(c: "Composer", fixed: list, fixed_strs: list[str], params: dict[str, str], sweeps: list,
-                problems: list[str]) -> dict[str, list[str]]:
+def sweep_axes(c: "Composer", fixed: list, fixed_strs: list[str], params: dict[str, str], sweeps: list,
+               problems: list[str]) -> dict[str, list[str]]:
     """key -> values of every sweep axis: the experiment's params, then the command line's (which win per key);
-    a key pinned on the command line is no axis. Each value is composed alone, and a bad one dropped."""
+    a key pinned on the command line is no axis. Each value is composed alone, and a bad one dropped. The one
+    reading of the axes: `expand` and `infersweep optimize` (experiments/optimize/space.py) both call it."""
     fixed_keys = {_key(o).lstrip("+") for o in fixed}
     axes: dict[str, list[str]] = {}
     for k, v in params.items():

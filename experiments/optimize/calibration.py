@@ -19,10 +19,10 @@ from typing import Optional, Sequence
 import numpy as np
 
 from .accuracy import HOLDS, UNDECIDED, WORSE
-from .chain import Budget, Chain
-from .decide import ACCEPTED, REJECTED, Rules
+from .chain import Chain
 from .measurement import EVAL_LIMIT, EVAL_OFF, FINISHED, Measurement, Request
 from .objective import Objective
+from .types import ACCEPTED, REJECTED, Budget, Rules
 
 METRIC = "tpot_ms_p50"
 SPACE = {"kv_cache": ["off", "contiguous"]}

@@ -32,6 +32,7 @@ from .decide import (ACCEPTED, BASELINE, MORE_ITEMS, REJECTED, REMEASURE, RUN_FA
                      Rules, Verdict, accuracy_cell, accuracy_of, judge_accuracy, judge_timing, loaded, memory_problem)
 from .measurement import EVAL_LIMIT, EVAL_OFF, Measure, Measurement, Point, Request, describe
 from .objective import Objective
+from .types import Budget, Row
 
 MODEL_KEYS = ("model", "model.name")  # the model axis (right-size); `model.dtype` is the precision axis
 
@@ -111,40 +112,8 @@ def pays_off(key: str, labels: Mapping[str, str]) -> tuple[Optional[bool], str]:
     return None, ""
 
 
-@dataclass
-class Row:
-    step: int
-    label: str
-    candidate: str
-    decision: str
-    reason: str
-    ratio: Optional[tuple[float, float, float]] = None  # (value, lo, hi) of the ratio the decision rests on
-    accuracy: str = ""
-    regime_before: str = ""
-    regime_after: str = ""
-    hashes: tuple[str, ...] = ()
-    attempts: int = 1  # measurements of the pair (re-measurements, more items)
-
-    def as_dict(self) -> dict:
-        return {k: (list(v) if isinstance(v, tuple) else v) for k, v in self.__dict__.items()}
-
-    @property
-    def ratio_cell(self) -> str:
-        if self.ratio is None:
-            return ""
-        v, lo, hi = self.ratio
-        return f"x{v:.2f} [{lo:.2f}-{hi:.2f}]" + (" ~" if lo <= 1 <= hi else "")
-
-
 def _nums(r: Optional[Ratio]) -> Optional[tuple[float, float, float]]:
     return (r.value, r.lo, r.hi) if r is not None else None
-
-
-@dataclass(frozen=True)
-class Budget:
-    max_trials: int  # trials run now (trials found FINISHED in the store are free)
-    max_s: float  # 0: no time limit
-    max_items: int  # eval.limit ceiling when a pair's accuracy is undecided
 
 
 @dataclass

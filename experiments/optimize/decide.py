@@ -29,41 +29,12 @@ from engine.measure.spread import Ratio
 from .accuracy import UNDECIDED, UNPAIRED, WORSE, PairedAccuracy, paired_accuracy
 from .measurement import Measurement
 from .objective import Objective
+from .types import (ACCEPTED, BASELINE, ENGINE_LOOKS, MORE_ITEMS, REJECTED, REMEASURE, RUN_FAILED,  # noqa: F401
+                    SKIPPED, TOTAL, UNDECIDED_PAIR, Rules)  # (the decisions' names, re-exported beside the judge)
 
-ACCEPTED, REJECTED, UNDECIDED_PAIR = "accepted", "rejected", "undecided"
-RUN_FAILED, SKIPPED, BASELINE, TOTAL = "failed", "skipped", "baseline", "total"
-REMEASURE, MORE_ITEMS = "remeasure", "more_items"
-
-# engine/pipeline.py run_interleaved: the pair's rounds, then rounds added at most twice while its interval holds x1
-ENGINE_LOOKS = 3
 
 # timing codes of `timing_codes` (vectorized: the simulation tests judge thousands of pairs in one call)
 T_ACCEPT, T_SLOWER, T_BELOW, T_OPEN = 0, 1, 2, 3
-
-
-@dataclass(frozen=True)
-class Rules:
-    """How a pair is decided. Built from `optimize.*` by settings.rules_of (its defaults: conf/optimize/)."""
-    min_effect: float  # the smallest gain worth taking (0.03: 3%), decided on the interval's lower bound
-    false_accept: float  # P(accept | true gain < min_effect) over the whole procedure of one pair
-    attempts: int  # measurements of a pair at most (1 + optimize.remeasure)
-    max_drop: float  # the accuracy drop (share of items) the gate tolerates
-    false_holds: float  # P(gate holds | true drop = max_drop) over all of the gate's looks
-    gate_looks: int  # looks of the gate at one pair (eval.limit doubled up to gate.max_items)
-    gate: bool = True  # judge task accuracy (when the trials have per-item results)
-    slo: dict[str, float] = field(default_factory=dict)  # metric -> upper limit (ttft_ms_p99: 500)
-    max_memory_bytes: Optional[float] = None  # None: no limit
-    model_documents: tuple[str, ...] = ()  # tasks whose documents each model builds with its own tokenizer
-
-    @property
-    def timing_alpha(self) -> float:
-        """The one-sided level of one look of the timing rule."""
-        return self.false_accept / (ENGINE_LOOKS * max(1, self.attempts))
-
-    @property
-    def gate_alpha(self) -> float:
-        """The one-sided level of one look of the accuracy gate."""
-        return self.false_holds / max(1, self.gate_looks)
 
 
 @dataclass

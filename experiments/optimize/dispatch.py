@@ -27,7 +27,10 @@ def _overrides(point: Point) -> list[str]:
     return [f"{k}={v}" for k, v in point.items()]
 
 
-class Dispatcher:
+class TrialMeasure:
+    """The production `Measure` (measurement.py): points -> validated trials -> `run_specs` (the cluster's own
+    dispatcher, cluster/dispatcher.py, places them) -> Measurements; FINISHED trials reused by config hash."""
+
     def __init__(self, fixed: list[str], sweep_name: str, tracking: dict[str, Any], parent_run_id: Optional[str],
                  rounds: int, command: str, in_process: bool = False, echo=print):
         self.fixed, self.sweep_name, self.tracking = list(fixed), sweep_name, tracking

@@ -16,14 +16,15 @@ import yaml
 
 from ..config.compose import SweepError
 from ..errors import UserError
-from .chain import MODEL_KEYS, Chain, ChainResult, Row, baseline_of
-from .dispatch import Dispatcher
+from .chain import MODEL_KEYS, Chain, ChainResult, baseline_of
+from .dispatch import TrialMeasure
 from .measurement import describe
 from .objective import Objective
 from .search import ACCURACY, Search, SearchResult, summary
 from .settings import OptimizeConf, budget_of, from_dict, problems, rules_of
 from .space import Space, read_space
 from .table import order_notes, plot_path, to_markdown
+from .types import Row
 
 KIND = "optimize"
 TABLE_ARTIFACT, ROWS_ARTIFACT, PLOT_ARTIFACT = "optimize/chain.md", "optimize/chain.json", "optimize/path.png"
@@ -54,7 +55,7 @@ class OptimizeResult:
     deploy: str = ""  # the final configuration as the command that deploys it (deploy.py)
 
 
-def prepare(overrides: list[str]) -> tuple[Space, OptimizeConf, Dispatcher]:
+def prepare(overrides: list[str]) -> tuple[Space, OptimizeConf, TrialMeasure]:
     """Everything checked before any trial: the settings, the space, and the baseline trial's config."""
     space = read_space(overrides)
     o = from_dict(space.config.get("optimize") or {})
@@ -63,7 +64,7 @@ def prepare(overrides: list[str]) -> tuple[Space, OptimizeConf, Dispatcher]:
         found.append("optimize.search.objectives: 'accuracy' needs task accuracy (eval=tasks); drop it from the list "
                      "or choose eval=tasks")
     tracking = space.config["tracking"]
-    disp = Dispatcher(space.fixed, space.config["sweep_name"], tracking, None, rounds_of(o),
+    disp = TrialMeasure(space.fixed, space.config["sweep_name"], tracking, None, rounds_of(o),
                       "infersweep optimize " + " ".join(overrides))
     if space.axes and not found:
         base = baseline_of(space.axes)
@@ -172,7 +173,7 @@ def model_documents(space: Space) -> tuple[str, ...]:
     return tuple(t for t in (space.config.get("eval") or {}).get("tasks") or [] if needs_generation(t))
 
 
-def _chain(space: Space, o: OptimizeConf, objective: Objective, gate: bool, disp: Dispatcher, echo) -> OptimizeResult:
+def _chain(space: Space, o: OptimizeConf, objective: Objective, gate: bool, disp: TrialMeasure, echo) -> OptimizeResult:
     limit = int((space.config.get("eval") or {}).get("limit") or 0)
     predict = None
     if any(k in MODEL_KEYS for k in space.axes):  # right-size: a larger model predicted slower is not measured
@@ -195,7 +196,7 @@ def _chain(space: Space, o: OptimizeConf, objective: Objective, gate: bool, disp
                           rows=list(r.rows))
 
 
-def _search(space: Space, o: OptimizeConf, gate: bool, disp: Dispatcher, echo, storage: str, name: str) -> OptimizeResult:
+def _search(space: Space, o: OptimizeConf, gate: bool, disp: TrialMeasure, echo, storage: str, name: str) -> OptimizeResult:
     from cluster import ClusterConfig
 
     cl = ClusterConfig.from_dict(space.config["cluster"])
@@ -218,7 +219,7 @@ def _search(space: Space, o: OptimizeConf, gate: bool, disp: Dispatcher, echo, s
                                  f"{r.duplicates} repeated proposal(s) of decided configurations (nothing measured)"])
 
 
-def _log(client, rid: str, res: OptimizeResult, disp: Dispatcher) -> None:
+def _log(client, rid: str, res: OptimizeResult, disp: TrialMeasure) -> None:
     """The run's artifacts and tags: the table / front, the final configuration and its hash, the plot."""
     tags = {"optimize.stop": res.stop[:250], "optimize.trials": str(res.trials), "optimize.reused": str(res.reused)}
     if res.final_hash:

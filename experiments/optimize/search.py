@@ -31,10 +31,11 @@ from dataclasses import dataclass, field, replace
 from typing import Callable, Mapping, Optional, Sequence
 
 from .accuracy import HOLDS, UNDECIDED, WORSE, PairedAccuracy, items_of, paired_accuracy
-from .chain import Budget, Chain, baseline_of
-from .decide import ACCEPTED, Rules, limit_violations, loaded
+from .chain import Chain, baseline_of
+from .decide import limit_violations, loaded
 from .measurement import EVAL_LIMIT, Measure, Measurement, Point, Request, describe, point_key
 from .objective import TERMS, Objective
+from .types import ACCEPTED, Budget, Rules
 
 MINIMIZE, MAXIMIZE = "minimize", "maximize"
 ACCURACY = "accuracy"
@@ -272,11 +273,12 @@ class Search:
             self.echo(f"measuring {len(pending)} configuration(s): " + "; ".join(describe(p, self.baseline) for _, p in pending))
             try:
                 results = self._run([Request((p,)) for _, p in pending], res)
-                again = [i for i, (m,) in enumerate(results) if m.ok and loaded(m)]
-                if again:  # a load-flagged measurement decides nothing: once more (a new run), else dropped
-                    self.echo(f"measuring again (load): " + "; ".join(describe(pending[i][1], self.baseline) for i in again))
-                    for i, (m,) in zip(again, self._run([Request((pending[i][1],), attempt=1) for i in again], res)):
-                        results[i] = [m]
+                # a load-flagged measurement decides nothing: once more, alone (a batch's trials load each other on a
+                # small machine), else it is dropped
+                for i in [i for i, (m,) in enumerate(results) if m.ok and loaded(m)]:
+                    self.echo(f"measuring again alone (load): {describe(pending[i][1], self.baseline)}")
+                    ((m,),) = self._run([Request((pending[i][1],), attempt=1)], res)
+                    results[i] = [m]
             except BaseException:
                 for t, _ in pending:  # Ctrl-C: nothing RUNNING stays in the study
                     study.tell(t, state=TrialState.FAIL, skip_if_finished=True)

@@ -5,11 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from .accuracy import gate_looks
-from .chain import Budget
-from .decide import Rules
-from .objective import Objective, ObjectiveError
-from .search import GOALS
+from .types import Budget, Rules  # a leaf: the config schema imports this module, not the strategies
 
 STRATEGIES = ("chain", "search")
 
@@ -57,6 +53,8 @@ def from_dict(d: dict[str, Any]) -> OptimizeConf:
 
 def rules_of(o: OptimizeConf, gate: bool, eval_limit: int = 0, model_documents: tuple[str, ...] = ()) -> Rules:
     """The decision rules of `o`; `eval_limit`: the configured item count, from which the gate's looks follow."""
+    from .accuracy import gate_looks
+
     return Rules(min_effect=o.min_effect, false_accept=o.false_accept, attempts=1 + o.remeasure,
                  max_drop=o.gate.max_drop, false_holds=o.gate.false_holds,
                  gate_looks=gate_looks(eval_limit, o.gate.max_items) if eval_limit else 1, gate=gate,
@@ -71,6 +69,9 @@ def budget_of(o: OptimizeConf) -> Budget:
 
 def problems(o: OptimizeConf, space: dict[str, list[str]], config: dict[str, Any]) -> list[str]:
     """Every problem with the settings, the space and the trial config they apply to, each naming its key."""
+    from .objective import Objective, ObjectiveError
+    from .search import GOALS
+
     out: list[str] = []
     if o.strategy not in STRATEGIES:
         out.append(f"optimize.strategy: unknown strategy {o.strategy!r}; use {' or '.join(STRATEGIES)} (optimize=search)")

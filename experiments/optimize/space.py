@@ -5,7 +5,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from ..config.compose import Composer, SweepError, _first_lines, _key, _parse, _values, conf_dir, describe_error
+from ..config.compose import (Composer, SweepError, _first_lines, _key, _parse, conf_dir, describe_error,
+                              sweep_axes)
+
+SWEEPER_PARAMS = "hydra.sweeper.params."
 
 
 @dataclass
@@ -16,7 +19,8 @@ class Space:
 
 
 def read_space(overrides: list[str]) -> Space:
-    """Split `overrides` into the fixed part and the axes; composing errors are the user's (SweepError)."""
+    """Split `overrides` into the fixed part and the axes (compose.sweep_axes: the sweep's own reading, each
+    value composed alone); every problem is the user's (SweepError), reported at once."""
     # a new SLO metric is a key the user adds to an open mapping: Hydra wants `++` for that
     overrides = [("++" + o) if o.startswith("optimize.slo.") else o for o in overrides]
     try:
@@ -27,6 +31,10 @@ def read_space(overrides: list[str]) -> Space:
     sweeps = [o for o in parsed if o.is_sweep_override()]
     problems = [f"{_key(o)}: optimize settings take one value, not a list" for o in sweeps
                 if _key(o).split(".")[0] == "optimize" or _key(o) == "experiment"]
+    sweeps = [o for o in sweeps if _key(o).split(".")[0] != "optimize" and _key(o) != "experiment"]
+    # Hydra's own spelling of an axis (hydra.sweeper.params.quant=a,b) is that axis: the same as quant=a,b
+    sweeps = [_parse([f"{_key(o)[len(SWEEPER_PARAMS):]}={o.input_line.split('=', 1)[1]}"])[0]
+              if _key(o).startswith(SWEEPER_PARAMS) else o for o in sweeps]
     # `attention=[sdpa]` would select a list of group options (Hydra merges them): neither a pinned value nor an
     # axis. Refused like `attention=choice(sdpa)`, with both spellings of what was meant.
     for o in fixed:
@@ -46,21 +54,7 @@ def read_space(overrides: list[str]) -> Space:
             config, params = c.compose(fixed_strs, optimize=True)
         except Exception as e:
             raise SweepError([describe_error("overrides", e)]) from None
-    pinned = {_key(o).lstrip("+") for o in fixed}
-    axes: dict[str, list[str]] = {}
-    for k, v in params.items():
-        if k in pinned:
-            continue
-        (o,) = _parse([f"{k}={v}"])
-        axes[_key(o)] = _values(o)
-    for o in sweeps:
-        key = _key(o)
-        if key.startswith(SWEEPER_PARAMS):  # Hydra's own spelling of an axis: the same as `quant=a,b`
-            key = key[len(SWEEPER_PARAMS):]
-            axes.pop(key, None)  # replaces the experiment's values, in the command line's place
-        if key.split(".")[0] != "optimize":
-            axes[key] = _values(o)
+        axes = sweep_axes(c, fixed, fixed_strs, params, sweeps, problems)
+    if problems:
+        raise SweepError(problems)
     return Space(fixed_strs, axes, config)
-
-
-SWEEPER_PARAMS = "hydra.sweeper.params."

@@ -5,8 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Optional, Sequence
 
-from .chain import Row
-from .decide import ACCEPTED, BASELINE, REJECTED, SKIPPED, TOTAL, UNDECIDED_PAIR
+from .types import ACCEPTED, BASELINE, REJECTED, SKIPPED, TOTAL, UNDECIDED_PAIR, Row
 
 COLUMNS = ("step", "candidate", "decision", "reason", "ratio [interval]", "accuracy (paired: vs incumbent | vs baseline)",
            "regime before -> after", "trials")
