@@ -370,3 +370,20 @@ def test_a_later_variant_must_beat_the_accepted_one():
     assert quant == [("quant=int8-weight", ACCEPTED), ("quant=int4-weight", ACCEPTED), ("quant=int8-dynamic", REJECTED)]
     assert res.incumbent == {"quant": "int4-weight"}
     assert res.path == [{"quant": "none"}, {"quant": "int8-weight"}, {"quant": "int4-weight"}]
+
+
+def test_the_shipped_settings_have_one_set_of_values():
+    """conf/optimize/chain.yaml (what a user reads and Hydra composes) and OptimizeConf (its typed schema) carry
+    the same defaults; Rules and Budget have none of their own (settings.rules_of / budget_of build them)."""
+    import yaml
+
+    from experiments.config.compose import conf_dir
+    from experiments.optimize.settings import from_dict
+    from experiments.optimize.types import Budget, Rules
+
+    shipped = yaml.safe_load((conf_dir() / "optimize" / "chain.yaml").read_text())
+    assert from_dict(shipped) == OptimizeConf()
+    with pytest.raises(TypeError):
+        Budget()
+    with pytest.raises(TypeError):
+        Rules()

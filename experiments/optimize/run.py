@@ -8,7 +8,7 @@ import json
 import os
 import tempfile
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any, Optional
 
@@ -36,22 +36,27 @@ class OptimizeError(UserError):
     heading = "invalid optimize"
 
 
-@dataclass
-class OptimizeResult:
+@dataclass(frozen=True)
+class Decided:
+    """What a strategy decided (the run around it adds where and how long: OptimizeResult)."""
     strategy: str
-    experiment: str
-    run_id: Optional[str]
     final: dict[str, str]
-    final_hash: str
     stop: str
     trials: int
     reused: int
-    wall_s: float
-    table: str = ""  # chain: the markdown table
-    rows: list[Row] = field(default_factory=list)  # chain: the table's rows (chain.json)
-    notes: list[str] = field(default_factory=list)
-    summary: list[str] = field(default_factory=list)  # search: the front, best, races, pruned, refused, ... each in its section
     measured: dict[str, str] = field(default_factory=dict)  # the final point as its trial ran (eval.enabled=false ...)
+    table: str = ""  # chain: the markdown table
+    rows: tuple[Row, ...] = ()  # chain: the table's rows (chain.json)
+    notes: tuple[str, ...] = ()
+    summary: tuple[str, ...] = ()  # search: the front, best, races, pruned, refused, ... each in its section
+
+
+@dataclass(frozen=True)
+class OptimizeResult(Decided):
+    experiment: str = ""
+    run_id: Optional[str] = None
+    wall_s: float = 0.0
+    final_hash: str = ""  # the config hash of the final configuration's trial (`infersweep reproduce` finds it)
     deploy: str = ""  # the final configuration as the command that deploys it (deploy.py)
 
 
@@ -129,12 +134,17 @@ def run_optimize(overrides: list[str], in_process: bool = False, echo=print) -> 
     status = "FAILED"
     try:
         if o.strategy == "chain":
-            res = _chain(space, o, objective, gate, disp, echo)
+            decided = _chain(space, o, objective, gate, disp, echo)
         else:
-            res = _search(space, o, gate, disp, echo, study_storage(space.config["tracking"]),
-                          _study_name(experiment, space, o))
-        res.experiment, res.run_id, res.wall_s = experiment, rid, time.perf_counter() - t0
-        _log(tracker.client, rid, res, disp)
+            decided = _search(space, o, gate, disp, echo, study_storage(space.config["tracking"]),
+                              _study_name(experiment, space, o))
+        spec, problem = _final_spec(disp, decided)
+        res = OptimizeResult(**{f.name: getattr(decided, f.name) for f in fields(Decided)},
+                             experiment=experiment, run_id=rid, wall_s=time.perf_counter() - t0,
+                             final_hash=spec.config_hash if spec else "", deploy=_deployment(spec.trial) if spec else "")
+        if problem:
+            res = replace(res, notes=res.notes + (problem,))
+        _log(tracker.client, rid, res, spec)
         status = "FINISHED"
         return res
     except KeyboardInterrupt:
@@ -173,7 +183,7 @@ def model_documents(space: Space) -> tuple[str, ...]:
     return tuple(t for t in (space.config.get("eval") or {}).get("tasks") or [] if needs_generation(t))
 
 
-def _chain(space: Space, o: OptimizeConf, objective: Objective, gate: bool, disp: TrialMeasure, echo) -> OptimizeResult:
+def _chain(space: Space, o: OptimizeConf, objective: Objective, gate: bool, disp: TrialMeasure, echo) -> Decided:
     limit = int((space.config.get("eval") or {}).get("limit") or 0)
     predict = None
     if any(k in MODEL_KEYS for k in space.axes):  # right-size: a larger model predicted slower is not measured
@@ -185,18 +195,16 @@ def _chain(space: Space, o: OptimizeConf, objective: Objective, gate: bool, disp
               trust_regime=o.trust_regime, echo=echo, predict=predict, score_neutral=neutral,
               eval_baseline=not neutral)  # log-likelihood tasks only: the pairs measure every accuracy that decides
     r: ChainResult = c.run()
-    final_hash = r.incumbent_measurement.config_hash if r.incumbent_measurement else ""
     notes = order_notes(r.rows)
     if r.total is not None:
         notes.append(f"total gain of the chain: {objective.label} {r.total.cell()} (final vs baseline, one "
                      f"interleaved pair, 95%)")
-    return OptimizeResult("chain", "", None, r.incumbent, final_hash, r.stop, r.trials, r.reused, 0.0,
-                          table=to_markdown(r.rows), notes=notes,
-                          measured=dict(r.incumbent_measurement.point) if r.incumbent_measurement else {},
-                          rows=list(r.rows))
+    return Decided("chain", r.incumbent, r.stop, r.trials, r.reused,
+                   measured=dict(r.incumbent_measurement.point) if r.incumbent_measurement else {},
+                   table=to_markdown(r.rows), rows=tuple(r.rows), notes=tuple(notes))
 
 
-def _search(space: Space, o: OptimizeConf, gate: bool, disp: TrialMeasure, echo, storage: str, name: str) -> OptimizeResult:
+def _search(space: Space, o: OptimizeConf, gate: bool, disp: TrialMeasure, echo, storage: str, name: str) -> Decided:
     from cluster import ClusterConfig
 
     cl = ClusterConfig.from_dict(space.config["cluster"])
@@ -213,30 +221,33 @@ def _search(space: Space, o: OptimizeConf, gate: bool, disp: TrialMeasure, echo,
                eval_limit=limit, echo=echo)
     r: SearchResult = s.run()
     best = r.best
-    return OptimizeResult("search", "", None, dict(best.point) if best else {}, best.config_hash if best else "", r.stop,
-                          r.trials, r.reused, 0.0, summary=summary(r),
-                          notes=[f"objectives: {', '.join(goals)}; {len(r.evaluated)} configuration(s) measured, "
-                                 f"{r.duplicates} repeated proposal(s) of decided configurations (nothing measured)"])
+    return Decided("search", dict(best.point) if best else {}, r.stop, r.trials, r.reused,
+                   measured=dict(best.measurement.point) if best and best.measurement else {}, summary=tuple(summary(r)),
+                   notes=(f"objectives: {', '.join(goals)}; {len(r.evaluated)} configuration(s) measured, "
+                          f"{r.duplicates} repeated proposal(s) of decided configurations (nothing measured)",))
 
 
-def _log(client, rid: str, res: OptimizeResult, disp: TrialMeasure) -> None:
-    """The run's artifacts and tags: the table / front, the final configuration and its hash, the plot."""
+def _final_spec(disp: TrialMeasure, decided: Decided):
+    """(the final configuration's trial spec -- as its trial ran, so its hash is one `reproduce` finds -- or None,
+    and a note when it no longer validates)."""
+    if not decided.final:
+        return None, ""
+    try:
+        return disp.spec(decided.measured or decided.final), ""
+    except SweepError as e:  # it ran, so it validated: say so rather than hide it
+        return None, f"the final configuration no longer validates: {'; '.join(e.problems)}"
+
+
+def _log(client, rid: str, res: OptimizeResult, spec) -> None:
+    """The run's artifacts and tags: the table / front, the final configuration, its hash and deploy command, the plot."""
     tags = {"optimize.stop": res.stop[:250], "optimize.trials": str(res.trials), "optimize.reused": str(res.reused)}
     if res.final_hash:
         tags["final_config_hash"] = res.final_hash
     for k, v in tags.items():
         client.set_tag(rid, k, v)
-    if res.final:
-        try:
-            spec = disp.spec(res.measured or res.final)  # the hash of a trial that ran: `reproduce` finds it
-        except SweepError as e:  # it ran, so it validated: say so rather than hide it
-            res.notes.append(f"the final configuration no longer validates: {'; '.join(e.problems)}")
-        else:
-            client.log_text(rid, yaml.safe_dump(spec.config, sort_keys=True), FINAL_ARTIFACT)
-            client.set_tag(rid, "final_config_hash", spec.config_hash)
-            res.final_hash = spec.config_hash
-            res.deploy = _deployment(spec.trial)
-            client.log_text(rid, res.deploy, DEPLOY_ARTIFACT)
+    if spec is not None:
+        client.log_text(rid, yaml.safe_dump(spec.config, sort_keys=True), FINAL_ARTIFACT)
+        client.log_text(rid, res.deploy, DEPLOY_ARTIFACT)
     from mlflow.entities import Metric
 
     now = int(time.time() * 1000)
@@ -250,7 +261,7 @@ def _log(client, rid: str, res: OptimizeResult, disp: TrialMeasure) -> None:
             if path is not None:
                 client.log_artifact(rid, str(path), "optimize")
     else:
-        client.log_text(rid, "\n".join(res.summary + [""] + res.notes) + "\n", FRONT_ARTIFACT)
+        client.log_text(rid, "\n".join(res.summary + ("",) + res.notes) + "\n", FRONT_ARTIFACT)
 
 
 def _deployment(trial) -> str:
