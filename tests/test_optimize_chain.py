@@ -387,3 +387,22 @@ def test_the_shipped_settings_have_one_set_of_values():
         Budget()
     with pytest.raises(TypeError):
         Rules()
+
+
+def test_every_accepted_step_is_also_gated_against_the_baseline():
+    syn = Synthetic(tpot_of({("attention", "sdpa"): 0.7, ("quant", "int8-weight"): 0.7}))
+    res = chain(syn, space={"attention": ["eager", "sdpa"], "quant": ["none", "int8-weight"]}).run()
+    att, quant = res.rows[1], res.rows[2]
+    assert att.decision == ACCEPTED and "vs baseline" not in att.accuracy  # its incumbent is the baseline itself
+    assert quant.decision == ACCEPTED and "vs baseline: emoji_movie +0.0%" in quant.accuracy
+    assert "n=200 holds" in quant.accuracy.split("vs baseline:")[1]
+    # the baseline's answers at 100 and 200 items were measured alone (kept for later steps), at 50 it was the baseline trial
+    alone = [r.points[0] for r in syn.requests if not r.interleaved and len(r.points) == 1]
+    assert {"attention": "eager", "quant": "none", "eval.limit": "200"} in alone
+    # a loss vs the baseline rejects even where the pair vs the incumbent holds (decide.judge_accuracy)
+    from experiments.optimize.decide import judge_accuracy
+
+    ok = paired_accuracy("t", [1.0] * 200, [1.0] * 200, 0.03, 0.05 / 3)
+    bad = paired_accuracy("t", [1.0] * 200, [0.0] * 20 + [1.0] * 180, 0.03, 0.05 / 3)
+    decision, why, _ = judge_accuracy([ok], [bad])
+    assert decision == REJECTED and why.startswith("accuracy gate: vs baseline: t -10.0%")

@@ -232,7 +232,10 @@ class Chain:
             limit = self.eval_limit
             inc_m, cand_m = ms
             while True:
-                ref = inc_m if inc == self.baseline else self._reference_at(limit)
+                # the baseline's answers: the incumbent's own where it differs from the baseline only in axes that
+                # cannot change a score (their answers are the same by construction), else measured at this count
+                same_as_base = inc == self.baseline or self._same_scores(self.baseline, inc)
+                ref = inc_m if same_as_base else self._reference_at(limit)
                 v.accuracy = accuracy_of(inc_m, cand_m, self.rules)
                 v.cumulative = accuracy_of(ref, cand_m, self.rules) if ref is not inc_m else []
                 decision, why, needs = judge_accuracy(v.accuracy, v.cumulative)
