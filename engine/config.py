@@ -34,8 +34,9 @@ GEMV_ALL_LEVELS = ("none", "int8-weight", "int4-weight")  # the levels quant.ker
 # auto = per weight shape the fastest of the kernels the level has, timed once per machine (engine/quant.py)
 # how engine.compile=true compiles (engine=native): dynamic = torch.compile(dynamic=True) of the whole forward;
 # static = a static KV cache and a one-token step compiled with inductor freezing (gpt-fast style);
-# static-autotune = static plus inductor max_autotune (its C++ GEMM templates; long compile)
-COMPILE_MODES = ("dynamic", "static", "static-autotune")
+# static-autotune = static plus inductor max_autotune (its C++ GEMM templates; long compile);
+# cpp = the one-token step in C++ (engine/engines/native/cpp_step.py: one call per token, no torch dispatch)
+COMPILE_MODES = ("dynamic", "static", "static-autotune", "cpp")
 WORKLOAD_KINDS = ("static", "serving", "multi-turn")
 BATCHING_MODES = ("static", "continuous")
 ARRIVALS = ("all-at-once", "fixed-rate", "poisson")

@@ -21,8 +21,8 @@ Levels
   level none, the skipped ones (the LM head by default) otherwise. torch's own fp32 / bf16 GEMV at one row
   streams well under the machine's read bandwidth on CPU (BENCHMARKS.md); prefill keeps F.linear.
 - `int8-dynamic`: INT8 weights + INT8 activations (W8A8): per-token dynamic activation scales, an int8 x
-  int8 -> int32 matmul (`torch._int_mm`), rescaled by both scales. No outlier handling: this is the
-  "naive activation quantization" the seed warns about.
+  int8 -> int32 matmul (our kernel: AVX-512 VNNI `vpdpbusd` or AVX2 `vpmaddubsw`; torch's integer matmul without
+  it), rescaled by both scales. No outlier handling: this is the "naive activation quantization" the seed warns about.
 - `bnb-int8`: bitsandbytes LLM.int8() (int8 weights + activations with fp16 outlier decomposition).
 - `bnb-nf4`, `bnb-fp4`: bitsandbytes 4-bit weight-only, `compute_dtype` configurable.
 
@@ -236,29 +236,24 @@ def kernel_info(model: nn.Module) -> dict[str, str]:
 
 
 class DynamicInt8Linear(nn.Module):
-    """W8A8: per-token activation scales computed on the fly, int8 x int8 -> int32, then rescaled."""
+    """W8A8: per-token activation scales computed on the fly, int8 x int8 -> int32, then rescaled by both scales.
+    The weight is int8 [out, in] (the GEMV layout: one weight row per output, as WeightOnlyInt8Linear), multiplied by
+    our integer kernel (engine/quant_kernels.py `w8a8_gemv`: AVX-512 VNNI / AVX2) at every row count; without the
+    compiled kernels, by torch's integer matmul (same integers)."""
 
-    # torch._int_mm needs more than 16 rows on some builds; smaller batches are padded (rows are independent)
-    MIN_ROWS = 17
+    level = "int8-dynamic"
 
     def __init__(self, linear: nn.Linear):
         super().__init__()
         q, s = quantize_per_channel(linear.weight)
         self.in_features, self.out_features = linear.in_features, linear.out_features
-        self.register_buffer("weight_t", q.t().contiguous())  # [in, out] for _int_mm's layout
+        self.register_buffer("weight", q)  # [out, in]
         self.register_buffer("scales", s)
         self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach().clone(), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x [..., in] -> [..., out]
         shape = x.shape
-        x2 = x.reshape(-1, shape[-1]).float()
-        xs = x2.abs().amax(dim=1, keepdim=True).clamp(min=1e-8) / 127.0  # [rows, 1]
-        xq = torch.clamp(torch.round(x2 / xs), -127, 127).to(torch.int8)
-        rows = xq.shape[0]
-        if rows < self.MIN_ROWS:
-            xq = F.pad(xq, (0, 0, 0, self.MIN_ROWS - rows))
-        acc = torch._int_mm(xq, self.weight_t)[:rows]  # [rows, out] int32
-        y = acc.float() * xs * self.scales
+        y = qk.w8a8_gemv(x.reshape(-1, shape[-1]), self.weight, self.scales)  # [rows, out] float32
         if self.bias is not None:
             y = y + self.bias.float()
         return y.to(x.dtype).reshape(*shape[:-1], self.out_features)

@@ -54,10 +54,14 @@ BASE_FLAGS = ("-O3", "-std=c++17", "-shared", "-fPIC", "-fopenmp", "-fno-math-er
 
 
 def cpu_tiers() -> list[str]:
-    """The tiers this CPU runs, best first (from /proc/cpuinfo's flags; scalar everywhere)."""
-    from .measure.hardware import cpu_flags, cpuinfo_text
-
-    flags = cpu_flags(cpuinfo_text())
+    """The tiers this CPU runs, best first (from /proc/cpuinfo's flags; scalar everywhere). Read here, not through
+    engine.measure.hardware, which imports the model loader (and so this module)."""
+    flags: set[str] = set()
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next((set(ln.split(":", 1)[1].split()) for ln in f if ln.split(":")[0].strip() == "flags"), set())
+    except OSError:
+        pass
     return [t for t, (need, _) in TIERS.items() if need <= flags]
 
 
@@ -369,12 +373,16 @@ def quantize_q8_0(x2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def w8a8_gemv(x2: torch.Tensor, q: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     """W8A8: x2 [rows, in] quantized per row to int8, times q int8 [out, in] in int32, rescaled by both scales ->
-    [rows, out] float32. The torch path (no kernels) computes the same integers with torch._int_mm or int64."""
+    [rows, out] float32. The torch path (no kernels) computes the same integers (int32 matmul; torch._int_mm on CUDA)."""
     fn = _entry(3, x2.device)
     if fn is not None:
         return fn(x2.float().contiguous(), q, scales)
     xq, xs = quantize_rows_int8(x2)
-    acc = (xq.to(torch.int32) @ q.to(torch.int32).t()) if x2.device.type == "cpu" else torch._int_mm(xq, q.t())
+    if x2.device.type == "cpu":
+        acc = xq.to(torch.int32) @ q.to(torch.int32).t()
+    else:  # torch._int_mm (cuBLASLt) needs more than 16 rows: pad (rows are independent)
+        rows = xq.shape[0]
+        acc = torch._int_mm(F.pad(xq, (0, 0, 0, max(0, 17 - rows))), q.t())[:rows]
     return acc.float() * xs * scales
 
 

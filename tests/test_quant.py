@@ -57,7 +57,7 @@ def test_quantized_weights_really_are_low_bit():
     scales = sum(m.scales.numel() for m in w8.model.modules() if isinstance(m, WeightOnlyInt8Linear))
     assert weights_bytes(w8.model) == other + n_lin + 4 * scales
     dyn = load_model(TINY, quant=QuantConfig(level="int8-dynamic"))
-    assert isinstance(_proj(dyn), DynamicInt8Linear) and _proj(dyn).weight_t.dtype == torch.int8
+    assert isinstance(_proj(dyn), DynamicInt8Linear) and _proj(dyn).weight.dtype == torch.int8
     # bitsandbytes: int8 (LLM.int8) and packed 4-bit (two weights per byte)
     b8 = load_model(TINY, quant=QuantConfig(level="bnb-int8"))
     assert _proj(b8).weight.dtype == torch.int8

@@ -112,10 +112,15 @@ def _tokens_needed(trial: TrialConfig) -> int:
 
 
 def _static_step_checks(trial: TrialConfig, facts):
-    """What the static compiled decode step (compiled.py) needs."""
+    """What the static compiled decode step (compiled.py) or the C++ step (cpp_step.py) needs."""
     from .compiled import STATIC_FAMILY
 
     mode, p = trial.engine.compile_mode, []
+    kind = getattr(getattr(facts, "config", None), "model_type", None)
+    if mode == "cpp":
+        from .cpp_step import problems
+
+        p += problems(trial, kind)
     if not trial.engine.compile:
         p.append(("engine.compile_mode", f"{mode} is how the decode step is compiled: set engine.compile=true "
                                          "(or leave compile_mode=dynamic)"))
@@ -123,8 +128,7 @@ def _static_step_checks(trial: TrialConfig, facts):
         p.append(("kv_cache.mode", f"engine.compile_mode={mode} preallocates a static contiguous cache: use kv_cache=contiguous"))
     if trial.attention.impl not in ("eager", "sdpa"):
         p.append(("attention.impl", f"engine.compile_mode={mode} runs attention eager or sdpa"))
-    kind = getattr(getattr(facts, "config", None), "model_type", None)
-    if kind is not None and kind not in STATIC_FAMILY:
+    if kind is not None and kind not in STATIC_FAMILY and mode != "cpp":
         p.append(("engine.compile_mode", f"{mode} drives the Llama-family block ({', '.join(STATIC_FAMILY)}), "
                                          f"not model_type {kind!r}; use compile_mode=dynamic"))
     return p

@@ -5,7 +5,8 @@ Switchable parts (config keys):
   kv_cache.mode   off | contiguous | paged  (kv_cache.py; `kv_cache.block_size` tokens per paged block)
   engine.compile  torch.compile of the decode step (one new token per sequence); prefill stays eager
   engine.compile_mode  dynamic: torch.compile(dynamic=True) of the forward; static, static-autotune: a static
-                  KV cache and a one-token step compiled with inductor freezing (compiled.py)
+                  KV cache and a one-token step compiled with inductor freezing (compiled.py); cpp: the one-token
+                  step in C++, one call per token (cpp_step.py)
 """
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from ...config import KV_CACHE_MODES, EngineError, TrialConfig
 from ...models import LoadedModel, weights_bytes
 from .attention import make_attention
 from .compiled import CompiledDecodeStep
+from .cpp_step import CppDecodeStep
 from .kv_cache import ContiguousKVCache, PagedKVCache
 from .model import Transformer
 from .support import window_exceeded
@@ -92,8 +94,12 @@ class NativeBackend:
         self.dtype = self.model.embed_tokens.weight.dtype
         self.kernel = make_attention(trial, self.device)
         self.decode_step = self.model
-        self.static_step = trial.engine.compile and trial.engine.compile_mode != "dynamic"
-        if self.static_step:
+        mode = trial.engine.compile_mode
+        self.cpp_step = trial.engine.compile and mode == "cpp"
+        self.static_step = trial.engine.compile and mode not in ("dynamic", "cpp")
+        if self.cpp_step:
+            self.decode_step = CppDecodeStep(self.model, trial.attention.impl)
+        elif self.static_step:
             self.decode_step = CompiledDecodeStep(self.model, trial.attention.impl, self.device,
                                                   mode=trial.engine.compile_mode)
         elif trial.engine.compile:
@@ -125,7 +131,9 @@ class NativeBackend:
         return out
 
     def extra_info(self) -> dict[str, str]:
-        """The static step's CUDA graphs: "engaged", "skipped: <torch's reason>", or "off (cpu)"."""
+        """The static step's CUDA graphs: "engaged", "skipped: <torch's reason>", or "off (cpu)"; the C++ step's ISA."""
+        if self.cpp_step:
+            return {"cpp_step_isa": self.decode_step.isa}
         return {"cudagraphs": self.decode_step.cudagraphs} if self.static_step else {}
 
 

@@ -1,0 +1,207 @@
+"""The decode step in C++ (`engine.compile=true engine.compile_mode=cpp`): one call per token, outside torch's dispatch.
+
+At batch-1 decode on a small CPU the GEMVs are not the whole token: ~200 small torch ops per token (norms, RoPE,
+residual adds, KV writes, the attention call) each pay torch's dispatcher and the Python module tree. This step runs
+the whole layer loop of one token in one C++ call (csrc/decode_step.cpp) with one OpenMP parallel region, reading
+the model's own weight tensors (the same objects the Python path uses: nn.Linear / DenseGemvLinear fp32 or bf16,
+WeightOnlyInt8Linear, WeightOnlyInt4Linear, DynamicInt8Linear) through the kernels of engine/kernels/gemv.h, and
+writing the new K/V into the session's contiguous cache (the tensors prefill, which stays in torch, fills).
+
+It runs: the Llama family and Gemma 3; model.dtype float32 or bfloat16 (bf16 widened exactly and rounded where
+torch rounds, so it needs no bf16 arithmetic from the CPU); one sequence (batch 1); kv_cache=contiguous; attention
+eager or sdpa (whose bf16 rounding it reproduces); on a CPU with AVX2 or AVX-512. Everything else is refused before
+launch (`problems`, called by the native engine's check) with the reason.
+"""
+from __future__ import annotations
+
+import ctypes
+import shutil
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from ...config import EngineError
+from .rope import rope_cos_sin
+
+SOURCE = Path(__file__).resolve().parent / "csrc" / "decode_step.cpp"
+# the quant levels whose modules it reads (bitsandbytes' are not ours); the dtypes of its activations
+LEVELS = ("none", "int8-weight", "int4-weight", "int8-dynamic")
+DTYPES = ("float32", "bfloat16")
+ATTENTION = ("eager", "sdpa")
+F32, BF16, I8, I4, W8A8, W4A8 = range(6)  # csrc/decode_step.cpp's Kind
+
+
+class _Lin(ctypes.Structure):
+    _fields_ = [("kind", ctypes.c_int64), ("N", ctypes.c_int64), ("K", ctypes.c_int64), ("G", ctypes.c_int64),
+                ("w", ctypes.c_void_p), ("s", ctypes.c_void_p), ("bias", ctypes.c_void_p)]
+
+
+_PROJ = ("q", "k", "v", "o", "gate", "up", "down")
+_NORMS = ("in_norm", "post_attn_norm", "pre_ff_norm", "post_ff_norm", "q_norm", "k_norm")
+
+
+class _Layer(ctypes.Structure):
+    _fields_ = ([(p, _Lin) for p in _PROJ] + [(n, ctypes.c_void_p) for n in _NORMS]
+                + [("k_cache", ctypes.c_void_p), ("v_cache", ctypes.c_void_p), ("window", ctypes.c_int64),
+                   ("rope", ctypes.c_int64)])
+
+
+class _Model(ctypes.Structure):
+    _fields_ = ([(n, ctypes.c_int64) for n in ("num_layers", "hidden", "inter", "hq", "hkv", "head_dim", "vocab",
+                                               "max_len", "bf16", "gemma", "eager_attention")]
+                + [(n, ctypes.c_double) for n in ("eps", "attn_scale", "softcap", "embed_scale")]
+                + [("embed", ctypes.c_void_p), ("final_norm", ctypes.c_void_p), ("head", _Lin),
+                   ("cos", ctypes.c_void_p * 2), ("sin", ctypes.c_void_p * 2), ("layers", ctypes.POINTER(_Layer))])
+
+
+def problems(trial, model_type: str | None) -> list[tuple[str, str]]:
+    """Why `trial` cannot run the C++ step, as (config key, reason) pairs; [] when it can (as far as a config and
+    this machine tell: the build itself is tried at load, and its failure named there)."""
+    from . import support
+    from ...quant_kernels import cpu_tiers
+
+    p = []
+    if trial.workload.batch_size != 1:
+        p.append(("workload.batch_size", f"engine.compile_mode=cpp runs one sequence (batch 1), got {trial.workload.batch_size}"))
+    if trial.model.dtype not in DTYPES:
+        p.append(("model.dtype", f"engine.compile_mode=cpp runs {' or '.join(DTYPES)}, not {trial.model.dtype}"))
+    if trial.quant.level not in LEVELS:
+        p.append(("quant.level", f"engine.compile_mode=cpp reads the weights of quant levels {', '.join(LEVELS)}, "
+                                 f"not {trial.quant.level}"))
+    if model_type is not None and model_type not in support.FAMILIES:
+        p.append(("engine.compile_mode", f"cpp runs the Llama family and Gemma 3, not model_type {model_type!r}"))
+    if cpu_tiers()[0] == "scalar":
+        p.append(("engine.compile_mode", "cpp needs a CPU with AVX2 (or AVX-512); this one has neither"))
+    from ...quant_kernels import _compiler
+
+    if shutil.which(_compiler()[0]) is None:
+        p.append(("engine.compile_mode", f"cpp is compiled on this machine and needs a C++ compiler "
+                                         f"({_compiler()[0]}; set CXX), none found"))
+    return p
+
+
+def _kind_of(mod: nn.Module, name: str, act: torch.dtype) -> tuple[_Lin, list]:
+    """The C++ descriptor of one linear module, and the tensors it points into (kept alive by the step)."""
+    from ...quant import DenseGemvLinear, DynamicInt8Linear, WeightOnlyInt4Linear, WeightOnlyInt8Linear
+
+    keep: list = []
+    bias = getattr(mod, "bias", None)
+    b = None
+    if bias is not None:
+        b = bias.detach().float().contiguous()
+        keep.append(b)
+    if isinstance(mod, WeightOnlyInt4Linear):
+        w, s = mod.weight, mod.scales
+        kind = W4A8 if getattr(mod, "chosen", None) == "gemv-q8" else I4
+        lin = _Lin(kind, mod.out_features, mod.in_features, s.shape[1], w.data_ptr(), s.data_ptr(), None)
+    elif isinstance(mod, WeightOnlyInt8Linear):
+        w, s = mod.weight, mod.scales
+        lin = _Lin(I8, mod.out_features, mod.in_features, 0, w.data_ptr(), s.data_ptr(), None)
+    elif isinstance(mod, DynamicInt8Linear):
+        w, s = mod.weight, mod.scales
+        lin = _Lin(W8A8, mod.out_features, mod.in_features, 0, w.data_ptr(), s.data_ptr(), None)
+    elif type(mod) in (nn.Linear, DenseGemvLinear):
+        w = mod.weight
+        if w.dtype not in (torch.float32, torch.bfloat16):
+            raise EngineError(f"engine.compile_mode=cpp: {name} has {w.dtype} weights (it runs fp32 and bf16)")
+        lin = _Lin(F32 if w.dtype == torch.float32 else BF16, w.shape[0], w.shape[1], 0, w.data_ptr(), None, None)
+        s = None
+    else:
+        raise EngineError(f"engine.compile_mode=cpp has no kernel for {name} ({type(mod).__name__}); it reads nn.Linear "
+                          f"and our int8/int4 modules (quant levels {', '.join(LEVELS)})")
+    for t in (w, s):
+        if t is not None and (not t.is_contiguous() or t.device.type != "cpu"):
+            raise EngineError(f"engine.compile_mode=cpp: {name}'s weights must be contiguous CPU tensors")
+    lin.bias = None if b is None else b.data_ptr()
+    return lin, keep + [w, s]
+
+
+class CppDecodeStep:
+    """The backend's `decode_step` (same call as the model: tokens [1, 1], start, kernel, cache -> logits [1, 1, V]
+    float32) for a ContiguousKVCache of one sequence. Builds (or loads) the library at construction: an EngineError
+    names a build that failed."""
+
+    def __init__(self, model, attention_impl: str):
+        from ...quant_kernels import build
+
+        if attention_impl not in ATTENTION:
+            raise EngineError(f"engine.compile_mode=cpp runs attention {' or '.join(ATTENTION)}, not {attention_impl!r}")
+        lib = build("infersweep_decode_step", [SOURCE])
+        if lib.error:
+            raise EngineError(f"engine.compile_mode=cpp: the C++ decode step did not build on this machine: {lib.error}")
+        self.lib, self.isa = lib, lib.isa
+        self.model = model
+        args = model.args
+        self.dtype = model.embed_tokens.weight.dtype
+        if self.dtype not in (torch.float32, torch.bfloat16):
+            raise EngineError(f"engine.compile_mode=cpp runs float32 or bfloat16, not {self.dtype}")
+        self._keep: list = []
+        layers = (_Layer * args.num_layers)()
+        for i, block in enumerate(model.layers):
+            at, mlp, L = block.self_attn, block.mlp, layers[i]
+            for p, mod in zip(_PROJ, (at.q_proj, at.k_proj, at.v_proj, at.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj)):
+                lin, keep = _kind_of(mod, f"model.layers.{i}.{p}", self.dtype)
+                setattr(L, p, lin)
+                self._keep += keep
+            L.in_norm = self._norm(block.input_layernorm)
+            L.post_attn_norm = self._norm(block.post_attention_layernorm)
+            if args.gemma:
+                L.pre_ff_norm = self._norm(block.pre_feedforward_layernorm)
+                L.post_ff_norm = self._norm(block.post_feedforward_layernorm)
+                L.q_norm, L.k_norm = self._norm(at.q_norm), self._norm(at.k_norm)
+            L.window = at.window or 0
+            L.rope = model.layer_rope[i]
+        self._layers = layers
+        head, keep = _kind_of(model.lm_head, "lm_head", self.dtype)
+        self._keep += keep
+        m = _Model()
+        m.num_layers, m.hidden, m.inter = args.num_layers, args.hidden_size, args.intermediate_size
+        m.hq, m.hkv, m.head_dim, m.vocab = args.num_heads, args.num_kv_heads, args.head_dim, head.N
+        m.bf16, m.gemma, m.eager_attention = int(self.dtype == torch.bfloat16), int(args.gemma), int(attention_impl == "eager")
+        m.eps = args.rms_norm_eps
+        m.attn_scale = args.attn_scale if args.attn_scale is not None else args.head_dim ** -0.5
+        m.softcap = float(args.final_softcap or 0.0)
+        # Gemma's embedding scale, rounded to the weights' dtype as transformers (and model.py) do
+        m.embed_scale = float(torch.tensor(model.embed_scale).to(self.dtype).item()) if model.embed_scale else 0.0
+        m.embed, m.final_norm, m.head = self._tensor(model.embed_tokens.weight), self._norm(model.norm), head
+        m.layers = layers
+        self._m = m
+        self._cache = None  # the session cache the descriptor points into
+        self._logits = torch.empty(head.N, dtype=torch.float32)
+
+    def _tensor(self, t: torch.Tensor) -> int:
+        if t.dtype != self.dtype or not t.is_contiguous() or t.device.type != "cpu":
+            raise EngineError(f"engine.compile_mode=cpp: a {tuple(t.shape)} {t.dtype} tensor is not a contiguous CPU "
+                              f"{self.dtype} tensor")
+        return t.data_ptr()  # the model (or the session's cache) owns it
+
+    def _norm(self, norm) -> int:
+        return self._tensor(norm.weight)
+
+    def _bind(self, cache) -> None:
+        """Point the descriptor at a session's cache (per layer [1, Hkv, max_len, D]) and its RoPE tables."""
+        from .kv_cache import ContiguousKVCache
+
+        if not isinstance(cache, ContiguousKVCache) or cache.batch_size != 1:
+            raise EngineError("engine.compile_mode=cpp decodes one sequence over the contiguous KV cache "
+                              "(kv_cache=contiguous, batch size 1)")
+        model, m = self.model, self._m
+        for i, L in enumerate(self._layers):
+            L.k_cache, L.v_cache = self._tensor(cache.k[i]), self._tensor(cache.v[i])
+        pos = torch.arange(cache.max_len)
+        self._tables = []
+        for j in range(len(model.rope_keys)):  # the tables the Python path computes per step, for every position
+            cos, sin = rope_cos_sin(getattr(model, f"inv_freq{j}"), pos, torch.float32)
+            self._tables += [cos.contiguous(), sin.contiguous()]
+            m.cos[j], m.sin[j] = self._tables[-2].data_ptr(), self._tables[-1].data_ptr()
+        m.max_len = cache.max_len
+        self._cache = cache
+
+    def __call__(self, tokens: torch.Tensor, start: int, kernel, cache) -> torch.Tensor:
+        if cache is not self._cache:
+            self._bind(cache)
+        assert tokens.shape == (1, 1), tokens.shape
+        self.lib.isw_decode_step(ctypes.addressof(self._m), int(tokens[0, 0]), start, self._logits.data_ptr(),
+                                 torch.get_num_threads())
+        return self._logits.clone().view(1, 1, -1)

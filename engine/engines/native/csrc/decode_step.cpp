@@ -1,0 +1,325 @@
+// The native engine's decode step in C++ (engine.compile_mode=cpp, engine/engines/native/cpp_step.py): the whole
+// layer loop of one token of one sequence -- embedding, RMSNorm, the QKV / output / MLP GEMVs through the kernels of
+// engine/kernels/gemv.h (the same ones the Python path calls), RoPE, attention over the engine's contiguous KV cache
+// (the tensors the Python path writes), residuals, final norm and LM head -- in one call, one OpenMP parallel region,
+// no Python and no torch dispatch inside. Prefill stays in torch and fills the same cache.
+//
+// Numerics follow the eager native path (model.py): in bf16, every value torch rounds to bf16 is rounded here at the
+// same point (norm outputs, GEMV outputs, RoPE products and sums, residual sums, attention output; eager attention's
+// scores and probabilities, sdpa's unnormalized probabilities), so greedy tokens match the eager engine's.
+//
+// Threads: each GEMV's output rows are split evenly over the region's threads; attention splits the query heads.
+// Norms run redundantly on every thread into a thread-private buffer (cheaper than a barrier). Five barriers a layer.
+#include "gemv.h"
+#include <omp.h>
+#include <vector>
+
+namespace {
+
+enum Kind : int64_t { F32 = 0, BF16 = 1, I8 = 2, I4 = 3, W8A8 = 4, W4A8 = 5 };
+
+struct Lin {                     // one linear layer in one of gemv.h's layouts
+  int64_t kind, N, K, G;         // kind (Kind), outputs, inputs, INT4 groups of 32 inputs
+  const void* w;                 // weight
+  const float* s;                // scales (int8: [N], int4: [N, G]), or null
+  const float* bias;             // fp32 [N] or null
+};
+
+struct Layer {
+  Lin q, k, v, o, gate, up, down;
+  const void* in_norm;           // input_layernorm
+  const void* post_attn_norm;    // Llama: the MLP's input norm; Gemma: the attention output's norm
+  const void* pre_ff_norm;       // Gemma only
+  const void* post_ff_norm;      // Gemma only
+  const void* q_norm;            // Gemma only: per-head norms of q and k
+  const void* k_norm;
+  void* k_cache;                 // [Hkv, max_len, D] of the sequence (batch row 0), activation dtype
+  void* v_cache;
+  int64_t window;                // sliding window (0: global attention)
+  int64_t rope;                  // which RoPE table
+};
+
+struct Model {
+  int64_t num_layers, hidden, inter, hq, hkv, head_dim, vocab, max_len;
+  int64_t bf16;                  // activations, norm weights, embedding and cache in bf16 (else fp32)
+  int64_t gemma;                 // Gemma 3's block
+  int64_t eager_attention;       // round as eager attention does (bf16 scores and probabilities); else as sdpa
+  double eps, attn_scale, softcap, embed_scale;  // softcap, embed_scale: 0 = none
+  const void* embed;             // [vocab, hidden]
+  const void* final_norm;
+  Lin head;
+  const float* cos[2];            // [max_len, D] per RoPE table, as rope_cos_sin computes them (sin signed)
+  const float* sin[2];
+  const Layer* layers;
+};
+
+inline int64_t pad32(int64_t n) { return (n + 31) / 32 * 32; }
+
+struct Act {  // how values are stored and rounded: fp32, or bf16 (uint16) rounded at torch's points
+  bool bf;
+  float rnd(float v) const { return bf ? isw::round_bf16(v) : v; }
+  float ld(const void* p, int64_t i) const {
+    return bf ? isw::bf16_to_f(((const uint16_t*)p)[i]) : ((const float*)p)[i];
+  }
+  void st(void* p, int64_t i, float v) const {
+    if (bf) ((uint16_t*)p)[i] = isw::f_to_bf16(v); else ((float*)p)[i] = v;
+  }
+};
+
+// RMSNorm of x [n] into out [n]. Llama: fp32 -> x * r * w (F.rms_norm); bf16 -> rnd(w * rnd(x * r)).
+// Gemma: rnd(x * r * (1 + w)) in fp32, one rounding (transformers' Gemma3RMSNorm).
+inline void rms_norm(const Act& a, bool gemma, const float* x, int64_t n, const void* w, double eps, float* out) {
+  float ss = 0.f;
+  for (int64_t i = 0; i < n; ++i) ss += x[i] * x[i];
+  const float r = 1.0f / std::sqrt(ss / (float)n + (float)eps);
+  if (gemma) {
+    for (int64_t i = 0; i < n; ++i) out[i] = a.rnd(x[i] * r * (1.0f + a.ld(w, i)));
+  } else if (a.bf) {
+    for (int64_t i = 0; i < n; ++i) out[i] = a.rnd(a.ld(w, i) * a.rnd(x[i] * r));
+  } else {
+    for (int64_t i = 0; i < n; ++i) out[i] = x[i] * r * a.ld(w, i);
+  }
+}
+
+// The input of a linear layer in every form its kernels read (fp32 padded to 32, int8 per row, Q8_0 per block)
+struct Input {
+  const float* x = nullptr;
+  int64_t K = 0;
+  std::vector<int8_t> q;
+  float row_scale = 0.f;
+  std::vector<float> bs;
+  std::vector<int32_t> bsum;
+  bool have_row = false, have_blocks = false;
+
+  void set(const float* x_, int64_t K_) { x = x_; K = K_; have_row = have_blocks = false; }
+  void need(int64_t kind) {
+    if (kind == W8A8 && !have_row) {
+      q.resize(pad32(K)); row_scale = isw::quantize_row_i8(x, K, q.data()); have_row = true; have_blocks = false;
+    } else if (kind == W4A8 && !have_blocks) {
+      const int64_t G = pad32(K) / 32;
+      q.resize(G * 32); bs.resize(G); bsum.resize(G);
+      isw::quantize_row_q8_0(x, G, q.data(), bs.data(), bsum.data()); have_blocks = true; have_row = false;
+    }
+  }
+};
+
+// rows [n0, n1) of y = L(x), rounded as the Python modules round (bias after the activation-dtype cast, except
+// W8A8 which adds it in fp32 first)
+inline void lin_rows(const Act& a, const Lin& L, Input& in, float* y, int64_t n0, int64_t n1) {
+  if (n0 >= n1) return;
+  in.need(L.kind);
+  switch (L.kind) {
+    case F32: isw::rows_w(in.x, 1, L.K, (const float*)L.w, nullptr, y, L.N, n0, n1); break;
+    case BF16: isw::rows_w(in.x, 1, L.K, (const uint16_t*)L.w, nullptr, y, L.N, n0, n1); break;
+    case I8: isw::rows_w(in.x, 1, L.K, (const int8_t*)L.w, L.s, y, L.N, n0, n1); break;
+    case I4: isw::rows_i4(in.x, 1, L.G, (const uint8_t*)L.w, L.s, y, L.N, n0, n1); break;
+    case W8A8: isw::rows_w8a8(in.q.data(), &in.row_scale, 1, L.K, (const int8_t*)L.w, L.s, y, L.N, n0, n1); break;
+    case W4A8: isw::rows_w4a8(in.q.data(), in.bs.data(), in.bsum.data(), 1, L.G, (const uint8_t*)L.w, L.s, y, L.N, n0, n1); break;
+  }
+  for (int64_t n = n0; n < n1; ++n) {
+    float v = y[n];
+    if (L.bias) v = L.kind == W8A8 ? a.rnd(v + L.bias[n]) : a.rnd(a.rnd(v) + L.bias[n]);
+    else v = a.rnd(v);
+    y[n] = v;
+  }
+}
+
+inline void split(int64_t n, int t, int nt, int64_t& n0, int64_t& n1) {
+  n0 = n * t / nt;
+  n1 = n * (t + 1) / nt;
+}
+
+// rows of several linears over one input as one list of rows, split evenly over the threads
+inline void lin_group(const Act& a, const Lin* const* ls, float* const* ys, int count, Input& in, int t, int nt) {
+  int64_t total = 0;
+  for (int i = 0; i < count; ++i) total += ls[i]->N;
+  int64_t r0, r1;
+  split(total, t, nt, r0, r1);
+  int64_t base = 0;
+  for (int i = 0; i < count; ++i) {
+    const int64_t lo = std::max(r0, base), hi = std::min(r1, base + ls[i]->N);
+    if (lo < hi) lin_rows(a, *ls[i], in, ys[i], lo - base, hi - base);
+    base += ls[i]->N;
+  }
+}
+
+// RoPE of one head x [D] at table row (cos, signed sin) [D]: x * cos + roll(x, D/2) * sin (bf16: each product and
+// the sum rounded, as apply_rope does for 16-bit tensors)
+inline void rope(const Act& a, float* x, int64_t D, const float* c, const float* s, float* tmp) {
+  const int64_t h = D / 2;
+  for (int64_t i = 0; i < D; ++i) {
+    const float rolled = x[(i + h) % D];
+    tmp[i] = a.bf ? a.rnd(a.rnd(x[i] * a.rnd(c[i])) + a.rnd(rolled * a.rnd(s[i]))) : x[i] * c[i] + rolled * s[i];
+  }
+  std::memcpy(x, tmp, D * sizeof(float));
+}
+
+inline float gelu_tanh(float x) {
+  const float k = 0.7978845608028654f;  // sqrt(2 / pi)
+  return 0.5f * x * (1.0f + std::tanh(k * (x + 0.044715f * x * x * x)));
+}
+
+}  // namespace
+
+extern "C" {
+
+// One decode step: `token` at position `pos` (the cache already holds positions < pos) -> logits fp32 [vocab].
+// The new K/V are written into each layer's cache at `pos`.
+void isw_decode_step(const Model* m, int64_t token, int64_t pos, float* logits, int threads) {
+  const Act a{m->bf16 != 0};
+  const int64_t H = m->hidden, I = m->inter, D = m->head_dim, Hq = m->hq, Hkv = m->hkv, S = m->max_len;
+  const int64_t qn = Hq * D, kvn = Hkv * D;
+  const bool gemma = m->gemma != 0;
+  const float scale = (float)m->attn_scale;
+  // shared buffers (zero-padded to 32 inputs: the INT4 kernels read whole groups)
+  std::vector<float> x(pad32(H)), q(qn), k(kvn), v(kvn), att(pad32(qn), 0.f), mid(pad32(I), 0.f), y(pad32(std::max(H, I)), 0.f);
+  std::vector<float> ybuf(pad32(H), 0.f);
+  for (int64_t i = 0; i < H; ++i) {
+    float e = a.ld(m->embed, token * H + i);
+    x[i] = m->embed_scale != 0.0 ? a.rnd(e * (float)m->embed_scale) : e;
+  }
+  const int nt = std::max(1, threads);
+#pragma omp parallel num_threads(nt)
+  {
+    const int t = omp_get_thread_num(), n_t = omp_get_num_threads();
+    std::vector<float> h(pad32(std::max(H, I)), 0.f), kh(D), qh(D), tmp(D), scores(S), outh(D);
+    std::vector<float> gate(pad32(I)), up(pad32(I));
+    Input in;
+    for (int64_t l = 0; l < m->num_layers; ++l) {
+      const Layer& L = m->layers[l];
+      const float* cs = m->cos[L.rope] + pos * D;
+      const float* sn = m->sin[L.rope] + pos * D;
+      // --- attention ---
+      rms_norm(a, gemma, x.data(), H, L.in_norm, m->eps, h.data());
+      in.set(h.data(), H);
+      {
+        const Lin* ls[3] = {&L.q, &L.k, &L.v};
+        float* ys[3] = {q.data(), k.data(), v.data()};
+        lin_group(a, ls, ys, 3, in, t, n_t);
+      }
+#pragma omp barrier
+      {
+        const int64_t group = Hq / Hkv;
+        const int64_t lo = L.window > 0 ? std::max<int64_t>(0, pos - L.window + 1) : 0;
+        int64_t h0, h1;
+        split(Hq, t, n_t, h0, h1);
+        int64_t done_kv = -1;
+        for (int64_t hh = h0; hh < h1; ++hh) {
+          const int64_t g = hh / group;
+          if (g != done_kv) {  // this head group's new key, normed and rotated (every thread that needs it)
+            std::memcpy(kh.data(), k.data() + g * D, D * sizeof(float));
+            if (gemma) rms_norm(a, true, kh.data(), D, L.k_norm, m->eps, kh.data());
+            rope(a, kh.data(), D, cs, sn, tmp.data());
+            done_kv = g;
+          }
+          std::memcpy(qh.data(), q.data() + hh * D, D * sizeof(float));
+          if (gemma) rms_norm(a, true, qh.data(), D, L.q_norm, m->eps, qh.data());
+          rope(a, qh.data(), D, cs, sn, tmp.data());
+          const int64_t base = g * S * D;
+          float mx = -INFINITY;
+          for (int64_t j = lo; j <= pos; ++j) {
+            float d = 0.f;
+            if (j == pos) {
+              for (int64_t i = 0; i < D; ++i) d += qh[i] * kh[i];
+            } else {
+              for (int64_t i = 0; i < D; ++i) d += qh[i] * a.ld(L.k_cache, base + j * D + i);
+            }
+            d = m->eager_attention && a.bf ? a.rnd(a.rnd(d) * scale) : d * scale;
+            scores[j] = d;
+            mx = std::max(mx, d);
+          }
+          float sum = 0.f;
+          for (int64_t j = lo; j <= pos; ++j) {
+            const float e = std::exp(scores[j] - mx);
+            sum += e;
+            scores[j] = e;
+          }
+          const float inv = 1.0f / sum;
+          for (int64_t i = 0; i < D; ++i) outh[i] = 0.f;
+          for (int64_t j = lo; j <= pos; ++j) {
+            // eager: probabilities normalized, then rounded (bf16); sdpa: unnormalized exp rounded, divided at the end
+            const float p = m->eager_attention ? a.rnd(scores[j] * inv) : a.rnd(scores[j]);
+            const float* vsrc = nullptr;
+            if (j == pos) vsrc = v.data() + g * D;
+            for (int64_t i = 0; i < D; ++i) outh[i] += p * (vsrc ? vsrc[i] : a.ld(L.v_cache, base + j * D + i));
+          }
+          for (int64_t i = 0; i < D; ++i) att[hh * D + i] = a.rnd(m->eager_attention ? outh[i] : outh[i] * inv);
+        }
+        // the new K/V into the cache, each head group by one thread (no one reads position pos from the cache)
+        for (int64_t g = t; g < Hkv; g += n_t) {
+          std::memcpy(kh.data(), k.data() + g * D, D * sizeof(float));
+          if (gemma) rms_norm(a, true, kh.data(), D, L.k_norm, m->eps, kh.data());
+          rope(a, kh.data(), D, cs, sn, tmp.data());
+          for (int64_t i = 0; i < D; ++i) {
+            a.st(L.k_cache, g * S * D + pos * D + i, kh[i]);
+            a.st(L.v_cache, g * S * D + pos * D + i, v[g * D + i]);
+          }
+        }
+      }
+#pragma omp barrier
+      in.set(att.data(), qn);
+      {
+        int64_t n0, n1;
+        split(L.o.N, t, n_t, n0, n1);
+        lin_rows(a, L.o, in, y.data(), n0, n1);
+        if (!gemma) {
+          for (int64_t n = n0; n < n1; ++n) x[n] = a.rnd(x[n] + y[n]);
+        }
+      }
+#pragma omp barrier
+      if (gemma) {  // x += post_attention_layernorm(attn): the norm needs every row of the output
+        rms_norm(a, true, y.data(), H, L.post_attn_norm, m->eps, h.data());
+        int64_t n0, n1;
+        split(H, t, n_t, n0, n1);
+        for (int64_t n = n0; n < n1; ++n) x[n] = a.rnd(x[n] + h[n]);
+#pragma omp barrier
+      }
+      // --- MLP ---
+      rms_norm(a, gemma, x.data(), H, gemma ? L.pre_ff_norm : L.post_attn_norm, m->eps, h.data());
+      in.set(h.data(), H);
+      {
+        int64_t n0, n1;
+        split(I, t, n_t, n0, n1);
+        lin_rows(a, L.gate, in, gate.data(), n0, n1);
+        lin_rows(a, L.up, in, up.data(), n0, n1);
+        for (int64_t n = n0; n < n1; ++n) {
+          const float gv = gate[n];
+          const float act = gemma ? gelu_tanh(gv) : gv / (1.0f + std::exp(-gv));
+          mid[n] = a.rnd(a.rnd(act) * up[n]);
+        }
+      }
+#pragma omp barrier
+      in.set(mid.data(), I);
+      {
+        int64_t n0, n1;
+        split(H, t, n_t, n0, n1);
+        lin_rows(a, L.down, in, y.data(), n0, n1);
+        if (!gemma) {
+          for (int64_t n = n0; n < n1; ++n) x[n] = a.rnd(x[n] + y[n]);
+        }
+      }
+#pragma omp barrier
+      if (gemma) {
+        rms_norm(a, true, y.data(), H, L.post_ff_norm, m->eps, h.data());
+        int64_t n0, n1;
+        split(H, t, n_t, n0, n1);
+        for (int64_t n = n0; n < n1; ++n) x[n] = a.rnd(x[n] + h[n]);
+#pragma omp barrier
+      }
+    }
+    // --- final norm and LM head ---
+    rms_norm(a, gemma, x.data(), H, m->final_norm, m->eps, h.data());
+    in.set(h.data(), H);
+    int64_t n0, n1;
+    split(m->head.N, t, n_t, n0, n1);
+    lin_rows(a, m->head, in, logits, n0, n1);
+    if (m->softcap != 0.0) {
+      const float cap = (float)m->softcap;
+      for (int64_t n = n0; n < n1; ++n) logits[n] = std::tanh(logits[n] / cap) * cap;
+    }
+  }
+}
+
+const char* isw_step_isa() { return isw::isa_name(); }
+
+}  // extern "C"

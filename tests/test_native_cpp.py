@@ -1,0 +1,164 @@
+"""engine.compile_mode=cpp on engine=native: the decode step in C++ (engine/engines/native/cpp_step.py).
+
+Correctness only (speed goes to benchmarks/bench_native_vs_llamacpp.py): greedy tokens of the C++ step equal the
+eager native engine's on the tiny random Llama at every weight layout it reads (fp32, bf16 -- no bf16 units needed:
+widened exactly, rounded where torch rounds --, int8-weight, int4-weight, int8-dynamic), and its logits match step by
+step on every architecture the native engine runs (Llama variants, Qwen2's bias, Llama 3 rope scaling, Gemma 3 with
+its sliding window beyond the window, softcapping); refusals before launch; a failed build named; config hashes.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine import quant_kernels as qk
+from engine.config import ModelConfig, QuantConfig, SamplingConfig, WorkloadConfig, replace
+from engine.engines import make_backend
+from engine.engines.native.cpp_step import CppDecodeStep
+from engine.generate import generate
+from engine.models import load_model
+from engine.validation import check_trial
+from support import make_trial
+from test_native import hf_tiny, incremental_logits
+
+GREEDY = SamplingConfig(temperature=0.0)
+NEW = 16
+TINY = "tiny://llama"
+# fp32: the same kernels, another order of the few sums outside them (norms, attention)
+FP32_TOL = dict(atol=5e-5, rtol=1e-5)
+
+
+def _trial(model: ModelConfig, mode: str = "cpp", compile: bool = True, attention: str = "sdpa", quant=None, **kw):
+    t = make_trial(model, backend="native", attention=attention, kv_cache=kw.pop("kv_cache", "contiguous"),
+                   compile=compile, **({"quant": quant} if quant else {}), **kw)
+    return replace(t, "engine.compile_mode", mode)
+
+
+def _greedy(backend, prompts, new=NEW):
+    session = backend.new_session(int(prompts.shape[0]), int(prompts.shape[1]) + new)
+    return torch.as_tensor(generate(session, prompts, new, GREEDY, seed=0, sync=lambda: None).tokens)
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    return torch.randint(3, 300, (1, 21), generator=torch.Generator().manual_seed(3))
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("level,kernel", [("none", "gemv-all"), ("none", "dequant"), ("int8-weight", "gemv"),
+                                          ("int4-weight", "gemv"), ("int8-dynamic", "dequant")])
+def test_cpp_step_greedy_tokens_equal_the_eager_native_engine(dtype, level, kernel, prompts):
+    """Same weights, same cache; the eager engine's decode runs the same GEMV kernels through torch modules."""
+    model = ModelConfig(name="tiny", path=TINY, dtype=dtype)
+    spec = QuantConfig(level=level, kernel=kernel)
+    loaded = load_model(model, attention="sdpa", quant=spec)
+    cpp = make_backend(loaded, _trial(model, quant=spec))
+    assert isinstance(cpp.decode_step, CppDecodeStep) and cpp.extra_info() == {"cpp_step_isa": qk.target_isa()}
+    got = _greedy(cpp, prompts)
+    again = _greedy(cpp, prompts)  # a second session: the step re-binds to the new cache
+    eager = _greedy(make_backend(loaded, _trial(model, mode="dynamic", compile=False, quant=spec)), prompts)
+    assert torch.equal(got, again) and torch.equal(got, eager)
+
+
+@pytest.mark.parametrize("kind", ["llama", "llama-untied", "qwen2", "mistral", "llama3-rope", "gemma3", "gemma3-softcap"])
+@pytest.mark.parametrize("attention", ["sdpa", "eager"])
+def test_cpp_step_logits_match_the_eager_engine_on_every_architecture(kind, attention):
+    """Teacher-forced, one token per step after a 5-token prefill, 29 positions: past Gemma 3's window of 8 (its
+    sliding layers drop keys), with its (1 + w) norms, q/k norms, post norms, GeGLU, two RoPE bases, softcapping;
+    Qwen2's QKV bias. fp32 logits within float rounding; bf16 with eager attention bit for bit."""
+    ids = torch.randint(3, 320, (1, 29), generator=torch.Generator().manual_seed(1))
+    for dtype in ("float32", "bfloat16"):
+        loaded = hf_tiny(kind, attn=attention)
+        if dtype == "bfloat16":
+            loaded.model.to(torch.bfloat16)
+        out = {}
+        for mode, compile in (("cpp", True), ("dynamic", False)):
+            trial = replace(_trial(loaded.spec, mode=mode, compile=compile, attention=attention), "model.dtype", dtype)
+            out[mode] = incremental_logits(make_backend(loaded, trial).new_session(1, 29), ids, 5)
+        if dtype == "float32":
+            torch.testing.assert_close(out["cpp"], out["dynamic"], **FP32_TOL)
+        elif attention == "eager" and kind in ("llama", "mistral", "gemma3"):
+            torch.testing.assert_close(out["cpp"], out["dynamic"], atol=0, rtol=0)
+        else:  # sdpa's CPU kernel rounds its bf16 probabilities after an approximate exp: an ulp here and there
+            assert (out["cpp"] - out["dynamic"]).abs().max() < 0.1
+            assert (out["cpp"].argmax(-1) == out["dynamic"].argmax(-1)).float().mean() >= 0.95
+
+
+def test_cpp_step_runs_speculative_decoding_with_the_same_tokens(prompts):
+    """prompt-lookup drafts verify in torch (several tokens), decode steps run in C++, rejected tokens roll back."""
+    from engine import run_engine_trial
+
+    model = ModelConfig(name="tiny", path=TINY)
+    wl = WorkloadConfig(context_len=100, max_new_tokens=12, warmup=0, repeats=1, prompt_style="repeat")
+    runs = {}
+    for mode, compile in (("cpp", True), ("dynamic", False)):
+        t = replace(_trial(model, mode=mode, compile=compile, workload=wl), "speculative.method", "prompt-lookup")
+        runs[mode] = run_engine_trial(t)
+    assert runs["cpp"].token_ids == runs["dynamic"].token_ids
+
+
+def _problems(trial, key=None):
+    probs = check_trial(trial, gpu_available=False)
+    return [m for k, m in probs if key is None or k == key]
+
+
+def test_what_the_cpp_step_cannot_run_is_refused_before_launch(monkeypatch):
+    tiny = ModelConfig(name="tiny", path=TINY)
+    assert _problems(_trial(tiny)) == []
+    assert any("batch 1" in m for m in _problems(_trial(tiny, workload=WorkloadConfig(batch_size=2)), "workload.batch_size"))
+    assert any("contiguous" in m for m in _problems(_trial(tiny, kv_cache="paged"), "kv_cache.mode"))
+    assert any("float32 or bfloat16" in m for m in _problems(_trial(replace(tiny, "dtype", "float16")), "model.dtype"))
+    assert any("quant levels" in m for m in _problems(_trial(tiny, quant=QuantConfig(level="bnb-nf4")), "quant.level"))
+    assert any("engine.compile=true" in m for m in _problems(_trial(tiny, compile=False), "engine.compile_mode"))
+    import engine.quant_kernels as q
+
+    monkeypatch.setattr(q, "cpu_tiers", lambda: ["scalar"])
+    assert any("AVX2" in m for m in _problems(_trial(tiny), "engine.compile_mode"))
+    monkeypatch.undo()
+    monkeypatch.setenv("CXX", "no-such-compiler-xyz")
+    assert any("C++ compiler" in m for m in _problems(_trial(tiny), "engine.compile_mode"))
+
+
+def test_the_cpp_step_refuses_an_architecture_it_does_not_run():
+    from engine.engines.native.cpp_step import problems
+
+    trial = _trial(ModelConfig(name="tiny", path=TINY))
+    assert problems(trial, "llama") == [] and problems(trial, "gemma3_text") == []
+    assert any("model_type 'phi3'" in m for _, m in problems(trial, "phi3"))
+
+
+def test_a_failed_build_is_an_engine_error_with_its_reason(monkeypatch, tmp_path):
+    from engine.config import EngineError
+
+    monkeypatch.setenv("INFERSWEEP_CACHE", str(tmp_path))
+    monkeypatch.setenv(qk.FORCE_ERROR_ENV, "1")
+    loaded = load_model(ModelConfig(name="tiny", path=TINY))
+    with pytest.raises(EngineError, match="did not build on this machine.*INFERSWEEP_FORCE_COMPILE_ERROR"):
+        make_backend(loaded, _trial(loaded.spec))
+
+
+def test_cpp_is_an_ordinary_axis_value_in_the_config_hash():
+    """compile_mode=cpp hashes apart from the other modes; the default (dynamic) leaves the key out, so every hash
+    recorded before the axis existed stands (experiments/hashing and tests/test_hash.py)."""
+    from experiments.config.compose import expand
+
+    trials = expand(["model=tiny-llama", "engine=native", "engine.compile=true", "engine.compile_mode=static,cpp"])
+    assert len({t.config_hash for t in trials}) == 2
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dtype,level", [("float32", "none"), ("bfloat16", "none"), ("float32", "int8-weight"),
+                                         ("float32", "int4-weight"), ("float32", "int8-dynamic")])
+def test_smollm2_cpp_step_greedy_tokens_equal_the_eager_engine(dtype, level):
+    """The real SmolLM2-135M (prepared from its GGUF package on first use), 32 greedy tokens after a 64-token prompt."""
+    from engine.models import prepare_model
+
+    prepare_model("smollm2-135m-instruct")
+    model = ModelConfig(name="smollm2-135m-instruct", path="prepared://smollm2-135m-instruct", dtype=dtype)
+    spec = QuantConfig(level=level, kernel="gemv-all" if level in ("none", "int8-weight", "int4-weight") else "dequant")
+    loaded = load_model(model, attention="sdpa", quant=spec)
+    text = "The quick brown fox jumps over the lazy dog. In 1969, the first humans landed on the Moon, and " * 3
+    ids = loaded.tokenizer._tok(text, return_tensors="pt")["input_ids"][:, :64]
+    cpp = _greedy(make_backend(loaded, _trial(model, quant=spec)), ids, 32)
+    eager = _greedy(make_backend(loaded, _trial(model, mode="dynamic", compile=False, quant=spec)), ids, 32)
+    assert torch.equal(cpp, eager)
