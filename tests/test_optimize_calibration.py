@@ -44,6 +44,10 @@ def test_the_shipped_rules_keep_their_false_acceptance_and_false_holds():
     # false acceptance at x1.00 and at x1.03 (10% lognormal noise, x2 stalls in 5% of rounds; with and without 20%
     # of the measurements flagged for load and biased); false holds at a true drop of max_drop, 50 -> 100 -> 200
     assert violations(RULES, seeds=1000, rounds=ROUNDS) == []
+    # ... and the simulation exercised what inflated the old rule's error: pairs measured again (mean > 1
+    # measurement of 2 trials) and rounds added by the engine (mean rounds above the measurements' minimum)
+    r = timing_rates(1.0, RULES, Noise(), 300, ROUNDS)
+    assert r.trials / 2 > 2.5 and r.rounds > ROUNDS * r.trials / 2 * 1.2
 
 
 def test_power_the_docs_state():
