@@ -27,11 +27,12 @@ QUANT_LEVELS = ("none", "int8-weight", "int8-dynamic", "bnb-int8", "bnb-nf4", "b
 # engine declares its own (engine/engines/<name>), and validation accepts `engine.engines.values("kv_cache.dtype")`
 # int8-weight matmul: dequant = cast the int8 weight to the activation dtype per call, then a float GEMM;
 # int8pack = torch._weight_int8pack_mm (gpt-fast's op; CPU/MPS only; unvectorized in some CPU builds)
-INT8_KERNELS = ("dequant", "int8pack", "gemv", "auto", "gemv-all")
-GEMV_ALL_LEVELS = ("none", "int8-weight", "int4-weight")  # the levels quant.kernel=gemv-all runs with
+INT8_KERNELS = ("dequant", "int8pack", "gemv", "auto", "gemv-all", "gemv-q8")
 # gemv = our fused dequantize-GEMV (engine/quant_kernels.py) for decode-sized batches, dequant+GEMM above;
 # gemv-all = gemv, and our dense fp32/bf16 GEMV for the linears the level leaves in full precision (level none: all);
-# auto = per weight shape the fastest of the kernels the level has, timed once per machine (engine/quant.py)
+# gemv-q8 (int4-weight) = INT4 x INT8: the activation quantized per block of 32 (llama.cpp's Q4_0 x Q8_0);
+# auto = per weight shape the fastest of the kernels the level has, timed once per machine (engine/quant.py);
+# which level runs which kernel: engine/quant.py `kernel_problems`
 # how engine.compile=true compiles (engine=native): dynamic = torch.compile(dynamic=True) of the whole forward;
 # static = a static KV cache and a one-token step compiled with inductor freezing (gpt-fast style);
 # static-autotune = static plus inductor max_autotune (its C++ GEMM templates; long compile);

@@ -15,7 +15,9 @@ Levels
   is in the trial's info (`kernel_info`).
 - `int4-weight`: weight-only INT4, symmetric per group of 32 inputs (packed two per byte, fp32 scale per
   group, llama.cpp Q4_0's scaling); `kernel` gemv (our fused kernel) or dequant (unpack to float, GEMM), or
-  auto (gemv vs dequant). The LM head, when not skipped, gets INT8 (`WIDER`).
+  auto (gemv vs dequant), or gemv-q8: INT4 x INT8, the decode row quantized per block of 32 and multiplied in
+  integers (llama.cpp's Q4_0 x Q8_0; not weight-only any more: the activation rounding shows in the fidelity).
+  The LM head, when not skipped, gets INT8 (`WIDER`).
 - `kernel=gemv-all` (levels none, int8-weight, int4-weight): gemv for the quantized linears, and our dense
   fp32/bf16 GEMV (engine/quant_kernels.py, same structure) for the linears left in full precision: every one at
   level none, the skipped ones (the LM head by default) otherwise. torch's own fp32 / bf16 GEMV at one row
@@ -48,6 +50,7 @@ from . import quant_kernels as qk
 from .config import INT8_KERNELS, QUANT_LEVELS, EngineError, QuantConfig  # noqa: F401  (re-exported)
 
 BNB_LEVELS = ("bnb-int8", "bnb-nf4", "bnb-fp4")
+GEMV_ALL_LEVELS = ("none", "int8-weight", "int4-weight")  # the levels quant.kernel=gemv-all runs with
 OWN_LEVELS = ("int8-weight", "int8-dynamic", "int4-weight")
 # decode-sized batches go through the fused GEMV kernels; more rows (prefill) through dequant + float GEMM
 GEMV_MAX_ROWS = 8
@@ -70,23 +73,45 @@ def quantize_per_channel(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q, scales
 
 
+def kernel_problems(level: str, kernel: str) -> list[str]:
+    """Why quant.kernel=`kernel` cannot run with quant.level=`level` ([] when it can): the one home of the kernel x
+    level rules (validation asks here; the modules refuse the same at construction)."""
+    if kernel == "gemv-all":
+        if level not in GEMV_ALL_LEVELS:
+            return [f"gemv-all (our GEMV for the full-precision linears too) runs with quant.level "
+                    f"{', '.join(GEMV_ALL_LEVELS)}, not {level}"]
+        return []
+    if level in MODULES and kernel not in MODULES[level].KERNELS:
+        return [f"{level} runs kernel={', '.join(MODULES[level].KERNELS)} (or gemv-all), not {kernel}"]
+    if level == "int8-weight" and kernel == "int8pack" and not hasattr(torch, "_weight_int8pack_mm"):
+        return [f"int8pack needs torch._weight_int8pack_mm, missing in torch {torch.__version__}"]
+    if level not in MODULES and kernel == "gemv-q8":
+        return [f"gemv-q8 (INT4 x INT8) is a kernel of quant.level=int4-weight, not {level}"]
+    return []
+
+
 class WeightOnlyInt8Linear(nn.Module):
     """y = x @ (W_int8 * s)^T + b, with W stored as int8 [out, in] and s float32 [out]. `kernel` as the
     module docstring says; `chosen` is the kernel `auto` resolved to (set at the first call)."""
 
     level = "int8-weight"
+    KERNELS = ("dequant", "int8pack", "gemv", "auto")
 
     def __init__(self, linear: nn.Linear, kernel: str = "dequant"):
         super().__init__()
-        if kernel not in INT8_KERNELS:
-            raise EngineError(f"int8-weight kernel must be one of {INT8_KERNELS}, got {kernel!r}")
-        q, s = quantize_per_channel(linear.weight)
+        if kernel not in self.KERNELS:
+            raise EngineError(f"{self.level} kernel must be one of {self.KERNELS}, got {kernel!r}")
+        q, s = self.quantize(linear.weight)
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.kernel = kernel
         self.chosen = None if kernel == "auto" else kernel
         self.register_buffer("weight", q)
         self.register_buffer("scales", s)
         self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach().clone(), requires_grad=False)
+
+    @staticmethod
+    def quantize(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return quantize_per_channel(w)
 
     def matmul(self, x2: torch.Tensor, kernel: str) -> torch.Tensor:
         if kernel == "int8pack":
@@ -110,21 +135,18 @@ class WeightOnlyInt8Linear(nn.Module):
 
 class WeightOnlyInt4Linear(WeightOnlyInt8Linear):
     """y = x @ W^T + b, W stored as packed INT4 [out, ceil(in/32)*16] uint8 with a float32 scale per group of 32
-    inputs [out, ceil(in/32)] (engine/quant_kernels.py has the layout)."""
+    inputs [out, ceil(in/32)] (engine/kernels/gemv.h has the layout). kernel=gemv-q8 quantizes the activation per
+    block of 32 for decode-sized calls and multiplies in integers (llama.cpp's Q4_0 x Q8_0); prefill dequantizes."""
 
     level = "int4-weight"
+    KERNELS = ("dequant", "gemv", "gemv-q8", "auto")
 
     def __init__(self, linear: nn.Linear, kernel: str = "gemv"):
-        nn.Module.__init__(self)
-        if kernel not in CANDIDATES["int4-weight"] + ("auto",):
-            raise EngineError(f"int4-weight kernel must be one of {CANDIDATES['int4-weight'] + ('auto',)}, got {kernel!r}")
-        packed, s = qk.quantize_int4(linear.weight)
-        self.in_features, self.out_features = linear.in_features, linear.out_features
-        self.kernel = kernel
-        self.chosen = None if kernel == "auto" else kernel
-        self.register_buffer("weight", packed)
-        self.register_buffer("scales", s)
-        self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach().clone(), requires_grad=False)
+        super().__init__(linear, kernel)
+
+    @staticmethod
+    def quantize(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return qk.quantize_int4(w)
 
     def dequantized(self) -> torch.Tensor:
         return qk.dequantize_int4(self.weight, self.scales, self.in_features)
@@ -132,6 +154,8 @@ class WeightOnlyInt4Linear(WeightOnlyInt8Linear):
     def matmul(self, x2: torch.Tensor, kernel: str) -> torch.Tensor:
         if kernel == "gemv" and x2.shape[0] <= GEMV_MAX_ROWS:
             return qk.int4_gemv(x2, self.weight, self.scales, self.in_features)
+        if kernel == "gemv-q8" and x2.shape[0] <= GEMV_MAX_ROWS:
+            return qk.int4_q8_gemv(x2, self.weight, self.scales, self.in_features).to(x2.dtype)
         return F.linear(x2, self.dequantized().to(x2.dtype))
 
 
@@ -259,6 +283,8 @@ class DynamicInt8Linear(nn.Module):
         return y.to(x.dtype).reshape(*shape[:-1], self.out_features)
 
 
+# level -> the weight-only module and its kernels (kernel_problems)
+MODULES = {"int8-weight": WeightOnlyInt8Linear, "int4-weight": WeightOnlyInt4Linear}
 # level -> the module that replaces one nn.Linear, built from it and the level's spec
 SWAPS = {
     "int8-weight": lambda lin, spec: WeightOnlyInt8Linear(lin, spec.kernel),
@@ -267,8 +293,8 @@ SWAPS = {
 }
 # modules a level keeps at a wider type when they are quantized at all: a 4-bit LM head costs most of INT4's
 # quality on a small model (SmolLM2-135M), so int4-weight gives it INT8, as llama.cpp's Q4_0 gives its output matrix 6 bits
-WIDER = {
-    "int4-weight": {"lm_head": lambda lin, spec: WeightOnlyInt8Linear(lin, spec.kernel)},  # int4's kernels are int8's
+WIDER = {  # int4's kernels are int8's, but for its integer one (gemv-q8 -> gemv)
+    "int4-weight": {"lm_head": lambda lin, spec: WeightOnlyInt8Linear(lin, "gemv" if spec.kernel == "gemv-q8" else spec.kernel)},
 }
 
 

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import os
 
-import torch
 
 from . import engines
 from .config import (
@@ -15,7 +14,6 @@ from .config import (
     ATTENTION_IMPLS,
     BATCHING_MODES,
     DTYPES,
-    GEMV_ALL_LEVELS,
     INT8_KERNELS,
     COMPILE_MODES,
     KV_CACHE_MODES,
@@ -124,14 +122,10 @@ def check_trial(trial: TrialConfig, gpu_available: bool) -> list[tuple[str, str]
     p += _choice("quant.level", q.level, engines.values("quant.level"))
     p += _choice("quant.compute_dtype", q.compute_dtype, DTYPES)
     p += _choice("quant.kernel", q.kernel, INT8_KERNELS)
-    if q.kernel == "gemv-all" and q.level not in GEMV_ALL_LEVELS:
-        p.append(("quant.kernel", f"gemv-all (our GEMV for the full-precision linears too) runs with quant.level "
-                                  f"{', '.join(GEMV_ALL_LEVELS)}, not {q.level}"))
-    if q.level == "int4-weight" and q.kernel == "int8pack":
-        p.append(("quant.kernel", "int4-weight runs kernel=gemv, dequant or auto (int8pack is an int8 kernel)"))
-    if q.level == "int8-weight" and q.kernel == "int8pack":
-        if not hasattr(torch, "_weight_int8pack_mm"):
-            p.append(("quant.kernel", f"int8pack needs torch._weight_int8pack_mm, missing in torch {torch.__version__}"))
+    if q.kernel in INT8_KERNELS:
+        from .quant import kernel_problems
+
+        p += [("quant.kernel", why) for why in kernel_problems(q.level, q.kernel)]
     if q.keep_last_layers < 0:
         p.append(("quant.keep_last_layers", f"must be >= 0, got {q.keep_last_layers}"))
     if q.level.startswith("bnb-") and m.dtype != "float32" and not gpu_available:

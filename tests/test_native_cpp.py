@@ -46,7 +46,8 @@ def prompts():
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("level,kernel", [("none", "gemv-all"), ("none", "dequant"), ("int8-weight", "gemv"),
-                                          ("int4-weight", "gemv"), ("int8-dynamic", "dequant")])
+                                          ("int4-weight", "gemv"), ("int4-weight", "gemv-q8"),
+                                          ("int8-dynamic", "dequant")])
 def test_cpp_step_greedy_tokens_equal_the_eager_native_engine(dtype, level, kernel, prompts):
     """Same weights, same cache; the eager engine's decode runs the same GEMV kernels through torch modules."""
     model = ModelConfig(name="tiny", path=TINY, dtype=dtype)
