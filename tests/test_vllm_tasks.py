@@ -86,7 +86,7 @@ def test_validation_lets_tasks_run_on_vllm(cache, tmp_path):
     files = [str(_jsonl(tmp_path / "my_mc.jsonl", MC_ITEMS)), str(_jsonl(tmp_path / "my_gen.jsonl", GEN_ITEMS))]
     for tasks in ([MC_TASK], ["niah_single"], ["my_mc", "my_gen"]):
         trial = replace(make_trial(TINY32, backend="vllm"), "eval", EvalConfig(tasks=tasks, task_files=files))
-        assert [v for k, v in task_problems(trial, 2048) if k != "eval.task_files"] == []
+        assert not [v for k, v in task_problems(trial, 2048) if "does not serve" in v or "unknown task" in v]
 
 
 @pytest.mark.vllm

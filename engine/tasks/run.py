@@ -49,11 +49,15 @@ def user_tasks(trial: TrialConfig) -> dict:
 
 
 def needs_generation(task: str, user: Optional[dict] = None) -> bool:
+    """Whether `task` generates (generate_until) rather than scores choices. `user`: the trial's task files
+    (`user_tasks`); without them a task that is not shipped (a user's) may generate: True, the safe answer."""
     from .needle import NEEDLE_TASKS
 
     if user and task in user:
         return user[task].request == "generate_until"
-    return task in NEEDLE_TASKS
+    if task in NEEDLE_TASKS:
+        return True
+    return task not in available_tasks()
 
 
 def is_needle(task: str) -> bool:

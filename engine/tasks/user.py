@@ -272,17 +272,9 @@ def load(path_text: str) -> tuple[Optional[UserTask], list[str]]:
         return None, [f"{path_text}: not a file"]
     if size > MAX_FILE_BYTES:
         return None, [f"{path}: {size / 2**20:.0f} MiB, more than the {MAX_FILE_BYTES >> 20} MiB a task file may hold"]
+    if path.suffix == ".jsonl":  # parsed once per (path, size, mtime): a sweep validates each trial
+        return _jsonl_task(str(path), size, path.stat().st_mtime_ns)
     raw = path.read_bytes()
-    if path.suffix == ".jsonl":
-        name = path.stem
-        kind, docs, out = _load_jsonl(path, raw)
-        if not NAME_RE.match(name):
-            out.append(f"{path}: the task is named by the file ({name!r}); rename it to letters, digits, _ . -")
-        if out or kind is None:
-            return None, out
-        if kind == "mc":
-            return UserTask(name, path, "mc", "loglikelihood", "acc", _sha256(raw), len(docs), docs), []
-        return UserTask(name, path, "gen", "generate_until", "exact_match", _sha256(raw), len(docs), docs), []
     if path.suffix in (".yaml", ".yml"):
         cfg, content, out = _load_yaml(path, raw)
         if out or cfg is None:
@@ -295,6 +287,21 @@ def load(path_text: str) -> tuple[Optional[UserTask], list[str]]:
         return UserTask(cfg["task"], path, "yaml", request, primary, _sha256(content)), []
     return None, [f"{path}: a task file is .jsonl (multiple-choice or generation items) or an lm-eval task .yaml, "
                   f"not {path.suffix or 'a file without extension'}"]
+
+
+@functools.lru_cache(maxsize=64)
+def _jsonl_task(path_str: str, size: int, mtime_ns: int) -> tuple[Optional[UserTask], list[str]]:
+    path = Path(path_str)
+    raw = path.read_bytes()
+    name = path.stem
+    kind, docs, out = _load_jsonl(path, raw)
+    if not NAME_RE.match(name):
+        out.append(f"{path}: the task is named by the file ({name!r}); rename it to letters, digits, _ . -")
+    if out or kind is None:
+        return None, out
+    if kind == "mc":
+        return UserTask(name, path, "mc", "loglikelihood", "acc", _sha256(raw), len(docs), docs), []
+    return UserTask(name, path, "gen", "generate_until", "exact_match", _sha256(raw), len(docs), docs), []
 
 
 def load_all(paths: Iterable[str], reserved: Iterable[str] = ()) -> tuple[dict[str, UserTask], list[str]]:
@@ -326,23 +333,12 @@ def load_all(paths: Iterable[str], reserved: Iterable[str] = ()) -> tuple[dict[s
 def identity(paths: Iterable[str]) -> list[dict[str, str]]:
     """What the config hash records of `eval.task_files`: each file's task name and content digest, by name (the
     path is left out: the same file elsewhere is the same trial). A file that cannot be read is recorded by its
-    name (validation refuses it anyway). Each file is read once per (path, size, mtime)."""
+    name (validation refuses it anyway)."""
     out = []
     for p in paths:
-        path = resolve(p)
-        try:
-            st = path.stat()
-            got = _identity_of(str(path), st.st_size, st.st_mtime_ns)
-        except OSError:
-            got = None
-        out.append(got or {"unreadable": Path(p).name})
+        t, _ = load(p)
+        out.append({"task": t.name, "sha256": t.digest} if t else {"unreadable": Path(p).name})
     return sorted(out, key=lambda d: json.dumps(d, sort_keys=True))
-
-
-@functools.lru_cache(maxsize=256)
-def _identity_of(path: str, size: int, mtime_ns: int) -> Optional[dict[str, str]]:
-    t, _ = load(path)
-    return {"task": t.name, "sha256": t.digest} if t else None
 
 
 def absolute(config: dict) -> dict:
