@@ -28,28 +28,18 @@ import time
 import torch
 import torch.nn.functional as F
 
-from ...config import COMPILE_MODES, EngineError
+from ...config import EngineError
 from .attention import AttentionKernel
 from .kv_cache import ContiguousKVCache
 
 # the decoder layout the static step drives (model.py's Block); other families keep the dynamic path
 STATIC_FAMILY = ("llama", "mistral", "qwen2")
+STATIC_MODES = ("static", "static-autotune")  # the engine.compile_mode values this step implements
 
 
 class StaticKVCache(ContiguousKVCache):
-    """ContiguousKVCache whose per-layer tensors are views of one [L, B, Hkv, max_len, D] tensor each for
-    K and V, so the compiled step takes two inputs (two guards) instead of 2L."""
-
-    def __init__(self, num_layers: int, batch_size: int, max_len: int, num_kv_heads: int, head_dim: int,
-                 dtype: torch.dtype, device: torch.device, buffers: tuple | None = None):
-        shape = (num_layers, batch_size, num_kv_heads, max_len, head_dim)
-        if buffers is None:
-            buffers = (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
-        self.k_all, self.v_all = buffers  # `buffers`: the compiled step's static tensors (CUDA), reused
-        self.k, self.v = list(self.k_all.unbind(0)), list(self.v_all.unbind(0))
-        self.batch_size, self.max_len = batch_size, max_len
-        self.length, self._start = 0, 0  # as ContiguousKVCache: the one owner of the sequence length
-        self._token_bytes = 2 * num_layers * num_kv_heads * head_dim * self.k_all.element_size()
+    """The contiguous cache the static step runs on: the compiled step takes its two [L, B, Hkv, max_len, D] tensors
+    (`k_all`, `v_all`: two guards instead of 2L); on CUDA they are the step's static tensors, reused."""
 
 
 class _StaticSlots:
@@ -100,15 +90,8 @@ class StaticStep(torch.nn.Module):
         self.kernel = _StaticAttention(attention_impl)
 
     def forward(self, tokens, input_pos, k_all, v_all):
-        m = self.model
-        b = tokens.shape[0]
-        x = m._embed(tokens.reshape(-1))  # [B, hidden]
-        rope = m._rope(input_pos, x.dtype)  # per RoPE parameter set: cos, sin [1, D]
-        slots = _StaticSlots(k_all, v_all, input_pos)
-        for i, block in enumerate(m.layers):
-            cos, sin = rope[m.layer_rope[i]]
-            x = block(x, b, cos, sin, self.kernel, slots, i, 0)
-        return m._logits(x).view(b, 1, -1)
+        # the model's own forward (one layer loop), with the position as a tensor and the static slots as cache
+        return self.model(tokens, 0, self.kernel, _StaticSlots(k_all, v_all, input_pos), positions=input_pos)
 
 
 # where torch's inductor logs "skipping cudagraphs due to ..." (torch._inductor.cudagraph_utils' artifact logger)
@@ -131,8 +114,8 @@ class CompiledDecodeStep:
     `cudagraphs`: "off (cpu)" | "engaged" | "skipped: <torch's reason>" once the first steps ran on CUDA."""
 
     def __init__(self, model, attention_impl: str, device: torch.device, mode: str = "static", compile: bool = True):
-        if mode not in COMPILE_MODES[1:]:
-            raise EngineError(f"engine.compile_mode {mode!r} is not a static mode; choose one of {COMPILE_MODES[1:]}")
+        if mode not in STATIC_MODES:
+            raise EngineError(f"engine.compile_mode {mode!r} is not a static mode; choose one of {STATIC_MODES}")
         if attention_impl not in ("eager", "sdpa"):
             raise EngineError(f"engine.compile_mode={mode} runs attention eager or sdpa, not {attention_impl!r}")
         self.step = StaticStep(model, attention_impl).eval()

@@ -27,11 +27,17 @@ from .block_manager import BlockManager
 
 
 class ContiguousKVCache:
+    """Per layer a [B, Hkv, max_len, D] view of one [L, B, Hkv, max_len, D] tensor for K (`k_all`) and one for V:
+    the eager path reads a layer's view, the compiled static step and the C++ step the same memory. `buffers`:
+    those two tensors when the caller owns them (the CUDA-graph step's static tensors), else allocated here."""
+
     def __init__(self, num_layers: int, batch_size: int, max_len: int, num_kv_heads: int, head_dim: int,
-                 dtype: torch.dtype, device: torch.device):
-        shape = (batch_size, num_kv_heads, max_len, head_dim)
-        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+                 dtype: torch.dtype, device: torch.device, buffers: tuple | None = None):
+        shape = (num_layers, batch_size, num_kv_heads, max_len, head_dim)
+        if buffers is None:
+            buffers = (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
+        self.k_all, self.v_all = buffers
+        self.k, self.v = list(self.k_all.unbind(0)), list(self.v_all.unbind(0))
         self.batch_size, self.max_len = batch_size, max_len
         self.length = 0  # tokens held per sequence; the cache is the one owner of this count
         self._start = 0

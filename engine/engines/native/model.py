@@ -277,16 +277,18 @@ class Transformer(nn.Module):
         return cls(args, params, inv_freqs)
 
     def forward(self, tokens: torch.Tensor, start: int, kernel: AttentionKernel, cache=None,
-                num_logits: int | None = None) -> torch.Tensor:
+                num_logits: int | None = None, positions: torch.Tensor | None = None) -> torch.Tensor:
         """tokens [B, T] at positions start..start+T-1 (a static batch shares positions) -> logits
         [B, T', V] float32 of the last T' = num_logits (default all) positions. `cache` is None when
-        caching is off; then `tokens` must be the whole sequence (start == 0)."""
+        caching is off; then `tokens` must be the whole sequence (start == 0). `positions` [T]: the positions as a
+        tensor instead (the compiled static step: no guard on a Python int; its cache knows where to write)."""
         assert cache is not None or start == 0, "without a cache the whole sequence is recomputed"
         b, t = tokens.shape
         # The residual stream is kept 2-D [B*T, hidden]: nn.Linear then maps straight onto one GEMM
         # (a 3-D input costs reshape/view wrappers around every one of the 7 * layers projections).
         x = self._embed(tokens.reshape(-1))  # [B*T, hidden]
-        positions = torch.arange(start, start + t, device=tokens.device)  # [T]
+        if positions is None:
+            positions = torch.arange(start, start + t, device=tokens.device)  # [T]
         rope = self._rope(positions, x.dtype)  # per parameter set: cos, sin [T, D]
         for i, block in enumerate(self.layers):
             cos, sin = rope[self.layer_rope[i]]
