@@ -12,6 +12,7 @@ import os
 import shutil
 import sys
 import subprocess
+import time
 from pathlib import Path
 
 import pytest
@@ -223,12 +224,85 @@ def test_ci_script_fails_on_an_engine_install_failure_only_under_ci(tmp_path):
 
 
 def test_ci_runs_the_readme_test_command_without_the_engines_before_installing_them():
-    """.ci/run proves the newcomer's path (`make test` with llama.cpp and vLLM absent, CI unset so their tests
-    skip) before it installs them and runs every tier under the caller's CI=true."""
-    lines = [ln.strip() for ln in (ROOT / ".ci" / "run").read_text().splitlines() if not ln.lstrip().startswith("#")]
+    """.ci/run proves the newcomer's path (`make test` on an empty INFERSWEEP_CACHE with llama.cpp and vLLM absent,
+    CI unset so their tests skip), then that llama-cpp-python's build still starts without the kept wheel, before it
+    installs the engines and runs every tier under the caller's CI=true in a second empty cache."""
+    text = (ROOT / ".ci" / "run").read_text()
+    lines = [ln.strip() for ln in text.splitlines() if not ln.lstrip().startswith("#")]
+    # a command continued over several lines is one command
+    joined, buf = [], ""
+    for ln in lines:
+        buf = f"{buf} {ln.rstrip(chr(92)).strip()}".strip()
+        if not ln.endswith("\\"):
+            joined.append(buf)
+            buf = ""
+    lines = joined
     order = [next(i for i, ln in enumerate(lines) if ln.startswith(cmd)) for cmd in
-             ("make setup", "env -u CI INFERSWEEP_VLLM_PYTHON=/nonexistent", "setup_engine setup-llamacpp",
-              "setup_engine setup-vllm", "make test-all")]
+             ("make setup", "env -u CI INFERSWEEP_CACHE=", "cluster/check_llamacpp_build.sh",
+              "setup_engine setup-llamacpp", "setup_engine setup-vllm", 'INFERSWEEP_CACHE="$FULL_CACHE" make test-all')]
     assert order == sorted(order)
     fast = lines[order[1]]
-    assert "make test " in fast and "uninstall -q -y llama-cpp-python" in lines[order[1] - 1]
+    assert "make test " in fast and "INFERSWEEP_VLLM_PYTHON=/nonexistent" in fast
+    assert "uninstall -q -y llama-cpp-python" in lines[order[1] - 1]
+    # both caches are new and distinct folders (mktemp), never the machine's ~/.cache/infersweep
+    assert 'INFERSWEEP_CACHE="$NEWCOMER_CACHE"' in fast
+    assert any(ln.startswith("NEWCOMER_CACHE=$(mktemp -d") for ln in lines)
+    assert any(ln.startswith("FULL_CACHE=$(mktemp -d") for ln in lines)
+
+
+# --- cluster/check_llamacpp_build.sh: the build still starts from an empty wheel cache ---------------------
+CHECK = ROOT / "cluster" / "check_llamacpp_build.sh"
+# FAKE_BUILD for the check: "configures" prints CMake's line and then keeps "compiling" (a sleep the check must
+# stop, with its whole process group), "stops" fails before CMake configured anything, "hangs" never configures.
+FAKE_BUILD_FOR_CHECK = r"""#!/usr/bin/env bash
+echo "$*" >> "$FAKE_LOG"
+case "$1" in
+  -c) echo "ModuleNotFoundError: No module named 'llama_cpp'" >&2; exit 1 ;;
+  -m)
+    [ "$3" = wheel ] || exit 4
+    echo "env PIP_VERBOSE=$PIP_VERBOSE" >> "$FAKE_LOG"
+    case "$FAKE_BUILD" in
+      configures)
+        echo "-- The CXX compiler identification is GNU 12.2.0"
+        echo "-- Build files have been written to: /tmp/build"
+        sleep 60 & echo $! > "$FAKE_STATE/compiler.pid"; wait ;;
+      stops) echo "ERROR: Could not find a version that satisfies the requirement llama-cpp-python" >&2; exit 1 ;;
+      hangs) sleep 60 ;;
+    esac ;;
+esac
+"""
+
+
+def run_check(tmp_path: Path, build: str, limit: int = 30) -> tuple[subprocess.CompletedProcess, Path]:
+    fake = tmp_path / "python"
+    fake.write_text(FAKE_BUILD_FOR_CHECK)
+    fake.chmod(0o755)
+    state = tmp_path / "state"
+    state.mkdir(exist_ok=True)
+    env = dict(os.environ, FAKE_LOG=str(tmp_path / "calls.log"), FAKE_STATE=str(state), FAKE_BUILD=build)
+    p = subprocess.run(["bash", str(CHECK), str(fake), str(limit)], env=env, capture_output=True, text=True, timeout=90)
+    return p, state
+
+
+def test_build_check_passes_once_cmake_configured_and_stops_the_build(tmp_path):
+    p, state = run_check(tmp_path, "configures")
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert "build starts from an empty wheel cache: CMake configured it in" in p.stdout
+    assert "(The CXX compiler identification is GNU 12.2.0)" in p.stdout
+    calls = (tmp_path / "calls.log").read_text()
+    assert "-m pip wheel --no-deps llama-cpp-python==" in calls and "env PIP_VERBOSE=1" in calls
+    # the "compiler" the build started is gone with the build: nothing keeps compiling after the check
+    pid = int((state / "compiler.pid").read_text())
+    deadline = time.monotonic() + 10
+    while Path(f"/proc/{pid}").exists() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not Path(f"/proc/{pid}").exists()
+
+
+@pytest.mark.parametrize("build,why", [("stops", "stopped before CMake configured it"),
+                                       ("hangs", "did not reach CMake's configure step within 3 s")])
+def test_build_check_fails_with_the_build_log_when_cmake_never_configures(tmp_path, build, why):
+    p, _ = run_check(tmp_path, build, limit=3)
+    assert p.returncode == 1 and why in p.stderr, p.stdout + p.stderr
+    if build == "stops":
+        assert "Could not find a version that satisfies the requirement" in p.stderr  # the log's end is shown
