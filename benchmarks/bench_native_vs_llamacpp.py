@@ -1,5 +1,6 @@
-"""Issue 28's goals table: the native engine (fp32, bf16, weight-only INT8 / INT4) against llama.cpp (f32, Q8_0,
-Q4_0), interleaved in one process on one machine.
+"""Issues 28 and 36's goals tables: the native engine (fp32, bf16, weight-only INT8 / INT4, W8A8, INT4 x Q8_0; eager
+or with the decode step in C++, the `-cpp` variants) against llama.cpp (f32, Q8_0, Q4_0), interleaved in one process
+on one machine.
 
     python benchmarks/bench_native_vs_llamacpp.py [--rounds 5] [--threads 2] [--variants a,b,...] [--json PATH]
 
@@ -35,7 +36,7 @@ from engine.config import (AttentionConfig, EngineConfig, ModelConfig, QuantConf
 from engine.measure.spread import paired_ratio, spread  # noqa: E402
 
 SMOL = dict(name="smollm2-135m-instruct", path="prepared://smollm2-135m-instruct")
-ALL = {  # name -> (backend, model dtype, attention, quant)
+ALL = {  # name -> (backend, model dtype, attention, quant[, engine.compile_mode with engine.compile=true])
     "native-fp32": ("native", "float32", "sdpa", QuantConfig()),
     "native-bf16": ("native", "bfloat16", "sdpa", QuantConfig()),
     "native-fp32-gemv": ("native", "float32", "sdpa", QuantConfig(kernel="gemv-all")),
@@ -43,6 +44,15 @@ ALL = {  # name -> (backend, model dtype, attention, quant)
     "native-int8-dequant": ("native", "float32", "sdpa", QuantConfig(level="int8-weight", kernel="dequant")),
     "native-int8-gemv": ("native", "float32", "sdpa", QuantConfig(level="int8-weight", kernel="gemv", skip_modules=[])),
     "native-int4-gemv": ("native", "float32", "sdpa", QuantConfig(level="int4-weight", kernel="gemv", skip_modules=[])),
+    "native-w8a8": ("native", "float32", "sdpa", QuantConfig(level="int8-dynamic", skip_modules=[])),
+    "native-int4q8-gemv": ("native", "float32", "sdpa", QuantConfig(level="int4-weight", kernel="gemv-q8", skip_modules=[])),
+    # issue 36: the same levels with the decode step in C++ (engine.compile=true engine.compile_mode=cpp)
+    "native-fp32-cpp": ("native", "float32", "sdpa", QuantConfig(kernel="gemv-all"), "cpp"),
+    "native-bf16-cpp": ("native", "bfloat16", "sdpa", QuantConfig(kernel="gemv-all"), "cpp"),
+    "native-int8-cpp": ("native", "float32", "sdpa", QuantConfig(level="int8-weight", kernel="gemv", skip_modules=[]), "cpp"),
+    "native-w8a8-cpp": ("native", "float32", "sdpa", QuantConfig(level="int8-dynamic", skip_modules=[]), "cpp"),
+    "native-int4-cpp": ("native", "float32", "sdpa", QuantConfig(level="int4-weight", kernel="gemv", skip_modules=[]), "cpp"),
+    "native-int4q8-cpp": ("native", "float32", "sdpa", QuantConfig(level="int4-weight", kernel="gemv-q8", skip_modules=[]), "cpp"),
     "llamacpp-f32": ("llamacpp", "float32", "flash", QuantConfig()),
     "llamacpp-q8_0": ("llamacpp", "float32", "flash", QuantConfig(level="gguf-q8_0")),
     "llamacpp-q4_0": ("llamacpp", "float32", "flash", QuantConfig(level="gguf-q4_0")),
@@ -60,6 +70,21 @@ GOALS = [
     ("native bf16 vs native fp32", "native-bf16", "native-fp32", ">= x1.8"),
     ("native bf16 vs fp32, both our dense GEMV", "native-bf16-gemv", "native-fp32-gemv", ">= x1.8"),
     ("native bf16, our dense GEMV vs native fp32 (torch's)", "native-bf16-gemv", "native-fp32", "-"),
+    # issue 36: the C++ decode step
+    ("native fp32, C++ step vs llama.cpp f32", "native-fp32-cpp", "llamacpp-f32", ">= x0.9"),
+    ("native INT8 weight-only, C++ step vs llama.cpp Q8_0", "native-int8-cpp", "llamacpp-q8_0", ">= x0.9"),
+    ("native W8A8, C++ step vs llama.cpp Q8_0", "native-w8a8-cpp", "llamacpp-q8_0", ">= x0.9"),
+    ("native INT4, C++ step vs llama.cpp Q4_0", "native-int4-cpp", "llamacpp-q4_0", ">= x0.8"),
+    ("native INT4 x Q8_0, C++ step vs llama.cpp Q4_0", "native-int4q8-cpp", "llamacpp-q4_0", ">= x0.8"),
+    ("native bf16 vs fp32, both C++ step", "native-bf16-cpp", "native-fp32-cpp", ">= x1.6"),
+    ("C++ step vs eager, fp32 (both gemv-all)", "native-fp32-cpp", "native-fp32-gemv", "-"),
+    ("C++ step vs eager, bf16 (both gemv-all)", "native-bf16-cpp", "native-bf16-gemv", "-"),
+    ("C++ step vs eager, INT8 weight-only", "native-int8-cpp", "native-int8-gemv", "-"),
+    ("C++ step vs eager, W8A8", "native-w8a8-cpp", "native-w8a8", "-"),
+    ("C++ step vs eager, INT4", "native-int4-cpp", "native-int4-gemv", "-"),
+    ("C++ step vs eager, INT4 x Q8_0", "native-int4q8-cpp", "native-int4q8-gemv", "-"),
+    ("native W8A8 vs INT8 weight-only, both C++ step", "native-w8a8-cpp", "native-int8-cpp", "-"),
+    ("native INT4 x Q8_0 vs INT4 weight-only, both C++ step", "native-int4q8-cpp", "native-int4-cpp", "-"),
 ]
 
 
@@ -92,8 +117,11 @@ def runnable(names: list[str], flags: set[str]) -> list[str]:
 
 
 def trial(name: str, threads: int, wl: WorkloadConfig) -> TrialConfig:
-    backend, dtype, attn, quant = ALL[name]
-    return TrialConfig(model=ModelConfig(**SMOL, dtype=dtype), engine=EngineConfig(backend=backend, threads=threads),
+    backend, dtype, attn, quant, *mode = ALL[name]
+    engine = EngineConfig(backend=backend, threads=threads)
+    if mode:  # a compiled decode step (issue 36: cpp)
+        engine = EngineConfig(backend=backend, threads=threads, compile=True, compile_mode=mode[0])
+    return TrialConfig(model=ModelConfig(**SMOL, dtype=dtype), engine=engine,
                        attention=AttentionConfig(impl=attn), quant=quant, workload=wl)
 
 
