@@ -13,9 +13,13 @@ CPU is slower than its bytes predict) to measurement.
 from __future__ import annotations
 
 import itertools
+import logging
 from typing import Mapping, Optional
 
+from ..config.compose import SweepError
 from .measurement import Point, describe, point_key
+
+log = logging.getLogger(__name__)
 
 NUMERICS = ("model", "model.name", "model.dtype", "quant", "quant.level", "engine", "engine.backend", "engine_variant")
 
@@ -43,28 +47,40 @@ class CostModelSkip:
         return self._pred[key]
 
     def _predict(self, p: Point) -> Optional[tuple[float, float]]:
-        try:
-            from engine import axes, engines
-            from engine.measure.costmodel import Precision, Workload, predict
-            from engine.model_facts import facts_or_none
+        """The cost model's inputs as engine.pipeline.roofline builds them for a trial (the engine's weight format,
+        the modules it keeps unquantized, its K/V element size, whether its attention materializes scores, the
+        dtype its matmuls run in), with this node's peaks probed once per dtype and threads."""
+        import torch
 
+        from engine import axes, engines
+        from engine.config import EngineError, replace
+        from engine.measure.costmodel import Precision, Workload, predict
+        from engine.model_facts import facts_or_none
+
+        try:
             trial = self.disp.spec(p).trial
-            facts = facts_or_none(trial.model)
-            if facts is None or facts.shape is None or trial.workload.serving:
-                return None
-            eng = engines.get(trial.engine.backend)
-            q = trial.quant
-            prec = Precision.of(trial.model.dtype, eng.weight_level(trial), "lm_head" in q.skip_modules, q.keep_last_layers,
-                                eng.kv_element_bytes(trial))
+        except SweepError:
+            return None  # validation refuses it: never measured, nothing to predict
+        facts = facts_or_none(trial.model)
+        if facts is None or facts.shape is None or trial.workload.serving:
+            return None
+        eng = engines.get(trial.engine.backend)
+        device = torch.device("cpu")
+        try:
+            costed = replace(replace(trial, "quant.level", eng.weight_level(trial)), "quant.skip_modules",
+                             eng.skip_modules(trial))
+            q, kv_elt = costed.quant, eng.kv_element_bytes(trial)
+            prec = (Precision.of(costed.model.dtype, q.level, "lm_head" in q.skip_modules, q.keep_last_layers, kv_elt)
+                    if q.level != axes.QUANT.off else Precision.of(costed.model.dtype, kv_elt_bytes=kv_elt))
             wl = trial.workload
             work = Workload(wl.batch_size, wl.context_len, wl.max_new_tokens,
-                            axes.KV_CACHE.applied({axes.KV_CACHE.key: trial.kv_cache.mode}),
-                            eng.materializes_scores(trial))
-            peaks = self._node_peaks(trial.model.dtype, trial.engine.threads or None)
+                            axes.KV_CACHE.applied({axes.KV_CACHE.key: trial.kv_cache.mode}), eng.materializes_scores(trial))
+            peaks = self._node_peaks(eng.compute_dtype(trial, device), trial.engine.threads or None)
             pred = predict(facts.shape, prec, work, peaks)
-            return (pred.prefill_s + pred.decode_s) / max(1, wl.batch_size * wl.max_new_tokens), prec.weight_bytes(facts.shape)
-        except Exception:
-            return None  # no prediction: measure it
+        except (EngineError, KeyError, ValueError) as e:  # the cost model cannot price it: measure it
+            log.info("no cost-model prediction for %s: %s", describe(p), e)
+            return None
+        return (pred.prefill_s + pred.decode_s) / max(1, wl.batch_size * wl.max_new_tokens), prec.weight_bytes(facts.shape)
 
     def kv_applied(self, p: Point) -> bool:
         from engine import axes
