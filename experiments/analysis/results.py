@@ -103,7 +103,7 @@ class NotFound(LookupError):
 def _row(run) -> TrialRow:
     return TrialRow(
         run_id=run.info.run_id,
-        name=run.info.run_name or run.data.tags.get("mlflow.runName", ""),
+        name=run.data.tags.get("swept") or run.info.run_name or run.data.tags.get("mlflow.runName", ""),  # key=value
         status=run.info.status,
         params=dict(run.data.params),
         metrics=dict(run.data.metrics),

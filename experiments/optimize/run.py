@@ -159,7 +159,7 @@ def score_neutral(space: Space) -> tuple[str, ...]:
     generation, and an in-process logits engine (hf, native) scores a log-likelihood task teacher-forced with no
     cache (engine/engines/logits.py `Backend.score`). Nothing when a task generates or an engine scores otherwise."""
     from engine import axes, engines
-    from engine.config import EngineConfig
+    from engine.config import EngineConfig, EngineError
     from engine.engines.logits import LogitsEngine
     from engine.tasks.run import needs_generation
 
@@ -168,7 +168,7 @@ def score_neutral(space: Space) -> tuple[str, ...]:
     backends = space.axes.get("engine") or [str((space.config.get("engine") or {}).get("backend", default))]
     try:
         logits = all(isinstance(engines.get(b), LogitsEngine) for b in backends)
-    except Exception:
+    except EngineError:  # an unknown engine: validation says so; no axis is neutral
         return ()
     if not tasks or any(needs_generation(t) for t in tasks) or not logits:
         return ()
@@ -262,6 +262,9 @@ def _log(client, rid: str, res: OptimizeResult, spec) -> None:
                 client.log_artifact(rid, str(path), "optimize")
     else:
         client.log_text(rid, "\n".join(res.summary + ("",) + res.notes) + "\n", FRONT_ARTIFACT)
+    from ..tracking.dashboard import show_optimize
+
+    show_optimize(client, rid, res)  # the run's description (table, final hash); trials named by step, candidate
 
 
 def _deployment(trial) -> str:

@@ -65,8 +65,10 @@ def plot_path(rows: Sequence[Row], out: Path, title: str = "") -> Optional[Path]
         ax.errorbar(v, y, xerr=[[v - lo], [hi - v]], fmt="o", color=colors.get(decision, "tab:gray"), capsize=3)
     ax.set_yticks(range(len(pts)), [p[0] for p in reversed(pts)], fontsize=8)
     ax.axvline(1.0, color="black", lw=0.8)
-    ax.set_xlabel("candidate vs incumbent (x, > 1 better; green accepted, red rejected, grey undecided, blue total)")
-    ax.set_title(title or "optimize: the path taken", fontsize=10)
+    from ..tracking.curves import fit_title, wrapped
+
+    ax.set_xlabel(wrapped(ax, "candidate vs incumbent (x, > 1 better; green accepted, red rejected, grey undecided, blue total)"))
+    fit_title(ax, title or "optimize: the path taken", fontsize=10)  # wrapped: a long final configuration fits
     fig.tight_layout()
     out.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out, dpi=100)

@@ -105,9 +105,25 @@ def plot_needle_depths(task: str, metrics: Mapping[str, float], context_len: int
     ax.set_ylim(0, 1.05)
     ax.set_xlabel("needle depth (score)")
     ax.set_ylabel("exact match")
-    ax.set_title(f"{task} at {context_len} tokens" + (f" ({per_depth:.0f} per depth)" if per_depth else ""),
-                 fontsize=10)
+    fit_title(ax, f"{task} at {context_len} tokens" + (f" ({per_depth:.0f} per depth)" if per_depth else ""), 10)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
     return path
+
+
+def wrapped(ax, text: str, fontsize: float = 10) -> str:
+    """`text` wrapped onto as many lines as the figure's width needs at `fontsize` (a long title or axis label --
+    a final configuration, a legend in words -- is otherwise clipped at the figure's edges; `tight_layout` makes
+    room for the extra lines)."""
+    import textwrap
+
+    # centred on the axes, which tick labels at their side narrow further when the layout is tightened
+    width_pt = ax.figure.get_figwidth() * 72 * ax.get_position().width * 0.9
+    per_line = max(20, int(width_pt / (0.6 * fontsize)))  # an average glyph of DejaVu Sans is ~0.6 em wide
+    return textwrap.fill(text, per_line)
+
+
+def fit_title(ax, text: str, fontsize: float = 10) -> None:
+    """`ax.set_title(text)`, wrapped to the figure's width."""
+    ax.set_title(wrapped(ax, text, fontsize), fontsize=fontsize)

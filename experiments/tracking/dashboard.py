@@ -74,6 +74,14 @@ def display_metrics(metrics: dict[str, float], labels: dict[str, str]) -> dict[s
     return out
 
 
+def ordered_display(shown: dict[str, float]) -> list[tuple[str, float]]:
+    """The display copies in the runs table's column order (the task scores after the gate), then any other."""
+    order = {name: i for i, name in enumerate(METRIC_COLUMNS)}
+    gate = order[GATE]
+    return sorted(shown.items(), key=lambda kv: (order.get(kv[0], gate + 0.5 if kv[0].startswith(TASK_DISPLAY) else 99),
+                                                 kv[0]))
+
+
 def column_id(metric: str) -> str:
     """The UI's key of a metric column (also the grid's col-id)."""
     return f"metrics.`{metric}`"
@@ -176,16 +184,133 @@ def runs_url(base_url: str, experiment_id: str) -> str:
 
 
 def latest_experiment(client):
-    """The experiment of the most recently started sweep; else the newest experiment with any run;
-    None for a store without runs."""
+    """The experiment of the most recently started sweep or `optimize` run; else the newest experiment with any
+    run; None for a store without runs."""
     from mlflow.entities import ViewType
 
     exps = list(client.search_experiments(view_type=ViewType.ACTIVE_ONLY))
     if not exps:
         return None
     ids = [e.experiment_id for e in exps]
-    for flt in ("tags.kind = 'sweep'", ""):
-        runs = client.search_runs(ids, filter_string=flt, order_by=["attributes.start_time DESC"], max_results=1)
+    for kinds in (("sweep", "optimize"), ("",)):
+        runs = [r for kind in kinds for r in client.search_runs(
+            ids, filter_string=f"tags.kind = '{kind}'" if kind else "", order_by=["attributes.start_time DESC"],
+            max_results=1)]
         if runs:
-            return next(e for e in exps if e.experiment_id == runs[0].info.experiment_id)
+            latest = max(runs, key=lambda r: r.info.start_time or 0)
+            return next(e for e in exps if e.experiment_id == latest.info.experiment_id)
     return None
+
+
+# --- run names: what tells the rows apart, short ------------------------------------------------------------
+# A trial run is named by the sweep's varying axes only, each as short as it reads unambiguously in the table's
+# run-name column (`kv=contig sdpa ctx=512 bf16`): the values of the well-known axes alone where the value says
+# which axis it is (attention kernel, dtype, quantization level, engine), a short key for the common workload and
+# optimization keys (`kv=`, `ctx=`, `bs=`, `spec=`), the full `key=value` otherwise.
+SHORT_KEYS = {"kv_cache": "kv", "kv_cache.mode": "kv", "workload.context_len": "ctx", "workload.batch_size": "bs",
+              "workload.max_new_tokens": "new", "speculative": "spec", "speculative.method": "spec",
+              "batching": "batch", "batching.mode": "batch", "cluster.interleave": "rounds"}
+VALUE_ONLY = ("attention", "attention.impl", "model.dtype", "quant", "quant.level", "engine", "engine.backend",
+              "engine_variant", "model", "server")
+SHORT_VALUES = {"contiguous": "contig", "bfloat16": "bf16", "float32": "fp32", "float16": "fp16"}
+
+
+def short_name(swept: dict[str, str]) -> str:
+    """`{'kv_cache': 'contiguous', 'attention': 'sdpa', 'workload.context_len': '512', 'model.dtype': 'bfloat16'}`
+    -> `kv=contig sdpa ctx=512 bf16`; "" for a trial that varies nothing."""
+    out = []
+    for k, v in swept.items():
+        v = SHORT_VALUES.get(str(v), str(v))
+        if k in VALUE_ONLY:
+            out.append(v)
+        else:
+            out.append(f"{SHORT_KEYS.get(k, k)}={v}")
+    return " ".join(out)
+
+
+# --- an `optimize` run as the report reads it ---------------------------------------------------------------
+NOTE_TAG = "mlflow.note.content"  # MLflow's run description (the run page's "Description", markdown)
+STEP_TAG, CANDIDATE_TAG, DECISION_TAG, ROLE_TAG = "optimize.step", "optimize.candidate", "optimize.decision", "optimize.role"
+
+
+def _as_dict(row: Any) -> dict[str, Any]:
+    return row if isinstance(row, dict) else row.as_dict()
+
+
+def _candidate(text: str) -> str:
+    """`quant=int8-weight` -> `int8-weight` (one axis: its value says it); several axes stay as they are."""
+    key, eq, value = text.partition("=")
+    return value if eq and " " not in text and "," not in text else text
+
+
+def optimize_trial_names(rows: Sequence[Any]) -> list[tuple[tuple[str, ...], list[tuple[str, str]], dict[str, str]]]:
+    """For each measured row of a chain table: (its config hashes in request order, (name, role) of each member's
+    runs in that order, the tags). A step's pair is (incumbent, candidate), the total's (baseline, final); the
+    baseline row has one member."""
+    out = []
+    for r in map(_as_dict, rows):
+        hashes = tuple(h for h in r.get("hashes") or () if h)
+        if not hashes:
+            continue
+        step, label, cand = r["step"], r["label"], _candidate(str(r["candidate"]))
+        tags = {STEP_TAG: str(step), CANDIDATE_TAG: str(r["candidate"])[:250], DECISION_TAG: str(r["decision"])}
+        if len(hashes) == 1:
+            members = [(f"{step} {label}: {cand}", "baseline" if label == "baseline" else "candidate")]
+        elif label == "total":
+            members = [(f"{step} total: baseline vs final", "baseline"), (f"{step} total: final ({cand})", "final")]
+        else:
+            members = [(f"{step} {label}: incumbent vs {cand}", "incumbent"), (f"{step} {label}: {cand}", "candidate")]
+        out.append((hashes, members, tags))
+    return out
+
+
+def label_optimize_trials(client, optimize_run_id: str, rows: Sequence[Any]) -> int:
+    """Name the trial runs of an `optimize` run by chain step and candidate (`3 quantization: int8-weight`; the
+    incumbent it was paired with: `3 quantization: incumbent vs int8-weight`) and tag them with step, candidate,
+    decision and role. A pair's runs are found by their interleave group (the hashes of its members, in order;
+    every attempt of the pair), the baseline's by its hash. Returns how many runs were labelled."""
+    import hashlib
+
+    run = client.get_run(optimize_run_id)
+    children = client.search_runs([run.info.experiment_id], f"tags.`mlflow.parentRunId` = '{optimize_run_id}'",
+                                  max_results=1000)
+    n = 0
+    for hashes, members, tags in optimize_trial_names(rows):
+        group = hashlib.sha256("|".join(hashes).encode()).hexdigest()[:12] if len(hashes) > 1 else None
+        for c in children:
+            t = c.data.tags
+            if t.get("config_hash") not in hashes or t.get("env.interleave_group") != group:
+                continue
+            name, role = members[hashes.index(t["config_hash"])]
+            client.update_run(c.info.run_id, name=name[:250])
+            for k, v in {**tags, ROLE_TAG: role}.items():
+                client.set_tag(c.info.run_id, k, v)
+            n += 1
+    return n
+
+
+def optimize_description(res: Any) -> str:
+    """The optimize run's description (markdown, on its overview page): the final configuration and its hash
+    with the command that re-runs it, why it stopped, then the chain table (or the search's summary) and the
+    notes."""
+    final = getattr(res, "final", None) or {}
+    h = getattr(res, "final_hash", "") or ""
+    lines = [f"**optimize ({res.strategy})** -- final: `{' '.join(f'{k}={v}' for k, v in final.items()) or '(none)'}`",
+             "",
+             (f"final config_hash **`{h[:12]}`** (`{h}`): `infersweep reproduce {h[:12]}`" if h else "no final configuration"),
+             "",
+             f"stopped: {res.stop}; {res.trials} trial(s) run, {res.reused} reused from the store", ""]
+    if res.strategy == "chain":
+        lines += [res.table, ""]
+    else:
+        lines += ["```", *getattr(res, "summary", ()), "```", ""]
+    lines += [f"- {n}" for n in getattr(res, "notes", ())]
+    return "\n".join(lines).rstrip() + "\n"
+
+
+def show_optimize(client, run_id: str, res: Any) -> None:
+    """What the dashboard shows of a finished `optimize` run: its description, and its trial runs named and
+    tagged by chain step (chain strategy)."""
+    client.set_tag(run_id, NOTE_TAG, optimize_description(res))
+    if res.strategy == "chain":
+        label_optimize_trials(client, run_id, res.rows)

@@ -25,7 +25,7 @@ from typing import Any, Callable, Iterable, Optional
 import yaml
 
 from ..config.compose import PROJECT_ROOT
-from .dashboard import display_metrics, experiment_tags, tag_experiment
+from .dashboard import display_metrics, experiment_tags, ordered_display, short_name, tag_experiment
 from ..config.hashing import HASH_VERSION
 from ..config.spec import TrialSpec
 from ..run.trial import TrialOutcome
@@ -355,6 +355,7 @@ class Tracker:
             "kind": "trial",
             "attempts": str(outcome.attempts),
             "driver": driver_id(),  # the process writing it: a run it leaves RUNNING is closed once it is gone
+            "swept": spec.label[:5000],  # the varying axes as key=value (the run name is their short form)
             **environment_tags(),
             **{f"env.{k}": v for k, v in outcome.info.items()},
             **outcome.labels,
@@ -369,14 +370,15 @@ class Tracker:
         if outcome.error:
             tags["error"] = outcome.error.splitlines()[0][:4000]
         run = self.client.create_run(exp_id, start_time=outcome.start_ms or None, tags=tags,
-                                     run_name=(run_name or spec.label)[:250])
+                                     run_name=(run_name or short_name(spec.swept) or spec.label)[:250])
         rid = run.info.run_id
         try:
             params = flatten({k: v for k, v in spec.config.items() if k != "tracking"})
-            metrics = [Metric(k, float(v), outcome.end_ms, 0) for k, v in sorted(outcome.metrics.items())]
-            if outcome.metrics:  # the runs table's rounded copies (dashboard.py); a failed trial has none
-                metrics += [Metric(k, float(v), outcome.end_ms, 0)
-                            for k, v in sorted(display_metrics(outcome.metrics, outcome.labels).items())]
+            # the runs table's rounded copies first (dashboard.py; a failed trial has none): a run's page lists its
+            # metrics in the order they were logged, so the headline figures lead the 100-odd full-precision ones
+            metrics = [Metric(k, float(v), outcome.end_ms, 0) for k, v in
+                       ordered_display(display_metrics(outcome.metrics, outcome.labels) if outcome.metrics else {})]
+            metrics += [Metric(k, float(v), outcome.end_ms, 0) for k, v in sorted(outcome.metrics.items())]
             # each timed repeat's value as a metric history (step = repeat, or round when interleaved)
             metrics += [Metric(REPEAT_PREFIX + k, float(v), outcome.end_ms, i)
                         for k, vs in sorted(getattr(outcome, "samples", {}).items()) for i, v in enumerate(vs)]
