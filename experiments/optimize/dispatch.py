@@ -87,11 +87,12 @@ class TrialMeasure:
                 if hist:
                     rounds[m] = [float(x.value) for x in sorted(hist, key=lambda x: x.step)]
         correct: dict[str, list] = {}
-        try:
-            from mlflow.artifacts import load_text
+        from mlflow.artifacts import load_text
+        from mlflow.exceptions import MlflowException
 
+        try:
             correct = json.loads(load_text(f"{run.info.artifact_uri}/{CORRECT_ARTIFACT}"))
-        except Exception:
+        except (MlflowException, OSError, ValueError):
             pass  # no eval.tasks, or a run from before per-item results were logged
         return Measurement(point=dict(point), metrics=metrics, rounds=rounds, correct=correct,
                            labels=dict(run.data.tags), config_hash=run.data.tags.get("config_hash", ""), reused=True,

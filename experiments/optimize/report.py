@@ -12,11 +12,13 @@ from .run import FRONT_ARTIFACT, KIND, PLOT_ARTIFACT, TABLE_ARTIFACT
 
 def find_optimize_run(client, ref: str):
     """The optimize run `ref` names: its run id, or the newest optimize run of experiment `ref`; else None."""
+    from mlflow.exceptions import MlflowException
+
     if re.fullmatch(r"[0-9a-f]{32}", ref):
         try:
             run = client.get_run(ref)
             return run if run.data.tags.get("kind") == KIND else None
-        except Exception:
+        except MlflowException:  # no such run
             return None
     exp = client.get_experiment_by_name(ref)
     if exp is None:
@@ -28,6 +30,8 @@ def find_optimize_run(client, ref: str):
 
 def render(client, run, out_dir: Optional[Path] = None) -> list[str]:
     """Lines to print: the run's table (or front), stop reason, final hash, and where the plot was saved."""
+    from mlflow.exceptions import MlflowException
+
     t = run.data.tags
     lines = [f"optimize run {run.info.run_id} ({t.get('optimize.strategy', '?')}, objective "
              f"{t.get('optimize.objective', '?')}; status {run.info.status})"]
@@ -35,7 +39,7 @@ def render(client, run, out_dir: Optional[Path] = None) -> list[str]:
         for art in (TABLE_ARTIFACT, FRONT_ARTIFACT):
             try:
                 lines.append(Path(client.download_artifacts(run.info.run_id, art, tmp)).read_text().rstrip())
-            except Exception:
+            except (MlflowException, OSError):  # a chain run has no front, a search run no table
                 continue
         if out_dir is not None:
             try:
@@ -44,7 +48,7 @@ def render(client, run, out_dir: Optional[Path] = None) -> list[str]:
                 dst = out_dir / "optimize-path.png"
                 dst.write_bytes(src.read_bytes())
                 lines.append(f"plot: {dst}")
-            except Exception:
+            except (MlflowException, OSError):  # no plot (a search, or no ratio to draw)
                 pass
     if t.get("optimize.stop"):
         lines.append(f"stopped: {t['optimize.stop']}; {t.get('optimize.trials', '?')} trial(s) run, "
