@@ -2,21 +2,24 @@
 
 Measure the baseline (nothing applied), read its regime, take the next step of the chain (engine/axes.py
 CHAIN: KV cache -> continuous batching -> fused attention -> quantization -> speculative decoding, then the
-space's other axes, then a different model: right-size) that the regime says should pay off; measure each of
-its variants against the incumbent as an interleaved pair, in the seed's order (quantization: weight-only INT8
-first); a variant the decision rules accept (decide.py) becomes the incumbent that the step's remaining variants
-must beat (INT4 is measured against an accepted INT8, not against fp32), then the chain goes on from the step's
-last accepted variant. Right-sizing is the
-last step: each other model of the space's model axis is a candidate on top of the incumbent's optimizations,
-accepted only like any step (faster beyond noise, paired accuracy gate on the same task items); a model with
-more weight bytes that the cost model predicts to be slower per token is skipped with that reason, never spent
-as a trial. A pair with an
-unstable trial is re-measured up to `remeasure` times, then left "undecided: too noisy"; a pair whose accuracy
-is undecided is measured again on more items (eval.limit doubled) up to `max_items`. A pair that differs only in
-axes that cannot change the task scores (`score_neutral`: the KV cache, batching and speculation, where the tasks
-are log-likelihood ones scored teacher-forced without a cache) is measured without the task eval: its accuracy
-is equal by construction, and the eval is most of a trial's time on this machine. It stops at the end of the
-chain or when the budget (trials, seconds) is spent. Every decision becomes a row of the chain table.
+space's other axes, then a different model: right-size) that the regime says should pay off (a regime read from
+a load-flagged measurement, or after an undecided step, skips nothing); measure each of its variants against the
+incumbent as an interleaved pair, in the seed's order (quantization: weight-only INT8 first); a variant the
+decision rules accept (decide.py) becomes the incumbent that the step's remaining variants must beat (INT4 is
+measured against an accepted INT8, not against fp32). Right-sizing is the last step: each other model of the
+space's model axis is a candidate on top of the incumbent's optimizations, accepted only like any step; a model
+with more weight bytes that the cost model predicts to be slower per token is skipped with that reason, never
+spent as a trial.
+
+One pair (`measure_pair`): measured up to `rules.attempts` times while its timing is undecided, the rounds of
+every measurement not flagged for load pooled; once the timing accepts, its accuracy is gated against the
+incumbent and against the baseline on the same items, the item count doubled while either gate is undecided (up
+to `max_items`); with a memory limit, the candidate is measured alone for it. A pair that differs only in axes
+that cannot change the task scores (`score_neutral`: the KV cache, batching and speculation, where the tasks are
+log-likelihood ones scored teacher-forced without a cache) is measured without the task eval: its accuracy is
+equal by construction. The chain stops at its end or when the budget (trials, seconds) is spent, and ends with
+the final configuration against the baseline as one more pair (the total gain). Every decision becomes a row of
+the chain table.
 """
 from __future__ import annotations
 
