@@ -163,3 +163,16 @@ def test_smollm2_cpp_step_greedy_tokens_equal_the_eager_engine(dtype, level):
     cpp = _greedy(make_backend(loaded, _trial(model, quant=spec)), ids, 32)
     eager = _greedy(make_backend(loaded, _trial(model, mode="dynamic", compile=False, quant=spec)), ids, 32)
     assert torch.equal(cpp, eager)
+
+
+def test_the_step_profile_accounts_for_each_steps_time(prompts):
+    """The per-token profile (BENCHMARKS.md): every phase measured, summed over the steps run since the last read."""
+    model = ModelConfig(name="tiny", path=TINY)
+    backend = make_backend(load_model(model), _trial(model))
+    backend.decode_step.profile()  # reset
+    _greedy(backend, prompts, 5)
+    prof = backend.decode_step.profile()
+    assert prof.pop("steps") == 4  # 5 tokens: the first comes from prefill
+    assert set(prof) == {"qkv", "attention", "o_proj", "gate_up", "down", "head", "outside"}
+    assert all(v >= 0 for v in prof.values()) and prof["qkv"] > 0 and prof["head"] > 0
+    assert backend.decode_step.profile()["steps"] == 0

@@ -30,6 +30,7 @@ LEVELS = ("none", "int8-weight", "int4-weight", "int8-dynamic")
 DTYPES = ("float32", "bfloat16")
 ATTENTION = ("eager", "sdpa")
 F32, BF16, I8, I4, W8A8, W4A8 = range(6)  # csrc/decode_step.cpp's Kind
+PHASES = ("qkv", "attention", "o_proj", "gate_up", "down", "head", "outside")  # isw_step_profile's order
 
 
 class _Lin(ctypes.Structure):
@@ -205,3 +206,11 @@ class CppDecodeStep:
         self.lib.isw_decode_step(ctypes.addressof(self._m), int(tokens[0, 0]), start, self._logits.data_ptr(),
                                  torch.get_num_threads())
         return self._logits.clone().view(1, 1, -1)
+
+    def profile(self) -> dict[str, float]:
+        """Milliseconds per step in each phase (thread 0's wall time between the region's barriers, so a phase's
+        wait for the slowest thread counts in it) since the last call, plus `steps`; then reset. Every CppDecodeStep
+        of the process shares one counter (the library's)."""
+        out = (ctypes.c_double * len(PHASES))()
+        steps = self.lib.isw_step_profile(ctypes.addressof(out))
+        return dict({p: 1e3 * out[i] / max(1, steps) for i, p in enumerate(PHASES)}, steps=float(steps))

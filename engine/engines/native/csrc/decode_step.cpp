@@ -12,6 +12,7 @@
 // Norms run redundantly on every thread into a thread-private buffer (cheaper than a barrier). Five barriers a layer.
 #include "gemv.h"
 #include <omp.h>
+#include <chrono>
 #include <vector>
 
 namespace {
@@ -54,6 +55,14 @@ struct Model {
 };
 
 inline int64_t pad32(int64_t n) { return (n + 31) / 32 * 32; }
+
+// Where a token's time goes (wall time on thread 0 between the region's barriers, summed over steps): the per-token
+// profile of BENCHMARKS.md. Phases: qkv, attention, o_proj, gate_up, down, head, outside (embedding, allocation,
+// the region's start and end).
+constexpr int PHASES = 7;
+double g_prof[PHASES] = {0};
+int64_t g_prof_steps = 0;
+inline double now() { return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count(); }
 
 struct Act {  // how values are stored and rounded: fp32, or bf16 (uint16) rounded at torch's points
   bool bf;
@@ -179,9 +188,15 @@ void isw_decode_step(const Model* m, int64_t token, int64_t pos, float* logits, 
     x[i] = m->embed_scale != 0.0 ? a.rnd(e * (float)m->embed_scale) : e;
   }
   const int nt = std::max(1, threads);
+  const double t_start = now();
+  double inside = 0.0;
 #pragma omp parallel num_threads(nt)
   {
     const int t = omp_get_thread_num(), n_t = omp_get_num_threads();
+    double mark = now(), region0 = mark;
+    auto lap = [&](int phase) {  // thread 0 only: the time since the last mark to `phase`
+      if (t == 0) { const double x = now(); g_prof[phase] += x - mark; mark = x; }
+    };
     std::vector<float> h(pad32(std::max(H, I)), 0.f), kh(D), qh(D), tmp(D), scores(S), outh(D);
     std::vector<float> gate(pad32(I)), up(pad32(I));
     Input in;
@@ -198,6 +213,7 @@ void isw_decode_step(const Model* m, int64_t token, int64_t pos, float* logits, 
         lin_group(a, ls, ys, 3, in, t, n_t);
       }
 #pragma omp barrier
+      lap(0);
       {
         const int64_t group = Hq / Hkv;
         const int64_t lo = L.window > 0 ? std::max<int64_t>(0, pos - L.window + 1) : 0;
@@ -218,12 +234,10 @@ void isw_decode_step(const Model* m, int64_t token, int64_t pos, float* logits, 
           const int64_t base = g * S * D;
           float mx = -INFINITY;
           for (int64_t j = lo; j <= pos; ++j) {
-            float d = 0.f;
-            if (j == pos) {
-              for (int64_t i = 0; i < D; ++i) d += qh[i] * kh[i];
-            } else {
-              for (int64_t i = 0; i < D; ++i) d += qh[i] * a.ld(L.k_cache, base + j * D + i);
-            }
+            float d;  // the vector dot of gemv.h (fp32 accumulation; bf16 keys widened exactly)
+            if (j == pos) isw::dot_w<1>(qh.data(), D, kh.data(), &d);
+            else if (a.bf) isw::dot_w<1>(qh.data(), D, (const uint16_t*)L.k_cache + base + j * D, &d);
+            else isw::dot_w<1>(qh.data(), D, (const float*)L.k_cache + base + j * D, &d);
             d = m->eager_attention && a.bf ? a.rnd(a.rnd(d) * scale) : d * scale;
             scores[j] = d;
             mx = std::max(mx, d);
@@ -239,9 +253,17 @@ void isw_decode_step(const Model* m, int64_t token, int64_t pos, float* logits, 
           for (int64_t j = lo; j <= pos; ++j) {
             // eager: probabilities normalized, then rounded (bf16); sdpa: unnormalized exp rounded, divided at the end
             const float p = m->eager_attention ? a.rnd(scores[j] * inv) : a.rnd(scores[j]);
-            const float* vsrc = nullptr;
-            if (j == pos) vsrc = v.data() + g * D;
-            for (int64_t i = 0; i < D; ++i) outh[i] += p * (vsrc ? vsrc[i] : a.ld(L.v_cache, base + j * D + i));
+            float* o = outh.data();
+            if (j == pos) {
+              const float* vr = v.data() + g * D;
+              for (int64_t i = 0; i < D; ++i) o[i] += p * vr[i];
+            } else if (a.bf) {
+              const uint16_t* vr = (const uint16_t*)L.v_cache + base + j * D;
+              for (int64_t i = 0; i < D; ++i) o[i] += p * isw::bf16_to_f(vr[i]);
+            } else {
+              const float* vr = (const float*)L.v_cache + base + j * D;
+              for (int64_t i = 0; i < D; ++i) o[i] += p * vr[i];
+            }
           }
           for (int64_t i = 0; i < D; ++i) att[hh * D + i] = a.rnd(m->eager_attention ? outh[i] : outh[i] * inv);
         }
@@ -257,6 +279,7 @@ void isw_decode_step(const Model* m, int64_t token, int64_t pos, float* logits, 
         }
       }
 #pragma omp barrier
+      lap(1);
       in.set(att.data(), qn);
       {
         int64_t n0, n1;
@@ -267,6 +290,7 @@ void isw_decode_step(const Model* m, int64_t token, int64_t pos, float* logits, 
         }
       }
 #pragma omp barrier
+      lap(2);
       if (gemma) {  // x += post_attention_layernorm(attn): the norm needs every row of the output
         rms_norm(a, true, y.data(), H, L.post_attn_norm, m->eps, h.data());
         int64_t n0, n1;
@@ -289,6 +313,7 @@ void isw_decode_step(const Model* m, int64_t token, int64_t pos, float* logits, 
         }
       }
 #pragma omp barrier
+      lap(3);
       in.set(mid.data(), I);
       {
         int64_t n0, n1;
@@ -299,6 +324,7 @@ void isw_decode_step(const Model* m, int64_t token, int64_t pos, float* logits, 
         }
       }
 #pragma omp barrier
+      lap(4);
       if (gemma) {
         rms_norm(a, true, y.data(), H, L.post_ff_norm, m->eps, h.data());
         int64_t n0, n1;
@@ -317,7 +343,20 @@ void isw_decode_step(const Model* m, int64_t token, int64_t pos, float* logits, 
       const float cap = (float)m->softcap;
       for (int64_t n = n0; n < n1; ++n) logits[n] = std::tanh(logits[n] / cap) * cap;
     }
+#pragma omp barrier
+    lap(5);
+    if (t == 0) inside = now() - region0;
   }
+  g_prof[6] += (now() - t_start) - inside;
+  ++g_prof_steps;
+}
+
+// The summed phase times (seconds) and the number of steps since the last call, then reset: out[PHASES]
+int64_t isw_step_profile(double* out) {
+  for (int i = 0; i < PHASES; ++i) { out[i] = g_prof[i]; g_prof[i] = 0.0; }
+  const int64_t n = g_prof_steps;
+  g_prof_steps = 0;
+  return n;
 }
 
 const char* isw_step_isa() { return isw::isa_name(); }
