@@ -345,18 +345,43 @@ static inline void rows_w4a8(const int8_t* xq, const float* xs, const int32_t* x
       const int8_t* xr = xq + r * K;
       const float* xsr = xs + r * G;
       const int32_t* xsumr = xsum + r * G;
-#if defined(ISW_AVX512) || defined(ISW_AVX2)
+#if defined(ISW_VNNI)
+      // two blocks per 512-bit step: [nibbles lo g, hi g, lo g+1, hi g+1] . the 64 int8 activations; the -8 offset
+      // comes out in float afterwards (8 * sum(x_b) * xs_b * ws_b, a dot over the blocks)
+      __m512 acc16 = _mm512_setzero_ps();
+      const __m512i idx = _mm512_setr_epi64(0, 1, 8, 9, 2, 3, 10, 11);
+      const __m512i pick = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
+      const __m256i m4 = _mm256_set1_epi8(0x0F);
+      int64_t g = 0;
+      for (; g + 2 <= G; g += 2) {
+        __m256i b = _mm256_loadu_si256((const __m256i*)(wr + g * 16));
+        __m512i lo = _mm512_castsi256_si512(_mm256_and_si256(b, m4));
+        __m512i hi = _mm512_castsi256_si512(_mm256_and_si256(_mm256_srli_epi16(b, 4), m4));
+        __m512i nib = _mm512_permutex2var_epi64(lo, idx, hi);
+        __m512i d = _mm512_dpbusd_epi32(_mm512_setzero_si512(), nib, _mm512_loadu_si512(xr + g * 32));
+        __m128 sc2 = _mm_mul_ps(_mm_castsi128_ps(_mm_loadl_epi64((const __m128i*)(xsr + g))),
+                                _mm_castsi128_ps(_mm_loadl_epi64((const __m128i*)(sr + g))));
+        acc16 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d), _mm512_permutexvar_ps(pick, _mm512_castps128_ps512(sc2)), acc16);
+      }
+      float corr = 0.f;
+      for (int64_t j = 0; j < g; ++j) corr += (float)(8 * xsumr[j]) * (xsr[j] * sr[j]);
+      __m256 acc = _mm256_add_ps(_mm512_castps512_ps256(acc16), _mm512_extractf32x8_ps(acc16, 1));
+      acc = _mm256_sub_ps(acc, _mm256_setr_ps(corr, 0, 0, 0, 0, 0, 0, 0));
+      for (; g < G; ++g) {
+        __m256i nibv = q4_nibbles(wr + g * 16);
+        __m256i dv = _mm256_dpbusd_epi32(_mm256_set_epi32(0, 0, 0, 0, 0, 0, 0, -8 * xsumr[g]), nibv,
+                                         _mm256_loadu_si256((const __m256i*)(xr + g * 32)));
+        acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dv), _mm256_set1_ps(xsr[g] * sr[g]), acc);
+      }
+      y[r * ys + n] = hsum8(acc);
+#elif defined(ISW_AVX512) || defined(ISW_AVX2)
       __m256 acc = _mm256_setzero_ps();
       for (int64_t g = 0; g < G; ++g) {
         __m256i nib = q4_nibbles(wr + g * 16);
         __m256i xv = _mm256_loadu_si256((const __m256i*)(xr + g * 32));
-        __m256i d = _mm256_set_epi32(0, 0, 0, 0, 0, 0, 0, -8 * xsumr[g]);  // the offset, folded into lane 0 of the integer sum
-#if defined(ISW_VNNI)
-        d = _mm256_dpbusd_epi32(d, nib, xv);
-#else
+        __m256i d = _mm256_set_epi32(0, 0, 0, 0, 0, 0, 0, -8 * xsumr[g]);  // the offset, in lane 0 of the integer sum
         // nibble (unsigned, <= 15) x int8: a pair sums to at most 2 * 15 * 127, no saturation
         d = _mm256_add_epi32(d, _mm256_madd_epi16(_mm256_maddubs_epi16(nib, xv), _mm256_set1_epi16(1)));
-#endif
         acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d), _mm256_set1_ps(xsr[g] * sr[g]), acc);
       }
       y[r * ys + n] = hsum8(acc);
