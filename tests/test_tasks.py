@@ -662,7 +662,7 @@ def test_task_files_are_hashed_by_content_not_path(cache, tmp_path, monkeypatch)
     # no task files: the hash of a config written before eval.task_files existed
     from experiments.config.hashing import config_hash
 
-    plain = spec().config if False else expand(["model=tiny-llama", "eval=tasks", "eval.limit=2"])[0].config
+    plain = expand(["model=tiny-llama", "eval=tasks", "eval.limit=2"])[0].config
     old = {**plain, "eval": {k: v for k, v in plain["eval"].items() if k != "task_files"}}
     assert config_hash(plain) == config_hash(old)
 

@@ -199,8 +199,10 @@ def _reference_key(trial: TrialConfig, task: str, user: Optional[dict] = None) -
         ident.update(context_len=trial.workload.context_len, depths=list(trial.eval.depths), seed=trial.seed)
     else:
         src = (_read_manifest().get("sources") or {}).get(source_of(task) or "", {})
-        ident.update(yaml=(YAML_DIR / f"{task}.yaml").read_text(),
-                     data={k: v for k, v in (src.get("files") or {}).items() if Path(k).stem == task})
+        text = (YAML_DIR / f"{task}.yaml").read_text()
+        ident.update(yaml=text, data={k: v for k, v in (src.get("files") or {}).items() if Path(k).stem == task})
+        if "!function" in text:  # lm-eval's own functions the YAML names (their version is lm-eval's)
+            ident.update(functions=(YAML_DIR / "lmeval_functions.py").read_text())
     return hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).hexdigest()
 
 
