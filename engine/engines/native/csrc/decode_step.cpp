@@ -13,6 +13,7 @@
 #include "gemv.h"
 #include <omp.h>
 #include <chrono>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -197,7 +198,7 @@ void isw_decode_step(const Model* m, int64_t token, int64_t pos, float* logits, 
     auto lap = [&](int phase) {  // thread 0 only: the time since the last mark to `phase`
       if (t == 0) { const double x = now(); g_prof[phase] += x - mark; mark = x; }
     };
-    std::vector<float> h(pad32(std::max(H, I)), 0.f), kh(D), qh(D), tmp(D), scores(S), outh(D);
+    std::vector<float> h(pad32(std::max(H, I)), 0.f), kh(D), qh(4 * D), tmp(D), scores(4 * S), outh(4 * D);
     std::vector<float> gate(pad32(I)), up(pad32(I));
     Input in;
     for (int64_t l = 0; l < m->num_layers; ++l) {
@@ -219,53 +220,70 @@ void isw_decode_step(const Model* m, int64_t token, int64_t pos, float* logits, 
         const int64_t lo = L.window > 0 ? std::max<int64_t>(0, pos - L.window + 1) : 0;
         int64_t h0, h1;
         split(Hq, t, n_t, h0, h1);
-        int64_t done_kv = -1;
-        for (int64_t hh = h0; hh < h1; ++hh) {
+        // a run of up to 4 of this thread's query heads sharing one KV head reads each key and value once
+        for (int64_t hh = h0; hh < h1;) {
           const int64_t g = hh / group;
-          if (g != done_kv) {  // this head group's new key, normed and rotated (every thread that needs it)
-            std::memcpy(kh.data(), k.data() + g * D, D * sizeof(float));
-            if (gemma) rms_norm(a, true, kh.data(), D, L.k_norm, m->eps, kh.data());
-            rope(a, kh.data(), D, cs, sn, tmp.data());
-            done_kv = g;
+          const int cnt = (int)std::min<int64_t>({h1 - hh, (g + 1) * group - hh, (int64_t)4});
+          std::memcpy(kh.data(), k.data() + g * D, D * sizeof(float));  // the group's new key, normed, rotated
+          if (gemma) rms_norm(a, true, kh.data(), D, L.k_norm, m->eps, kh.data());
+          rope(a, kh.data(), D, cs, sn, tmp.data());
+          for (int r = 0; r < cnt; ++r) {
+            float* qr = qh.data() + r * D;
+            std::memcpy(qr, q.data() + (hh + r) * D, D * sizeof(float));
+            if (gemma) rms_norm(a, true, qr, D, L.q_norm, m->eps, qr);
+            rope(a, qr, D, cs, sn, tmp.data());
           }
-          std::memcpy(qh.data(), q.data() + hh * D, D * sizeof(float));
-          if (gemma) rms_norm(a, true, qh.data(), D, L.q_norm, m->eps, qh.data());
-          rope(a, qh.data(), D, cs, sn, tmp.data());
           const int64_t base = g * S * D;
-          float mx = -INFINITY;
+          float mx[4] = {-INFINITY, -INFINITY, -INFINITY, -INFINITY}, d[4];
           for (int64_t j = lo; j <= pos; ++j) {
-            float d;  // the vector dot of gemv.h (fp32 accumulation; bf16 keys widened exactly)
-            if (j == pos) isw::dot_w<1>(qh.data(), D, kh.data(), &d);
-            else if (a.bf) isw::dot_w<1>(qh.data(), D, (const uint16_t*)L.k_cache + base + j * D, &d);
-            else isw::dot_w<1>(qh.data(), D, (const float*)L.k_cache + base + j * D, &d);
-            d = m->eager_attention && a.bf ? a.rnd(a.rnd(d) * scale) : d * scale;
-            scores[j] = d;
-            mx = std::max(mx, d);
-          }
-          float sum = 0.f;
-          for (int64_t j = lo; j <= pos; ++j) {
-            const float e = std::exp(scores[j] - mx);
-            sum += e;
-            scores[j] = e;
-          }
-          const float inv = 1.0f / sum;
-          for (int64_t i = 0; i < D; ++i) outh[i] = 0.f;
-          for (int64_t j = lo; j <= pos; ++j) {
-            // eager: probabilities normalized, then rounded (bf16); sdpa: unnormalized exp rounded, divided at the end
-            const float p = m->eager_attention ? a.rnd(scores[j] * inv) : a.rnd(scores[j]);
-            float* o = outh.data();
-            if (j == pos) {
-              const float* vr = v.data() + g * D;
-              for (int64_t i = 0; i < D; ++i) o[i] += p * vr[i];
-            } else if (a.bf) {
-              const uint16_t* vr = (const uint16_t*)L.v_cache + base + j * D;
-              for (int64_t i = 0; i < D; ++i) o[i] += p * isw::bf16_to_f(vr[i]);
-            } else {
-              const float* vr = (const float*)L.v_cache + base + j * D;
-              for (int64_t i = 0; i < D; ++i) o[i] += p * vr[i];
+            // the vector dot of gemv.h, cnt query rows against one key (fp32 accumulation; bf16 keys widened exactly)
+            auto dots = [&](auto rb) {
+              constexpr int RB = decltype(rb)::value;
+              if (j == pos) isw::dot_w<RB>(qh.data(), D, kh.data(), d);
+              else if (a.bf) isw::dot_w<RB>(qh.data(), D, (const uint16_t*)L.k_cache + base + j * D, d);
+              else isw::dot_w<RB>(qh.data(), D, (const float*)L.k_cache + base + j * D, d);
+            };
+            switch (cnt) {
+              case 1: dots(std::integral_constant<int, 1>{}); break;
+              case 2: dots(std::integral_constant<int, 2>{}); break;
+              case 3: dots(std::integral_constant<int, 3>{}); break;
+              default: dots(std::integral_constant<int, 4>{}); break;
+            }
+            for (int r = 0; r < cnt; ++r) {
+              const float v_ = m->eager_attention && a.bf ? a.rnd(a.rnd(d[r]) * scale) : d[r] * scale;
+              scores[r * S + j] = v_;
+              mx[r] = std::max(mx[r], v_);
             }
           }
-          for (int64_t i = 0; i < D; ++i) att[hh * D + i] = a.rnd(m->eager_attention ? outh[i] : outh[i] * inv);
+          float inv[4];
+          for (int r = 0; r < cnt; ++r) {
+            float sum = 0.f;
+            for (int64_t j = lo; j <= pos; ++j) {
+              const float e = std::exp(scores[r * S + j] - mx[r]);
+              sum += e;
+              scores[r * S + j] = e;
+            }
+            inv[r] = 1.0f / sum;
+          }
+          std::fill(outh.begin(), outh.begin() + cnt * D, 0.f);
+          for (int64_t j = lo; j <= pos; ++j) {
+            const float* vf = j == pos ? v.data() + g * D : a.bf ? nullptr : (const float*)L.v_cache + base + j * D;
+            if (!vf) {  // bf16 values, widened once for the run
+              const uint16_t* vr = (const uint16_t*)L.v_cache + base + j * D;
+              for (int64_t i = 0; i < D; ++i) tmp[i] = isw::bf16_to_f(vr[i]);
+              vf = tmp.data();
+            }
+            for (int r = 0; r < cnt; ++r) {
+              // eager: probabilities normalized, then rounded (bf16); sdpa: unnormalized exp rounded, divided at the end
+              const float p = m->eager_attention ? a.rnd(scores[r * S + j] * inv[r]) : a.rnd(scores[r * S + j]);
+              float* o = outh.data() + r * D;
+              for (int64_t i = 0; i < D; ++i) o[i] += p * vf[i];
+            }
+          }
+          for (int r = 0; r < cnt; ++r)
+            for (int64_t i = 0; i < D; ++i)
+              att[(hh + r) * D + i] = a.rnd(m->eager_attention ? outh[r * D + i] : outh[r * D + i] * inv[r]);
+          hh += cnt;
         }
         // the new K/V into the cache, each head group by one thread (no one reads position pos from the cache)
         for (int64_t g = t; g < Hkv; g += n_t) {
