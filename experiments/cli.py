@@ -261,7 +261,7 @@ def cmd_ui(args) -> int:
             print(f"MLflow UI: {server.url}  (no runs recorded yet; Ctrl-C to stop)", flush=True)
         else:
             print(f"MLflow UI: {runs_url(server.url, exp.experiment_id)}", flush=True)
-            print(f"  the runs table of '{exp.name}' (the latest sweep's experiment): trial runs, fastest first,"
+            print(f"  the runs table of '{exp.name}' (the experiment of the latest sweep or optimize run): trial runs, fastest first,"
                   " with the metric columns of the saved view 'infersweep'; Ctrl-C to stop", flush=True)
         rc = server.proc.wait()
     except KeyboardInterrupt:
@@ -429,7 +429,7 @@ def build_parser() -> argparse.ArgumentParser:
                      help="every configuration ever run in the experiment (default: the latest sweep's trials)")
     rep.set_defaults(fn=cmd_report)
     u = sub.add_parser("ui", help="start the MLflow UI on the project's store (127.0.0.1); prints the URL of the "
-                                 "latest sweep's runs table")
+                                 "runs table of the latest sweep or optimize run")
     u.add_argument("overrides", nargs="*", help="tracking.* overrides")
     u.add_argument("--port", type=int, default=0, help="default: tracking.ui_port (5000); fails at once if taken")
     u.add_argument("--host", default="127.0.0.1", help="bind address; keep 127.0.0.1 unless you mean it")

@@ -5,7 +5,7 @@ overview) with the metric columns that matter readable on the first screen; the 
 a logged plot must be there too. Screenshots are kept in test-artifacts/ (git-ignored).
 
 Skips locally when Chromium, its driver or Selenium is missing; fails instead under CI (CI=true), whose
-.ci/run installs them.
+.ci/run installs them. Runs under `make test` (marker `browser`, not `slow`): `pytest tests/test_dashboard.py`.
 """
 from __future__ import annotations
 
@@ -20,12 +20,14 @@ from pathlib import Path
 import pytest
 
 from experiments.config.compose import PROJECT_ROOT
-from experiments.tracking.dashboard import METRIC_COLUMNS, UNSTABLE_FLAG, column_id
+from experiments.tracking.dashboard import METRIC_COLUMNS, UNSTABLE_FLAG, column_id, short_name
 from experiments.analysis.report import build
 from experiments.run.sweep import run_sweep
 from experiments.tracking.server import free_port
 
-pytestmark = [pytest.mark.slow, pytest.mark.browser]
+# `browser` only (not `slow`): the README's `make test` runs it (CI installs Chromium), and so does a plain
+# `pytest tests/test_dashboard.py`; it skips outside CI where Chromium is missing
+pytestmark = [pytest.mark.browser]
 
 ARTIFACTS = PROJECT_ROOT / "test-artifacts"
 CHROMIUM_FLAGS = ("--headless=new", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
@@ -209,7 +211,46 @@ def test_printed_url_opens_the_runs_table_readable_on_the_first_screen(ui, dashb
         assert float(cell(rid, column_id("mem MB")).text) == round(trials[rid]["peak_mem_bytes"] / 1e6)
         # the flag is the tag's (a loaded machine may flag more trials than the one labelled here)
         assert cell(rid, column_id(UNSTABLE_FLAG)).text == ("1" if mlflow_client.get_run(rid).data.tags.get("unstable") else "0")
+    # each row is named by what tells it apart (the sweep's varying axes, short), whole, on the first screen
+    for rid, _ in order:
+        want = short_name(dashboard_sweep_swept(mlflow_client, rid))
+        name = cell(rid, "attributes.`Run Name`")  # the run's colour swatch, then its name
+        assert name.text.splitlines()[-1] == want, name.text
+        assert d.execute_script(on_screen, name) and d.execute_script(fits, name), f"run name {want!r} is cut"
     assert shot.stat().st_size > 10_000
+
+
+def dashboard_sweep_swept(client, rid: str) -> dict[str, str]:
+    """The trial's varying axes, from its `swept` tag (`kv_cache=off attention=eager`)."""
+    return dict(kv.split("=", 1) for kv in client.get_run(rid).data.tags["swept"].split())
+
+
+def test_a_trial_page_lists_the_rounded_headline_metrics_first(ui, dashboard_sweep, mlflow_client, browser):
+    """A trial's own page (Overview > Metrics, which MLflow lists in logged order): the rounded headline copies
+    come first, in the runs table's order, before the hundred full-precision metrics."""
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    d = browser
+    base, _ = ui
+    rid = dashboard_sweep.rows[0]["run_id"]
+    run = mlflow_client.get_run(rid)
+    shown = [m for m in METRIC_COLUMNS if m in run.data.metrics]
+    d.get(f"{base}/#/experiments/{run.info.experiment_id}/runs/{rid}?workflowType=machine_learning")
+
+    def listed() -> list[str]:
+        lines = d.find_element(By.TAG_NAME, "body").text.splitlines()
+        start = next((i for i, ln in enumerate(lines) if ln.startswith("Metrics (")), None)
+        if start is None or "Value" not in lines[start:]:
+            return []
+        first = lines.index("Value", start) + 1
+        return lines[first:first + 2 * len(shown):2]  # metric, value, metric, value, ...
+
+    try:
+        WebDriverWait(d, 90, poll_frequency=0.5).until(lambda _: len(listed()) == len(shown))
+    finally:
+        _shot(d, "mlflow-trial-page")
+    assert listed() == shown
 
 
 def test_mlflow_ui_shows_experiment_child_runs_and_a_logged_plot(ui, dashboard_sweep, mlflow_client, browser):

@@ -355,7 +355,7 @@ class Tracker:
             "kind": "trial",
             "attempts": str(outcome.attempts),
             "driver": driver_id(),  # the process writing it: a run it leaves RUNNING is closed once it is gone
-            "swept": spec.label[:5000],  # the varying axes as key=value (the run name is their short form)
+            **({"swept": spec.label[:5000]} if spec.swept else {}),  # the varying axes as key=value (the run name: short)
             **environment_tags(),
             **{f"env.{k}": v for k, v in outcome.info.items()},
             **outcome.labels,
