@@ -31,11 +31,17 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from engine import run_interleaved  # noqa: E402
-from engine.config import (AttentionConfig, EngineConfig, ModelConfig, QuantConfig, TrialConfig,  # noqa: E402
-                           WorkloadConfig)
+from engine.config import (AttentionConfig, EngineConfig, ModelConfig, QuantConfig, TinyModelConfig,  # noqa: E402
+                           TrialConfig, WorkloadConfig)
 from engine.measure.spread import paired_ratio, spread  # noqa: E402
 
 SMOL = dict(name="smollm2-135m-instruct", path="prepared://smollm2-135m-instruct")
+# --shape 1b: a random-weight Llama of ~1B parameters built in memory (Llama 3.2 1B's layer shape, 16 layers, a 32k
+# vocabulary; issue 36's scaling row): native variants only (llama.cpp has no GGUF of it)
+SHAPES = {"smollm2": SMOL,
+          "1b": dict(name="llama-1b-random", path="tiny://llama", tiny=TinyModelConfig(
+              num_layers=16, hidden_size=2048, intermediate_size=8192, num_heads=32, num_kv_heads=8, vocab_size=32000,
+              max_position_embeddings=4096, tie_word_embeddings=True))}
 ALL = {  # name -> (backend, model dtype, attention, quant[, engine.compile_mode with engine.compile=true])
     "native-fp32": ("native", "float32", "sdpa", QuantConfig()),
     "native-bf16": ("native", "bfloat16", "sdpa", QuantConfig()),
@@ -88,6 +94,11 @@ GOALS = [
 ]
 
 
+# each C++-step variant and the eager variant with the same weights and kernels
+EAGER_TWIN = {"native-fp32-cpp": "native-fp32-gemv", "native-bf16-cpp": "native-bf16-gemv", "native-int8-cpp": "native-int8-gemv",
+              "native-w8a8-cpp": "native-w8a8", "native-int4-cpp": "native-int4-gemv", "native-int4q8-cpp": "native-int4q8-gemv"}
+
+
 def cpu_model() -> str:
     try:
         return next(ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo") if ln.startswith("model name"))
@@ -116,12 +127,15 @@ def runnable(names: list[str], flags: set[str]) -> list[str]:
     return [n for n in names if ALL[n][1] != "bfloat16"]
 
 
+MODEL = SMOL  # what --shape picked
+
+
 def trial(name: str, threads: int, wl: WorkloadConfig) -> TrialConfig:
     backend, dtype, attn, quant, *mode = ALL[name]
     engine = EngineConfig(backend=backend, threads=threads)
     if mode:  # a compiled decode step (issue 36: cpp)
         engine = EngineConfig(backend=backend, threads=threads, compile=True, compile_mode=mode[0])
-    return TrialConfig(model=ModelConfig(**SMOL, dtype=dtype), engine=engine,
+    return TrialConfig(model=ModelConfig(**MODEL, dtype=dtype), engine=engine,
                        attention=AttentionConfig(impl=attn), quant=quant, workload=wl)
 
 
@@ -164,8 +178,11 @@ def main() -> None:
                          "goal, as a share of the probe's FLOP peak (0: skip)")
     ap.add_argument("--prefill-variants", default="native-fp32,native-bf16,native-int8-gemv,llamacpp-f32")
     ap.add_argument("--json", default="")
+    ap.add_argument("--shape", default="smollm2", choices=sorted(SHAPES), help="the model: SmolLM2-135M, or a random 1B Llama")
     ap.add_argument("--prefill-only", action="store_true", help="only the prefill group")
     a = ap.parse_args()
+    global MODEL
+    MODEL = SHAPES[a.shape]
     if a.prefill_only:
         torch.set_num_threads(a.threads)
         print(f"Machine: {cpu_model()}, {os.cpu_count()} CPUs, avx512_bf16={'avx512_bf16' in cpu_flags()}; "
@@ -188,7 +205,7 @@ def main() -> None:
     print(f"Machine: {cpu_model()}, {os.cpu_count()} CPUs, avx512f={'avx512f' in flags}, avx512_bf16={'avx512_bf16' in flags}; "
           f"torch {torch.__version__}; {a.threads} threads for every engine.  ")
     print(f"Run: {start:%Y-%m-%d %H:%M} UTC, {wall:.0f} s, load average {load0} at start, {load1} at end; "
-          f"SmolLM2-135M-Instruct, batch 1, context {a.context}, {a.new_tokens} new tokens, greedy, {a.rounds} interleaved rounds.\n")
+          f"{MODEL['name']}, batch 1, context {a.context}, {a.new_tokens} new tokens, greedy, {a.rounds} interleaved rounds.\n")
     print("| variant | decode tok/s median [95% CI] | TPOT ms | weights MB | weights GB/s | roofline % (decode) | ppl (2 windows) | kernels |")
     print("|---|---|---:|---:|---:|---:|---:|---|")
     out = {"machine": cpu_model(), "threads": a.threads, "date": f"{start:%Y-%m-%d %H:%M}", "load": [load0, load1],
@@ -220,6 +237,10 @@ def main() -> None:
     if ref is not None:
         print("\nGreedy tokens equal native fp32's: " + ", ".join(
             f"{n} {'yes' if r.token_ids == ref.token_ids else 'no'}" for n, r in res.items() if n != "native-fp32"))
+    twins = {n: EAGER_TWIN[n] for n in res if n in EAGER_TWIN and EAGER_TWIN[n] in res}
+    if twins:
+        print("Greedy tokens of the C++ step equal its eager twin's: " + ", ".join(
+            f"{n} {'yes' if res[n].token_ids == res[e].token_ids else 'no'}" for n, e in twins.items()))
     if a.prefill_context:
         out["prefill"] = prefill_table(a, flags)
     line = json.dumps(out)
