@@ -234,12 +234,26 @@ def cmd_ui(args) -> int:
     # a SQLite store keeps the server's log beside it (mlflow/ for the project's own store)
     log = Path(uri[len(sqlite):]).parent / f"server-{port}.log" if uri.startswith(sqlite) else None
     server = None if is_http(uri) else MlflowServer(dict(tracking, host=args.host), port=port, log_path=log)
+    front = None
     if server is not None:
         try:
             server.check_port()  # before anything is printed or started
         except RuntimeError as e:
             print(f"error: {e} (--port PORT)", file=sys.stderr)
             return 1
+        if not args.plain:  # MLflow behind a same-origin front on that port (tracking/ui_front.py says why)
+            from .tracking.server import free_port
+            from .tracking.ui_front import UiFront
+
+            try:
+                front = UiFront(args.host, port)
+            except OSError as e:
+                print(f"error: port {port} on {args.host} is not free ({e.strerror or e}): another `infersweep ui` "
+                      "or mlflow server? Stop it, or choose another port (--port PORT)", file=sys.stderr)
+                return 1
+            url = server.url
+            server = MlflowServer(dict(tracking, host="127.0.0.1"), port=free_port(), log_path=log)
+            server.url_shown = url
     client = MlflowClient(tracking_uri=uri)
     exp = latest_experiment(client)
     if exp is not None:
@@ -257,10 +271,11 @@ def cmd_ui(args) -> int:
         except RuntimeError as e:
             print(f"error: {e}", file=sys.stderr)
             return 1
+        shown = server.url if front is None else front.start(server.url) and server.url_shown
         if exp is None:
-            print(f"MLflow UI: {server.url}  (no runs recorded yet; Ctrl-C to stop)", flush=True)
+            print(f"MLflow UI: {shown}  (no runs recorded yet; Ctrl-C to stop)", flush=True)
         else:
-            print(f"MLflow UI: {runs_url(server.url, exp.experiment_id)}", flush=True)
+            print(f"MLflow UI: {runs_url(shown, exp.experiment_id)}", flush=True)
             print(f"  the runs table of '{exp.name}' (the experiment of the latest sweep or optimize run): trial runs, fastest first,"
                   " with the metric columns of the saved view 'infersweep'; Ctrl-C to stop", flush=True)
         rc = server.proc.wait()
@@ -268,6 +283,8 @@ def cmd_ui(args) -> int:
         return 0
     finally:
         server.stop()
+        if front is not None:
+            front.stop()
     print(f"error: mlflow server stopped by itself (exit {rc}); see {server.log_path}", file=sys.stderr)
     return 1
 
@@ -433,6 +450,9 @@ def build_parser() -> argparse.ArgumentParser:
     u.add_argument("overrides", nargs="*", help="tracking.* overrides")
     u.add_argument("--port", type=int, default=0, help="default: tracking.ui_port (5000); fails at once if taken")
     u.add_argument("--host", default="127.0.0.1", help="bind address; keep 127.0.0.1 unless you mean it")
+    u.add_argument("--plain", action="store_true",
+                   help="serve MLflow's server directly, without the front that opens a new browser in Model "
+                        "training mode with the Assistant panel closed")
     u.set_defaults(fn=cmd_ui)
     hw = sub.add_parser("probe", help="hardware peaks the cost model uses (GPU table, else a cached per-node probe)")
     hw.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])

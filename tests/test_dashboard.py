@@ -178,6 +178,8 @@ def test_printed_url_opens_the_runs_table_readable_on_the_first_screen(ui, dashb
     assert f"/#/experiments/{exp_id}/runs?" in d.current_url and "workflowType=machine_learning" in d.current_url
     text = d.find_element(By.TAG_NAME, "body").text
     assert "Overview" not in text and "Evaluation" not in text and "t-dashboard" in text
+    # `ui`'s front gave this fresh browser MLflow's own defaults: the Assistant panel closed (its button only)
+    assert "Ask a question" not in text and "MLflow Assistant" not in text
     # the metric columns, left to right in the chosen order, the first-screen ones in view (not scrolled away,
     # not under the Assistant panel), their names in full
     hs = headers()
@@ -226,8 +228,9 @@ def dashboard_sweep_swept(client, rid: str) -> dict[str, str]:
 
 
 def test_a_trial_page_lists_the_rounded_headline_metrics_first(ui, dashboard_sweep, mlflow_client, browser):
-    """A trial's own page (Overview > Metrics, which MLflow lists in logged order): the rounded headline copies
-    come first, in the runs table's order, before the hundred full-precision metrics."""
+    """A trial's own page, opened as a click opens it (Overview > Metrics, which MLflow lists in logged order): the
+    rounded headline copies come first, in the runs table's order, before the hundred full-precision metrics; the
+    page is in the Model training mode with the Assistant panel closed."""
     from selenium.webdriver.common.by import By
     from selenium.webdriver.support.ui import WebDriverWait
 
@@ -236,7 +239,8 @@ def test_a_trial_page_lists_the_rounded_headline_metrics_first(ui, dashboard_swe
     rid = dashboard_sweep.rows[0]["run_id"]
     run = mlflow_client.get_run(rid)
     shown = [m for m in METRIC_COLUMNS if m in run.data.metrics]
-    d.get(f"{base}/#/experiments/{run.info.experiment_id}/runs/{rid}?workflowType=machine_learning")
+    d.get(base + "/")  # a fresh browser's first visit: the UI's shell, from `ui`'s front
+    d.get(f"{base}/#/experiments/{run.info.experiment_id}/runs/{rid}")  # as a click opens it: no workflowType
 
     def listed() -> list[str]:
         lines = d.find_element(By.TAG_NAME, "body").text.splitlines()
@@ -251,6 +255,9 @@ def test_a_trial_page_lists_the_rounded_headline_metrics_first(ui, dashboard_swe
     finally:
         _shot(d, "mlflow-trial-page")
     assert listed() == shown
+    # in the Model training mode (the GenAI side bar lists Evaluation, Judges, Prompts), the Assistant closed
+    text = d.find_element(By.TAG_NAME, "body").text
+    assert "Evaluation" not in text and "Judges" not in text and "Ask a question" not in text
 
 
 def test_mlflow_ui_shows_experiment_child_runs_and_a_logged_plot(ui, dashboard_sweep, mlflow_client, browser):

@@ -84,3 +84,35 @@ def test_ui_opens_the_latest_experiment_of_any_kind(store, names_sweep, optimize
     exp, _ = optimized  # an optimize run, started after the sweep (fixture order)
     sweep_exp = client.get_run(names_sweep.parent_run_id).info.experiment_id
     assert sweep_exp != exp.experiment_id and latest_experiment(client).experiment_id == exp.experiment_id
+
+
+def test_the_ui_front_forwards_everything_and_gives_the_shell_the_browser_defaults(mlflow_server):
+    """`infersweep ui`'s front (tracking/ui_front.py): MLflow's API, reads and writes, answers through it as from the
+    server itself; the UI's HTML shell gains the script that sets MLflow's own browser keys (Model training mode,
+    the Assistant panel opened once and closed) where the browser has none."""
+    import urllib.request
+
+    from experiments.tracking.server import free_port
+    from experiments.tracking.ui_front import DEFAULTS, UiFront, with_defaults
+
+    assert with_defaults(b"<html><head><title>x</title></head></html>").startswith(b"<html><head><script>")
+    assert with_defaults(b"no head") == b"no head"
+    port = free_port()
+    front = UiFront("127.0.0.1", port).start(mlflow_server)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        with urllib.request.urlopen(url + "/", timeout=60) as r:
+            shell = r.read().decode()
+        with urllib.request.urlopen(mlflow_server + "/", timeout=60) as r:
+            plain = r.read().decode()
+        assert "<script>" in shell and all(k in shell for k in DEFAULTS) and not any(k in plain for k in DEFAULTS)
+        assert shell.replace(shell[shell.index("<script>(function"):shell.index("</script>") + 9], "") == plain
+        client = MlflowClient(url)  # the tracking API through the front: a write, then reads
+        exp = client.create_experiment("t-through-front")
+        run = client.create_run(exp, run_name="through")
+        client.log_metric(run.info.run_id, "m", 1.5)
+        assert MlflowClient(mlflow_server).get_run(run.info.run_id).data.metrics == {"m": 1.5}
+        with urllib.request.urlopen(url + "/health", timeout=60) as r:
+            assert r.status == 200
+    finally:
+        front.stop()

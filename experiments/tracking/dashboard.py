@@ -9,6 +9,9 @@ told otherwise. Two things tell it otherwise, and both are plain MLflow data, no
 - a saved view: the experiment tag `mlflow.sharedViewState.<key>` holds the runs table's state (columns,
   filter, sort) as the UI's own "Saved views" menu writes it, and `?viewStateShareKey=<key>` opens it.
   The UI's column choice otherwise lives only in the browser's local storage.
+
+MLflow 3.17 reads the mode from the URL or the browser only (the tag is ignored there) and opens its Assistant
+panel on local hosts; `infersweep ui`'s front (ui_front.py) gives a new browser MLflow's own defaults for both.
 """
 from __future__ import annotations
 
