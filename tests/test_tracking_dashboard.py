@@ -16,7 +16,8 @@ from experiments.tracking.dashboard import (CANDIDATE_TAG, DECISION_TAG, METRIC_
 
 def test_short_names_keep_only_what_tells_the_rows_apart():
     assert short_name({"kv_cache": "contiguous", "attention": "sdpa", "workload.context_len": "512",
-                       "model.dtype": "bfloat16"}) == "kv=contig sdpa ctx=512 bf16"
+                       "model.dtype": "bfloat16"}) == "kv=on sdpa ctx=512 bf16"
+    assert short_name({"kv_cache": "paged", "model.dtype": "float32"}) == "kv=paged fp32"
     assert short_name({"quant": "int8-weight", "engine_variant": "llamacpp-q8_0", "speculative": "prompt-lookup",
                        "workload.batch_size": "8"}) == "int8-weight llamacpp-q8_0 spec=prompt-lookup bs=8"
     assert short_name({"model.path": "tiny://llama"}) == "model.path=tiny://llama"  # unknown keys stay whole
@@ -42,7 +43,7 @@ def test_trial_runs_are_named_short_and_list_the_headline_metrics_first(store, n
     _, client = store
     res = names_sweep
     names = {client.get_run(r["run_id"]).info.run_name for r in res.rows}
-    assert names == {"kv=off eager", "kv=off sdpa", "kv=contig eager", "kv=contig sdpa"}
+    assert names == {"kv=off eager", "kv=off sdpa", "kv=on eager", "kv=on sdpa"}
     run = client.get_run(res.rows[0]["run_id"])
     assert run.data.tags["swept"] == "kv_cache=off attention=eager"  # the full key=value form, for the report
     shown = [m for m in METRIC_COLUMNS if m in run.data.metrics]

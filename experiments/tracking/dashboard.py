@@ -207,9 +207,10 @@ def latest_experiment(client):
 
 # --- run names: what tells the rows apart, short ------------------------------------------------------------
 # A trial run is named by the sweep's varying axes only, each as short as it reads unambiguously in the table's
-# run-name column (`kv=contig sdpa ctx=512 bf16`): the values of the well-known axes alone where the value says
-# which axis it is (attention kernel, dtype, quantization level, engine), a short key for the common workload and
-# optimization keys (`kv=`, `ctx=`, `bs=`, `spec=`), the full `key=value` otherwise.
+# run-name column (`kv=on sdpa ctx=512 bf16`; the UI keeps that column ~23 characters wide whatever a view says):
+# the values of the well-known axes alone where the value says which axis it is (attention kernel, dtype,
+# quantization level, engine), a short key for the common workload and optimization keys (`kv=`, `ctx=`, `bs=`,
+# `spec=`), the full `key=value` otherwise.
 SHORT_KEYS = {"kv_cache": "kv", "kv_cache.mode": "kv", "workload.context_len": "ctx", "workload.batch_size": "bs",
               "workload.max_new_tokens": "new", "speculative": "spec", "speculative.method": "spec",
               "batching": "batch", "batching.mode": "batch", "cluster.interleave": "rounds"}
@@ -220,10 +221,11 @@ SHORT_VALUES = {"contiguous": "contig", "bfloat16": "bf16", "float32": "fp32", "
 
 def short_name(swept: dict[str, str]) -> str:
     """`{'kv_cache': 'contiguous', 'attention': 'sdpa', 'workload.context_len': '512', 'model.dtype': 'bfloat16'}`
-    -> `kv=contig sdpa ctx=512 bf16`; "" for a trial that varies nothing."""
+    -> `kv=on sdpa ctx=512 bf16` (the contiguous cache is "on": paged is `kv=paged`); "" for a trial that varies
+    nothing."""
     out = []
     for k, v in swept.items():
-        v = SHORT_VALUES.get(str(v), str(v))
+        v = "on" if k in ("kv_cache", "kv_cache.mode") and v == "contiguous" else SHORT_VALUES.get(str(v), str(v))
         if k in VALUE_ONLY:
             out.append(v)
         else:
