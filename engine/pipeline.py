@@ -39,6 +39,9 @@ class EngineResult:
     series: dict[str, list[float]] = field(default_factory=dict)
     answers: dict[str, list] = field(default_factory=dict)  # eval.tasks: task -> per-example answers
     correct: dict[str, list] = field(default_factory=dict)  # eval.tasks: task -> per-example 0/1 (paired tests)
+    # eval.tasks: task -> each example's identity (`<doc_id>:<document digest>`, in the order of `correct`): what
+    # pairs two trials' examples (optimize's paired gate) and tells when the documents behind an index differ
+    items: dict[str, list] = field(default_factory=dict)
 
 
 def seed_everything(seed: int) -> None:
@@ -285,18 +288,18 @@ def _reference(trial: TrialConfig, loaded: Any, windows: torch.Tensor):
 
 
 def evaluate_tasks(trial: TrialConfig, session: TrialSession, loaded: Any, metrics: dict[str, float],
-                   say) -> tuple[dict, dict]:
-    """Task accuracy through lm-evaluation-harness (engine/tasks) into `metrics`; the per-example answers and
-    their correctness (0/1 by the task's primary metric: what a paired comparison of two trials needs)."""
+                   say) -> tuple[dict, dict, dict]:
+    """Task accuracy through lm-evaluation-harness (engine/tasks) into `metrics`; the per-example answers, their
+    correctness (0/1 by the task's primary metric: what a paired comparison of two trials needs) and identities."""
     if not (trial.eval.enabled and trial.eval.tasks):
-        return {}, {}
+        return {}, {}, {}
     from .tasks.run import evaluate_tasks as run_tasks
 
     facts = facts_or_none(trial.model)
     max_length = (facts.max_positions if facts and facts.max_positions else None) or 2048
     res = run_tasks(trial, session, loaded, max_length, say)
     metrics.update(res.metrics)
-    return res.answers, res.correct
+    return res.answers, res.correct, res.items
 
 
 def evaluate(trial: TrialConfig, session: TrialSession, loaded: Any, metrics: dict[str, float], say) -> None:
@@ -362,7 +365,7 @@ class Measurement:
         if why:
             labels[UNSTABLE] = why
         evaluate(trial, session, self.loaded, metrics, self.say)
-        answers, correct = evaluate_tasks(trial, session, self.loaded, metrics, self.say)
+        answers, correct, items = evaluate_tasks(trial, session, self.loaded, metrics, self.say)
         info = dict(device_info(session.device), **session.info(), repeats_stop=stop)
         model = getattr(self.loaded, "model", None)
         if isinstance(model, torch.nn.Module):  # which weight-only kernels ran (quant.kernel=auto resolves per shape)
@@ -373,7 +376,7 @@ class Measurement:
         samples = {k: [float(r[k]) for r in per_run] for k in TIMINGS if k in per_run[0]}
         return EngineResult(metrics=metrics, token_ids=token_ids, sample_text=session.tokenizer.decode(token_ids[0]),
                             info=info, labels=labels, samples=samples, answers=answers,
-                            correct=correct)
+                            correct=correct, items=items)
 
 
 def close_session(session: TrialSession) -> None:

@@ -79,7 +79,7 @@ def test_items_are_paired_by_identity():
     hashed = [{"doc_id": i, "text": f"doc {i}", "correct": x} for i, x in enumerate(inc)]
     assert paired_accuracy("needle", hashed, hashed, positional_ok=False).verdict != UNPAIRED
     # the engine's item identities (engine/tasks/run.py TaskResult.items: "<doc_id>:<digest>") key the answers
-    from experiments.optimize.dispatch import identified_correct
+    from experiments.run.trial import identified_correct
 
     a = identified_correct({"t": [1.0, 0.0]}, {"t": ["0:aa", "1:bb"]})["t"]
     b = identified_correct({"t": [1.0, 1.0]}, {"t": ["0:aa", "1:cc"]})["t"]  # document 1 changed behind its index

@@ -16,7 +16,7 @@ from engine.measure.metrics import TIMINGS
 
 from ..config.compose import SweepError, expand
 from ..config.spec import TrialSpec
-from ..run.trial import FINISHED, interleave_group_id
+from ..run.trial import FINISHED, identified_correct, interleave_group_id
 from ..tracking.store import CORRECT_ARTIFACT, REPEAT_PREFIX, resolve_uri
 from .measurement import FAILED, INVALID, Measurement, Point, Request
 
@@ -155,13 +155,3 @@ class TrialMeasure:
         return Measurement(dict(point), metrics=dict(o.metrics), rounds=dict(o.samples) if interleaved else {},
                            correct=identified_correct(getattr(o, "correct", {}), getattr(o, "items", {})),
                            labels=dict(o.labels), config_hash=o.config_hash, run_id=row.get("run_id"))
-
-
-def identified_correct(correct, items) -> dict:
-    """task -> per-item correctness, keyed by the item's identity (`<doc_id>:<document digest>`, engine/tasks/run.py
-    TaskResult.items) where the trial gives it, else the list in document order (accuracy.items_of reads both)."""
-    out = {}
-    for task, values in (correct or {}).items():
-        ids = (items or {}).get(task)
-        out[task] = dict(zip(ids, values)) if ids and len(ids) == len(values) else list(values)
-    return out

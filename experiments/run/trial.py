@@ -32,6 +32,7 @@ class TrialOutcome:
     series: dict[str, list[float]] = field(default_factory=dict)  # metric -> values by step (capacity curve)
     answers: dict[str, list] = field(default_factory=dict)  # eval.tasks: task -> per-example answers
     correct: dict[str, list] = field(default_factory=dict)  # eval.tasks: task -> per-example 0/1
+    items: dict[str, list] = field(default_factory=dict)  # eval.tasks: task -> each example's identity (engine)
     error: Optional[str] = None
     start_ms: int = 0
     end_ms: int = 0
@@ -156,10 +157,22 @@ def _finished(base: dict[str, Any], result, metrics: dict[str, float], info: dic
         series={k: list(v) for k, v in result.series.items()},
         answers=dict(result.answers),
         correct=dict(getattr(result, "correct", {})),
+        items=dict(getattr(result, "items", {})),
         end_ms=int(time.time() * 1000),
         samples=dict(result.samples),
         **base,
     )
+
+
+def identified_correct(correct: dict, items: dict) -> dict:
+    """task -> per-item correctness keyed by the item's identity (`<doc_id>:<document digest>`, engine/tasks/run.py
+    TaskResult.items) where the trial gives one for every item, else the list in document order (what a run logged
+    before items had identities; experiments/optimize/accuracy.py items_of reads both)."""
+    out = {}
+    for task, values in (correct or {}).items():
+        ids = (items or {}).get(task)
+        out[task] = dict(zip(ids, values)) if ids and len(ids) == len(values) else list(values)
+    return out
 
 
 def interleave_group_id(specs: list[TrialSpec]) -> str:

@@ -28,7 +28,7 @@ from ..config.compose import PROJECT_ROOT
 from .dashboard import display_metrics, experiment_tags, ordered_display, short_name, tag_experiment
 from ..config.hashing import HASH_VERSION
 from ..config.spec import TrialSpec
-from ..run.trial import TrialOutcome
+from ..run.trial import TrialOutcome, identified_correct
 
 PARENT_TAG = "mlflow.parentRunId"
 CONFIG_ARTIFACT = "config.yaml"
@@ -394,8 +394,9 @@ class Tracker:
             _log_needles(self.client, rid, outcome.metrics, spec.config.get("workload", {}).get("context_len", 0))
             if getattr(outcome, "answers", None):
                 self.client.log_text(rid, json.dumps(outcome.answers), ANSWERS_ARTIFACT)
-            if getattr(outcome, "correct", None):
-                self.client.log_text(rid, json.dumps(outcome.correct), CORRECT_ARTIFACT)
+            if getattr(outcome, "correct", None):  # keyed by item identity: a resumed optimize pairs by it
+                self.client.log_text(rid, json.dumps(identified_correct(outcome.correct, getattr(outcome, "items", {}))),
+                                     CORRECT_ARTIFACT)
             if outcome.error:
                 self.client.log_text(rid, outcome.error, "error.txt")
             if outcome.attempt_errors:
