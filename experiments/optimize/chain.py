@@ -33,7 +33,7 @@ from engine.measure.spread import Ratio
 
 from .decide import (ACCEPTED, BASELINE, MORE_ITEMS, REJECTED, REMEASURE, RUN_FAILED, SKIPPED, TOTAL, UNDECIDED_PAIR,
                      Rules, Verdict, accuracy_cell, accuracy_of, judge_accuracy, judge_timing, loaded, memory_problem)
-from .measurement import EVAL_LIMIT, EVAL_OFF, Measure, Measurement, Point, Request, describe
+from .measurement import EVAL_LIMIT, EVAL_OFF, Measure, Measurement, Point, Request, describe, spent
 from .objective import Objective
 from .types import Budget, Row
 
@@ -184,11 +184,8 @@ class Chain:
 
     def _run(self, req: Request) -> list[Measurement]:
         (ms,) = self._measure([req])
-        for m in ms:
-            if m.reused:
-                self.reused += 1
-            elif m.status != "INVALID":
-                self.trials += 1
+        reused, ran = spent(ms)
+        self.reused, self.trials = self.reused + reused, self.trials + ran
         return ms
 
     def _at(self, p: Point, limit: int) -> Point:

@@ -74,3 +74,10 @@ class Request:
 # Measures a batch of requests (the search sends several at once: they run in parallel); one list of
 # Measurements per request, in the order of its points.
 Measure = Callable[[Sequence[Request]], list[list[Measurement]]]
+
+
+def spent(measurements: Sequence[Measurement]) -> tuple[int, int]:
+    """(trials reused from the store, trials run) among `measurements`: what counts toward the budget (a
+    configuration that validation refused never ran and counts as neither)."""
+    reused = sum(1 for m in measurements if m.reused)
+    return reused, sum(1 for m in measurements if not m.reused and m.status != INVALID)

@@ -33,7 +33,7 @@ from typing import Callable, Mapping, Optional, Sequence
 from .accuracy import HOLDS, UNDECIDED, WORSE, PairedAccuracy, items_of, paired_accuracy
 from .chain import Chain, baseline_of
 from .decide import limit_violations, loaded
-from .measurement import EVAL_LIMIT, Measure, Measurement, Point, Request, describe, point_key
+from .measurement import EVAL_LIMIT, Measure, Measurement, Point, Request, describe, point_key, spent
 from .objective import TERMS, Objective
 from .types import ACCEPTED, Budget, Rules
 
@@ -189,11 +189,8 @@ class Search:
     def _run(self, requests: list[Request], res: SearchResult) -> list[list[Measurement]]:
         out = self._measure(requests)
         for ms in out:
-            for m in ms:
-                if m.reused:
-                    res.reused += 1
-                elif m.status != "INVALID":
-                    res.trials += 1
+            reused, ran = spent(ms)
+            res.reused, res.trials = res.reused + reused, res.trials + ran
         return out
 
     def run(self) -> SearchResult:
