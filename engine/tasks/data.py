@@ -84,6 +84,7 @@ MC_SOURCES = {
     "winogrande": _HF + "winogrande/winogrande_xl/validation/data-00000-of-00001.arrow",
 }
 MC_TASKS = tuple(MC_SOURCES)
+NEEDLE_TASKS = ("niah_single", "niah_multikey")  # built over the essays (engine/tasks/needle.py)
 
 
 @dataclass(frozen=True)
@@ -125,8 +126,6 @@ def essays_dir() -> Path:
 
 def source_of(task: str) -> Optional[str]:
     """The data source a shipped task needs ("mc", "essays"), None for one that needs none."""
-    from .needle import NEEDLE_TASKS
-
     if task in MC_SOURCES:
         return "mc"
     if task in NEEDLE_TASKS:
@@ -341,8 +340,6 @@ def _files_problem(entry: dict) -> Optional[str]:
 def data_problems(tasks: Optional[Iterable[str]] = None) -> Optional[str]:
     """Why the prepared data of `tasks` (default: every shipped task) cannot be used (not prepared, prepared by
     another version, missing, truncated, altered), or None."""
-    from .needle import NEEDLE_TASKS
-
     wanted = list(tasks) if tasks is not None else list(MC_TASKS) + list(NEEDLE_TASKS)
     needed = [s for s in SOURCES if any(source_of(t) == s for t in wanted)]
     if not needed:

@@ -19,8 +19,8 @@ from pathlib import Path
 from typing import Any, Callable
 
 from ..config import EngineError, TrialConfig
+from .data import essays_dir
 
-NEEDLE_TASKS = ("niah_single", "niah_multikey")
 TEMPLATES = Path(__file__).parent / "needle_yaml"
 DISTRACTORS = {"niah_single": 0, "niah_multikey": 3}
 ANSWER_TOKENS = 16  # generation budget (the yaml's max_gen_toks)
@@ -40,8 +40,6 @@ def needle_depth_of(doc: dict) -> int:
 
 
 def _haystack(tokenizer) -> list[int]:
-    from .data import essays_dir
-
     text = "\n\n".join(p.read_text(encoding="utf-8", errors="replace") for p in sorted(essays_dir().glob("*.txt")))
     return list(tokenizer.encode(text))
 

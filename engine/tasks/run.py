@@ -24,18 +24,17 @@ from pathlib import Path
 from typing import Any, Callable, Optional
 
 from ..config import EngineError, TrialConfig
+from .user import LM_EVAL_METRICS
 
 log = logging.getLogger(__name__)
 Say = Callable[[str], None]
 TASKS_VERSION = 2  # 2: items identified by doc_id and document digest; user task files
-LM_EVAL_METRICS = ("acc", "acc_norm", "exact_match")  # registered by lm-eval itself (no `evaluate` download)
 
 
 def available_tasks() -> list[str]:
     """The shipped tasks `eval.tasks` accepts: the YAMLs of engine/tasks/yaml and the needle tasks (a trial's own
     task files add theirs)."""
-    from .data import YAML_DIR
-    from .needle import NEEDLE_TASKS
+    from .data import NEEDLE_TASKS, YAML_DIR
 
     return sorted(p.stem for p in YAML_DIR.glob("*.yaml")) + list(NEEDLE_TASKS)
 
@@ -51,7 +50,7 @@ def user_tasks(trial: TrialConfig) -> dict:
 def needs_generation(task: str, user: Optional[dict] = None) -> bool:
     """Whether `task` generates (generate_until) rather than scores choices. `user`: the trial's task files
     (`user_tasks`); without them a task that is not shipped (a user's) may generate: True, the safe answer."""
-    from .needle import NEEDLE_TASKS
+    from .data import NEEDLE_TASKS
 
     if user and task in user:
         return user[task].request == "generate_until"
@@ -61,7 +60,7 @@ def needs_generation(task: str, user: Optional[dict] = None) -> bool:
 
 
 def is_needle(task: str) -> bool:
-    from .needle import NEEDLE_TASKS
+    from .data import NEEDLE_TASKS
 
     return task in NEEDLE_TASKS
 

@@ -37,6 +37,7 @@ YAML_DATA_PATHS = ("json", "csv", "parquet", "arrow", "text")
 OUTPUT_TYPES = {"multiple_choice": "loglikelihood", "loglikelihood": "loglikelihood",
                 "generate_until": "generate_until"}
 KINDS = ("mc", "gen", "yaml")
+LM_EVAL_METRICS = ("acc", "acc_norm", "exact_match")  # registered by lm-eval itself (no `evaluate` download)
 
 
 @dataclass(frozen=True)
@@ -214,8 +215,6 @@ def _functions(cfg: Any) -> list[str]:
 
 def _load_yaml(path: Path, raw: bytes) -> tuple[Optional[dict], bytes, list[str]]:
     """(the task config, the bytes its identity covers, problems) of an lm-eval task YAML with local data."""
-    from .run import LM_EVAL_METRICS
-
     try:
         cfg = yaml_load(raw.decode("utf-8"))
     except Exception as e:  # yaml.YAMLError, UnicodeDecodeError

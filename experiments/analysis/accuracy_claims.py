@@ -22,7 +22,7 @@ Z = 2.0  # ~95% interval
 
 
 def _tasks(row: TrialRow, needle: bool) -> list[str]:
-    from engine.tasks.needle import NEEDLE_TASKS
+    from engine.tasks.data import NEEDLE_TASKS
 
     names = [k[len("task_delta."):] for k in row.metrics if k.startswith("task_delta.")]
     return [t for t in names if (t in NEEDLE_TASKS) == needle]

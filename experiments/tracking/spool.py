@@ -4,7 +4,7 @@ Layout: `<spool_dir>/<sweep_id>/sweep.json` (the parent run: its record, the run
 final status once known) and one `trial-*.json` per result (spec + outcome). `<spool_dir>/running/<sweep_id>/`
 notes each trial while it runs (a KILLED record, removed once the trial's result is logged): a driver killed
 with SIGKILL cannot record its running trials, so the next sweep of the experiment, which finds its sweep
-run orphaned, logs them as KILLED runs from these notes. Every record has a unique
+run orphaned, logs them as KILLED runs from these notes (experiments/tracking/notes.py). Every record has a unique
 `record_id` that is also a tag of the run it becomes, so an interrupted sync that runs again neither
 duplicates a run nor leaves a half-written one: runs with that record_id that are not complete are
 deleted before the record is logged again.
@@ -25,20 +25,16 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Iterable, Optional
 
-from ..config.compose import PROJECT_ROOT
 from ..config.spec import TrialSpec
-from .store import _stored_config
 from ..run.trial import TrialOutcome
+from .notes import RUNNING, log_killed_notes, spool_root
+from .notes import record_outcome as _outcome
+from .notes import record_spec as _spec
+from .store import _stored_config
 
 log = logging.getLogger(__name__)
 
 SWEEP_FILE = "sweep.json"
-RUNNING = "running"  # <spool_dir>/running/<sweep_id>/<index>.json: trials running now (never a sweep id)
-
-
-def spool_root(tracking: dict[str, Any]) -> Path:
-    p = Path(tracking.get("spool_dir") or "mlflow/spool")
-    return p if p.is_absolute() else PROJECT_ROOT / p
 
 
 def _write_json(path: Path, data: dict[str, Any]) -> None:
@@ -108,35 +104,6 @@ def trial_record(exp_name: str, spec: TrialSpec, outcome: TrialOutcome, parent_r
         "spec": {"config": _stored_config(spec.config), "swept": spec.swept, "index": spec.index},
         "outcome": dataclasses.asdict(outcome),
     }
-
-
-def _spec(rec: dict[str, Any]) -> TrialSpec:
-    s = rec["spec"]
-    return TrialSpec(config=s["config"], swept=s["swept"], index=s["index"])
-
-
-def _outcome(rec: dict[str, Any]) -> TrialOutcome:
-    return TrialOutcome(**rec["outcome"])
-
-
-def log_killed_notes(tracker, spool: Spool, parent_run_id: str, sweep_id: str) -> None:
-    """The trials a dead driver noted as running (`Recorder.note_running`) under its run `parent_run_id` (a
-    sweep, or an `optimize` run whose batches each had a sweep id of their own) become KILLED runs -- except
-    where the trial already has its own run (the driver died while writing it, or just after): that run is the
-    trial's one record (`Tracker.reap_stale_sweeps` closes it if it is still RUNNING), no second one is made."""
-    base = spool.root / RUNNING
-    dirs = [d for d in sorted(base.iterdir()) if d.is_dir()] if base.is_dir() else []
-    for d in dirs:
-        for path in sorted(d.glob("*.json")):
-            rec = json.loads(path.read_text())
-            if not (sweep_id and d.name == sweep_id or rec.get("parent_run_id") == parent_run_id):
-                continue
-            if not tracker.trial_runs(rec["exp_name"], rec.get("sweep_id") or d.name, rec["spec"]["index"]):
-                tracker.log_trial(rec["exp_name"], _spec(rec), _outcome(rec), rec.get("parent_run_id") or parent_run_id,
-                                  rec.get("sweep_id") or d.name, rec.get("extra_tags"), rec["record_id"])
-            path.unlink()
-        if not any(d.iterdir()):
-            d.rmdir()
 
 
 class Recorder:
@@ -211,7 +178,7 @@ class Recorder:
         """Close what drivers of `exp_name` killed with SIGKILL left RUNNING: their sweeps, the trials each was
         running (noted here), and the trial runs they were writing (store.Tracker.reap_stale_sweeps)."""
         n, _ = self._try(self.tracker.reap_stale_sweeps, exp_name,
-                         lambda rid, sid: log_killed_notes(self.tracker, self.spool, rid, sid)) if self.tracker else (0, False)
+                         lambda rid, sid: log_killed_notes(self.tracker, self.spool.root, rid, sid)) if self.tracker else (0, False)
         return n or 0
 
     def note_running(self, exp_name: str, spec: TrialSpec, parent_run_id: Optional[str], sweep_id: str,

@@ -253,7 +253,7 @@ class Tracker:
         """Close what drivers killed with SIGKILL (process gone, on this host) left RUNNING in this experiment:
         nothing stays RUNNING forever. Their sweep / optimize runs become KILLED (tag `reaped`); before that,
         `on_reaped(run_id, sweep_id)` is called for each (default: the trials each was running, noted in the
-        spool, get their KILLED runs -- spool.log_killed_notes); then every other run those drivers left RUNNING
+        spool, get their KILLED runs -- notes.log_killed_notes); then every other run those drivers left RUNNING
         -- a trial's own run half-written when the driver died, under the dead run, of its sweep, or tagged with
         the dead driver -- is closed KILLED too (tags `reaped`, `incomplete`, `error`). Returns how many sweep /
         optimize runs were reaped."""
@@ -263,10 +263,10 @@ class Tracker:
         running = self._search_all([exp.experiment_id], "attributes.status = 'RUNNING'")
         dead = [r for r in running if r.data.tags.get("kind") in ("sweep", "optimize") and _driver_gone(r.data.tags)]
         if on_reaped is None:
-            from .spool import Spool, log_killed_notes, spool_root
+            from .notes import log_killed_notes, spool_root
 
-            spool = Spool(spool_root(self.tracking))
-            on_reaped = lambda rid, sid: log_killed_notes(self, spool, rid, sid)  # noqa: E731
+            root = spool_root(self.tracking)
+            on_reaped = lambda rid, sid: log_killed_notes(self, root, rid, sid)  # noqa: E731
         for r in dead:
             on_reaped(r.info.run_id, r.data.tags.get("sweep_id", ""))
         dead_ids = {r.info.run_id for r in dead}
