@@ -239,16 +239,7 @@ def test_real_model_decode_fidelity(level, max_kl, min_top1):
     text = "The quick brown fox jumps over the lazy dog. " * 3 + "In 1969, the first humans landed on the Moon, and"
     ids = q.tokenizer._tok(text, return_tensors="pt")["input_ids"][:, :48]
 
-    def step_logits(lm):
-        out, past = [], None
-        with torch.inference_mode():
-            for t in range(ids.shape[1]):
-                r = lm.model(ids[:, t:t + 1], past_key_values=past, use_cache=True)
-                past = r.past_key_values
-                out.append(r.logits[0, -1].float())
-        return torch.stack(out)
-
-    lq, ld, lf = step_logits(q), step_logits(deq), step_logits(fp)
+    lq, ld, lf = _teacher_forced(q, ids), _teacher_forced(deq, ids), _teacher_forced(fp, ids)
     assert kernel_info(q.model)["quant_kernels"] == f"gemv x{30 * 7 + 1}"
 
     def kl_top1(p_logits, q_logits):
