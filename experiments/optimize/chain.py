@@ -325,7 +325,11 @@ class Chain:
         never selected on significance, so its 95% interval is an honest estimate of what the chain bought."""
         off = {EVAL_OFF: "false"}
         self.echo(f"total: {describe(final, self.baseline)} vs the baseline")
-        ms = self._run(Request(({**self.baseline, **off}, {**final, **off}), interleaved=True, attempt=0))
+        # a fresh pair, never a step's own: where the final configuration is one step from the baseline, the step's
+        # pair has the same two hashes and group, and reusing it would report the selected measurement again.
+        # Attempts 0 .. attempts-1 are the steps' (measure_pair); the total is the one after them.
+        ms = self._run(Request(({**self.baseline, **off}, {**final, **off}), interleaved=True,
+                               attempt=self.rules.attempts))
         r = self.objective.sequential([(ms[0], ms[1])], 0.025) if all(m.ok for m in ms) else None
         note = "; ".join(f"{who} {m.unstable.split(';')[0]}" for who, m in zip(("baseline", "final"), ms) if loaded(m))
         reason = (f"the final configuration vs the baseline, one interleaved pair (95%)" if r is not None else

@@ -280,11 +280,29 @@ def label_optimize_trials(client, optimize_run_id: str, rows: Sequence[Any]) -> 
     children = client.search_runs([run.info.experiment_id], f"tags.`mlflow.parentRunId` = '{optimize_run_id}'",
                                   max_results=1000)
     n = 0
-    for hashes, members, tags in optimize_trial_names(rows):
-        group = hashlib.sha256("|".join(hashes).encode()).hexdigest()[:12] if len(hashes) > 1 else None
+    named = list(optimize_trial_names(rows))
+
+    def group_of(hashes):
+        return hashlib.sha256("|".join(hashes).encode()).hexdigest()[:12] if len(hashes) > 1 else None
+
+    # the chain's total pair (final vs baseline) is measured last and may share its group with the one step
+    # between them: it owns the newest run of each hash there, the step every earlier one
+    total_runs: set[str] = set()
+    for hashes, _, tags in named:
+        if tags.get(DECISION_TAG) == "total":
+            for h in hashes:
+                mine = [c for c in children if c.data.tags.get("config_hash") == h
+                        and c.data.tags.get("env.interleave_group") == group_of(hashes)]
+                if mine:
+                    total_runs.add(max(mine, key=lambda c: c.info.start_time).info.run_id)
+    for hashes, members, tags in named:
+        group = group_of(hashes)
+        is_total = tags.get(DECISION_TAG) == "total"
         for c in children:
             t = c.data.tags
             if t.get("config_hash") not in hashes or t.get("env.interleave_group") != group:
+                continue
+            if (c.info.run_id in total_runs) != is_total:
                 continue
             name, role = members[hashes.index(t["config_hash"])]
             client.update_run(c.info.run_id, name=name[:250])
