@@ -176,9 +176,14 @@ def identified_correct(correct: dict, items: dict) -> dict:
 
 
 def interleave_group_id(specs: list[TrialSpec]) -> str:
+    return group_id([s.config_hash for s in specs])
+
+
+def group_id(config_hashes: list[str]) -> str:
+    """The interleave group of trials with these config hashes, in measuring order (tag env.interleave_group)."""
     import hashlib
 
-    return hashlib.sha256("|".join(s.config_hash for s in specs).encode()).hexdigest()[:12]
+    return hashlib.sha256("|".join(config_hashes).encode()).hexdigest()[:12]
 
 
 def execute_interleaved(specs: list[TrialSpec], warm: Optional[WarmModels] = None) -> list[TrialOutcome]:

@@ -274,37 +274,34 @@ def label_optimize_trials(client, optimize_run_id: str, rows: Sequence[Any]) -> 
     incumbent it was paired with: `3 quantization: incumbent vs int8-weight`) and tag them with step, candidate,
     decision and role. A pair's runs are found by their interleave group (the hashes of its members, in order;
     every attempt of the pair), the baseline's by its hash. Returns how many runs were labelled."""
-    import hashlib
+    from ..run.trial import group_id
 
     run = client.get_run(optimize_run_id)
     children = client.search_runs([run.info.experiment_id], f"tags.`mlflow.parentRunId` = '{optimize_run_id}'",
                                   max_results=1000)
-    n = 0
     named = list(optimize_trial_names(rows))
 
-    def group_of(hashes):
-        return hashlib.sha256("|".join(hashes).encode()).hexdigest()[:12] if len(hashes) > 1 else None
+    def runs_of(hashes) -> list:  # a pair's runs by its interleave group, a lone trial's by its hash
+        group = group_id(list(hashes)) if len(hashes) > 1 else None
+        return [c for c in children if c.data.tags.get("config_hash") in hashes
+                and c.data.tags.get("env.interleave_group") == group]
 
     # the chain's total pair (final vs baseline) is measured last and may share its group with the one step
     # between them: it owns the newest run of each hash there, the step every earlier one
     total_runs: set[str] = set()
     for hashes, _, tags in named:
         if tags.get(DECISION_TAG) == "total":
-            for h in hashes:
-                mine = [c for c in children if c.data.tags.get("config_hash") == h
-                        and c.data.tags.get("env.interleave_group") == group_of(hashes)]
-                if mine:
-                    total_runs.add(max(mine, key=lambda c: c.info.start_time).info.run_id)
+            newest = {}
+            for c in sorted(runs_of(hashes), key=lambda c: c.info.start_time):
+                newest[c.data.tags["config_hash"]] = c.info.run_id
+            total_runs.update(newest.values())
+    n = 0
     for hashes, members, tags in named:
-        group = group_of(hashes)
         is_total = tags.get(DECISION_TAG) == "total"
-        for c in children:
-            t = c.data.tags
-            if t.get("config_hash") not in hashes or t.get("env.interleave_group") != group:
-                continue
+        for c in runs_of(hashes):
             if (c.info.run_id in total_runs) != is_total:
                 continue
-            name, role = members[hashes.index(t["config_hash"])]
+            name, role = members[hashes.index(c.data.tags["config_hash"])]
             client.update_run(c.info.run_id, name=name[:250])
             for k, v in {**tags, ROLE_TAG: role}.items():
                 client.set_tag(c.info.run_id, k, v)
