@@ -16,7 +16,9 @@ trap '[ -n "$pid" ] && kill -- -"$pid" 2>/dev/null; rm -rf "$tmp"' EXIT
 # the real interpreter and script, with an empty wheel cache and verbose pip (CMake's own lines), in a process
 # group of its own so that the whole build tree can be stopped
 set -m
-INFERSWEEP_WHEELS="$tmp/wheels" PIP_VERBOSE=1 "$here/install_llamacpp.sh" "$PY" >"$log" 2>&1 &
+# PIP_NO_CACHE_DIR: pip keeps the wheel it built in its own cache (~/.cache/pip/wheels) and would hand it back
+# instead of building ("Using cached llama_cpp_python-...whl"): the check must see the build a new machine runs.
+INFERSWEEP_WHEELS="$tmp/wheels" PIP_VERBOSE=1 PIP_NO_CACHE_DIR=1 "$here/install_llamacpp.sh" "$PY" >"$log" 2>&1 &
 pid=$!
 set +m
 start=$(date +%s)

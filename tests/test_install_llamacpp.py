@@ -260,7 +260,7 @@ case "$1" in
   -c) echo "ModuleNotFoundError: No module named 'llama_cpp'" >&2; exit 1 ;;
   -m)
     [ "$3" = wheel ] || exit 4
-    echo "env PIP_VERBOSE=$PIP_VERBOSE" >> "$FAKE_LOG"
+    echo "env PIP_VERBOSE=$PIP_VERBOSE PIP_NO_CACHE_DIR=$PIP_NO_CACHE_DIR" >> "$FAKE_LOG"
     case "$FAKE_BUILD" in
       configures)
         echo "-- The CXX compiler identification is GNU 12.2.0"
@@ -290,7 +290,7 @@ def test_build_check_passes_once_cmake_configured_and_stops_the_build(tmp_path):
     assert "build starts from an empty wheel cache: CMake configured it in" in p.stdout
     assert "(The CXX compiler identification is GNU 12.2.0)" in p.stdout
     calls = (tmp_path / "calls.log").read_text()
-    assert "-m pip wheel --no-deps llama-cpp-python==" in calls and "env PIP_VERBOSE=1" in calls
+    assert "-m pip wheel --no-deps llama-cpp-python==" in calls and "env PIP_VERBOSE=1 PIP_NO_CACHE_DIR=1" in calls  # pip's own wheel cache must not stand in for the build
     # the "compiler" the build started is gone with the build: nothing keeps compiling after the check
     pid = int((state / "compiler.pid").read_text())
     deadline = time.monotonic() + 10
