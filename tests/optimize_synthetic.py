@@ -1,6 +1,6 @@
 """A scripted synthetic objective for the optimize strategies: a `Measure` that answers from formulas (no
 model, no Ray, no MLflow), with seeded noise, shared round drift for interleaved groups, per-item accuracy, and
-a store of FINISHED results by (point, attempt) so that a rerun reuses them as the real dispatcher does."""
+a store of FINISHED results by group of points, in the order they ran, so that a rerun reuses them as the real dispatcher does."""
 from __future__ import annotations
 
 import random
@@ -64,10 +64,13 @@ class Synthetic:
         self.batches.append(len(requests))
         for req in requests:
             self.requests.append(req)
-            key = (tuple(point_key(p) for p in req.points), req.interleaved, req.attempt)
-            if key in self.store:
-                out.append([Measurement(**{**m.__dict__, "reused": True}) for m in self.store[key]])
+            # stored groups of these points, in the order they ran: attempt k reuses the k-th one `skip` leaves
+            group = (tuple(point_key(p) for p in req.points), req.interleaved)
+            stored = [ms for ms in self.store.get(group, []) if not any(m.run_id in req.skip for m in ms)]
+            if len(stored) > req.attempt:
+                out.append([Measurement(**{**m.__dict__, "reused": True}) for m in stored[req.attempt]])
                 continue
+            key = (*group, len(self.store.get(group, [])))  # the n-th run of the group: its own noise
             rng = random.Random(zlib.crc32(repr((key, self.seed)).encode()))  # stable across processes
             drift = [1 + rng.uniform(-self.drift, self.drift) for _ in range(ROUNDS)]  # shared by the group
             ms = []
@@ -79,8 +82,8 @@ class Synthetic:
                     rounds={"tpot_ms_p50": rounds},
                     correct={} if p.get(EVAL_OFF) == "false" else {"bigbench_emoji_movie": self._correct(p)},
                     labels={**self.labels, **({"unstable": u} if (u := self.unstable(p, req.attempt)) else {})},
-                    config_hash=f"{zlib.crc32(repr(point_key(p)).encode()):08x}"))
+                    config_hash=f"{zlib.crc32(repr(point_key(p)).encode()):08x}", run_id=f"run{self.runs}"))
                 self.runs += 1
-            self.store[key] = ms
+            self.store.setdefault(group, []).append(ms)
             out.append(ms)
         return out

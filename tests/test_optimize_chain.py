@@ -253,6 +253,23 @@ def test_budget_stops_the_chain_and_a_rerun_resumes_from_finished_results():
     assert again.incumbent == {"kv_cache": "contiguous", "attention": "sdpa", "quant": "int8-weight", "speculative": "off"}
 
 
+def test_the_total_pair_is_fresh_and_a_rerun_reuses_it_with_nothing_run():
+    # one step from the baseline, a pair that cannot change the scores (no eval): the total's two points are the
+    # step's own, same group -- it must still be a measurement of its own, and a rerun must find it again
+    syn = Synthetic(tpot_of({("kv_cache", "contiguous"): 0.5}))
+    one = dict(space={"kv_cache": ["off", "contiguous"]}, score_neutral=("kv_cache.mode",))
+    first = chain(syn, **one).run()
+    step, total = first.rows[1], first.rows[-1]
+    assert (step.decision, total.decision) == (ACCEPTED, TOTAL) and step.hashes == total.hashes
+    pair_groups = [r for r in syn.requests if r.interleaved]
+    assert len(pair_groups) == 2 and pair_groups[-1].skip  # the total skipped the runs the step used
+    runs = syn.runs
+    again = chain(syn, **one).run()
+    assert syn.runs == runs and again.trials == 0 and again.reused == first.trials
+    assert [r.__dict__ for r in again.rows] == [r.__dict__ for r in first.rows]
+    assert again.total == first.total
+
+
 def test_time_budget_uses_the_injected_clock():
     t = iter(range(0, 1000, 10))
     syn = Synthetic(tpot_of({("kv_cache", "contiguous"): 0.5}))

@@ -144,6 +144,7 @@ class Chain:
         self.predict, self.score_neutral, self.eval_baseline = predict, tuple(score_neutral), eval_baseline
         self.total_pair = total_pair
         self.trials = self.reused = 0
+        self._used: set[str] = set()  # run ids this chain measured or reused (the total pair skips them)
         self._t0 = 0.0
         self._reference: dict[int, Measurement] = {}  # eval.limit -> the baseline's per-item answers at it
 
@@ -184,6 +185,7 @@ class Chain:
 
     def _run(self, req: Request) -> list[Measurement]:
         (ms,) = self._measure([req])
+        self._used.update(m.run_id for m in ms if m.run_id)
         reused, ran = spent(ms)
         self.reused, self.trials = self.reused + reused, self.trials + ran
         return ms
@@ -327,9 +329,9 @@ class Chain:
         self.echo(f"total: {describe(final, self.baseline)} vs the baseline")
         # a fresh pair, never a step's own: where the final configuration is one step from the baseline, the step's
         # pair has the same two hashes and group, and reusing it would report the selected measurement again.
-        # Attempts 0 .. attempts-1 are the steps' (measure_pair); the total is the one after them.
+        # Every run this chain used is skipped: the total is the group's first run no step took.
         ms = self._run(Request(({**self.baseline, **off}, {**final, **off}), interleaved=True,
-                               attempt=self.rules.attempts))
+                               skip=frozenset(self._used)))
         r = self.objective.sequential([(ms[0], ms[1])], 0.025) if all(m.ok for m in ms) else None
         note = "; ".join(f"{who} {m.unstable.split(';')[0]}" for who, m in zip(("baseline", "final"), ms) if loaded(m))
         reason = (f"the final configuration vs the baseline, one interleaved pair (95%)" if r is not None else

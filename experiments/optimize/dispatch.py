@@ -5,7 +5,7 @@ trial nested under the `optimize` run, KILLED on Ctrl-C), and comes back as a `M
 Resume by config hash: a single point whose hash already has a FINISHED run in the experiment is read back
 instead of run. A pair is measured interleaved (`cluster.interleave` rounds on one worker), so its runs share
 a deterministic interleave group id (the hashes of its members): attempt k of a pair reuses the k-th FINISHED
-run of that group for each member, and runs the pair when there is none.
+run of that group for each member (runs the request `skip`s left out), and runs the pair when there is none.
 """
 from __future__ import annotations
 
@@ -103,7 +103,8 @@ class TrialMeasure:
             runs = self._finished(f"tags.`{INTERLEAVE_TAG}` = '{interleave_group_id(specs)}'")
             picked = []
             for s in specs:
-                mine = [r for r in runs if r.data.tags.get("config_hash") == s.config_hash]
+                mine = [r for r in runs if r.data.tags.get("config_hash") == s.config_hash
+                        and r.info.run_id not in req.skip]
                 if len(mine) <= req.attempt:
                     return None
                 picked.append(mine[req.attempt])

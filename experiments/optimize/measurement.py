@@ -64,11 +64,14 @@ class Measurement:
 class Request:
     """Measure `points`; `interleaved`: as one round-robin group on one worker (a pair: candidate vs incumbent).
     `attempt`: the n-th measurement of this same group (a re-measurement of an unstable pair is attempt 1, ...),
-    so that a rerun finds each attempt's stored trials again instead of reusing the first for all."""
+    so that a rerun finds each attempt's stored trials again instead of reusing the first for all. `skip`: run ids
+    this invocation already used, never reused again (the chain's total pair: a fresh measurement even where the
+    final configuration and the baseline are a step's own pair, and on a rerun the stored one after the step's)."""
 
     points: tuple[Point, ...]
     interleaved: bool = False
     attempt: int = 0
+    skip: frozenset = frozenset()
 
 
 # Measures a batch of requests (the search sends several at once: they run in parallel); one list of
