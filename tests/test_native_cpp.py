@@ -26,6 +26,9 @@ NEW = 16
 TINY = "tiny://llama"
 # fp32: the same kernels, another order of the few sums outside them (norms, attention)
 FP32_TOL = dict(atol=5e-5, rtol=1e-5)
+# bf16 on the real model: the C++ step's logits may be this much further from the fp32 reference than the eager bf16
+# engine's are (measured: C++ max 0.76 / median 0.34 from fp32, eager 0.90 / 0.36, logits span +-37)
+BF16_ERROR_FACTOR = 1.25
 
 
 def _trial(model: ModelConfig, mode: str = "cpp", compile: bool = True, attention: str = "sdpa", quant=None, **kw):
@@ -151,18 +154,52 @@ def test_cpp_is_an_ordinary_axis_value_in_the_config_hash():
 @pytest.mark.parametrize("dtype,level", [("float32", "none"), ("bfloat16", "none"), ("float32", "int8-weight"),
                                          ("float32", "int4-weight"), ("float32", "int8-dynamic")])
 def test_smollm2_cpp_step_greedy_tokens_equal_the_eager_engine(dtype, level):
-    """The real SmolLM2-135M (prepared from its GGUF package on first use), 32 greedy tokens after a 64-token prompt."""
+    """The real SmolLM2-135M (prepared from its GGUF package on first use), 32 greedy tokens after a 64-token prompt.
+
+    fp32: the same tokens. bf16 with sdpa: torch's CPU sdpa rounds its bf16 probabilities after an approximate exp
+    (the architecture test above), so the two bf16 steps' logits differ by bf16 ulps (up to ~0.9 of logits spanning
+    +-37) and greedy decoding may part at a near tie (seen once in CI at token 32). So, teacher-forced along the eager
+    engine's tokens: the C++ step is no further from the fp32 reference than the eager bf16 engine is (max and
+    median over the positions, within BF16_ERROR_FACTOR), every position where the two argmaxes differ is a near
+    tie (the eager top-2 margin no larger than twice that position's difference), and the greedy tokens agree up
+    to the first such tie."""
     from engine.models import prepare_model
 
     prepare_model("smollm2-135m-instruct")
-    model = ModelConfig(name="smollm2-135m-instruct", path="prepared://smollm2-135m-instruct", dtype=dtype)
-    spec = QuantConfig(level=level, kernel="gemv-all" if level in ("none", "int8-weight", "int4-weight") else "dequant")
-    loaded = load_model(model, attention="sdpa", quant=spec)
     text = "The quick brown fox jumps over the lazy dog. In 1969, the first humans landed on the Moon, and " * 3
-    ids = loaded.tokenizer._tok(text, return_tensors="pt")["input_ids"][:, :64]
-    cpp = _greedy(make_backend(loaded, _trial(model, quant=spec)), ids, 32)
-    eager = _greedy(make_backend(loaded, _trial(model, mode="dynamic", compile=False, quant=spec)), ids, 32)
-    assert torch.equal(cpp, eager)
+    spec = QuantConfig(level=level, kernel="gemv-all" if level in ("none", "int8-weight", "int4-weight") else "dequant")
+
+    def backends(dtype):
+        model = ModelConfig(name="smollm2-135m-instruct", path="prepared://smollm2-135m-instruct", dtype=dtype)
+        loaded = load_model(model, attention="sdpa", quant=spec)
+        ids = loaded.tokenizer._tok(text, return_tensors="pt")["input_ids"][:, :64]
+        return ids, {"cpp": make_backend(loaded, _trial(model, quant=spec)),
+                     "eager": make_backend(loaded, _trial(model, mode="dynamic", compile=False, quant=spec))}
+
+    ids, bs = backends(dtype)
+    tokens = {k: _greedy(b, ids, 32).reshape(-1) for k, b in bs.items()}
+    if dtype == "float32":
+        assert torch.equal(tokens["cpp"], tokens["eager"])
+        return
+    seq = torch.cat([ids, tokens["eager"][None, :-1]], dim=1)
+    p = ids.shape[1] - 1  # the logits that chose each generated token
+
+    def forced(backend):
+        return incremental_logits(backend.new_session(1, seq.shape[1]), seq, ids.shape[1])[0, p:].float()
+
+    logits = {k: forced(b) for k, b in bs.items()}
+    reference = forced(backends("float32")[1]["eager"])
+    err = {k: (v - reference).abs().amax(-1) for k, v in logits.items()}
+    for stat in (torch.max, torch.median):
+        assert float(stat(err["cpp"])) <= BF16_ERROR_FACTOR * float(stat(err["eager"])), (stat, err)
+    diff = (logits["cpp"] - logits["eager"]).abs().amax(-1)
+    top2 = logits["eager"].topk(2, dim=-1).values
+    margin = top2[:, 0] - top2[:, 1]
+    parted = logits["cpp"].argmax(-1) != logits["eager"].argmax(-1)
+    assert bool((margin[parted] <= 2 * diff[parted]).all()), (margin[parted], diff[parted])
+    got, want = tokens["cpp"], tokens["eager"]
+    first = int((got != want).nonzero()[0]) if not torch.equal(got, want) else len(want)
+    assert first == len(want) or bool(margin[first] <= 2 * diff[first]), (first, margin[first], diff[first])
 
 
 def test_the_step_profile_accounts_for_each_steps_time(prompts):
