@@ -151,7 +151,40 @@ def skip_reason(report) -> str:
     return text.removeprefix("Skipped: ")
 
 
+# --- CI's tiers share the work (.ci/run) ---------------------------------------------------------------------
+# The newcomer tier (`make test`, empty cache, no optional engine) writes the node ids of the tests it skipped to
+# INFERSWEEP_SKIPPED_LOG; the full tier (`make test-all` with both engines and everything prepared) is given that
+# file as INFERSWEEP_REST_OF and runs only what the newcomer tier did not: the marked slower tiers (slow, vllm)
+# and the fast tests that skipped there. Without the variables every selected test runs.
+SKIPPED_LOG_ENV, REST_OF_ENV = "INFERSWEEP_SKIPPED_LOG", "INFERSWEEP_REST_OF"
+NOT_IN_THE_FAST_TIER = ("slow", "vllm")  # the markers pyproject's addopts leaves out of `make test`
+
+
+def rest_of(items, skipped_ids: set[str]) -> tuple[list, list]:
+    """(kept, deselected): kept = the items of a marked slower tier or skipped by the earlier run."""
+    kept, dropped = [], []
+    for item in items:
+        slower = any(item.get_closest_marker(m) for m in NOT_IN_THE_FAST_TIER)
+        (kept if slower or item.nodeid in skipped_ids else dropped).append(item)
+    return kept, dropped
+
+
+def pytest_collection_modifyitems(config, items):
+    path = os.environ.get(REST_OF_ENV)
+    if not path:
+        return
+    with open(path) as f:
+        skipped = {line.strip() for line in f if line.strip()}
+    kept, dropped = rest_of(items, skipped)
+    if dropped:
+        config.hook.pytest_deselected(items=dropped)
+        items[:] = kept
+
+
 def pytest_runtest_logreport(report):
+    if report.skipped and (path := os.environ.get(SKIPPED_LOG_ENV)):
+        with open(path, "a") as f:
+            f.write(report.nodeid + "\n")
     if report.skipped and not hasattr(report, "wasxfail") and in_ci():
         reason = skip_reason(report)
         if not any(expected in reason for expected in EXPECTED_SKIPS):

@@ -239,7 +239,7 @@ def test_ci_runs_the_readme_test_command_without_the_engines_before_installing_t
     lines = joined
     order = [next(i for i, ln in enumerate(lines) if ln.startswith(cmd)) for cmd in
              ("make setup", "env -u CI INFERSWEEP_CACHE=", "cluster/check_llamacpp_build.sh",
-              "setup_engine setup-llamacpp", "setup_engine setup-vllm", 'INFERSWEEP_CACHE="$FULL_CACHE" make test-all')]
+              "setup_engine setup-llamacpp", "setup_engine setup-vllm", 'INFERSWEEP_CACHE="$FULL_CACHE"')]
     assert order == sorted(order)
     fast = lines[order[1]]
     assert "make test " in fast and "INFERSWEEP_VLLM_PYTHON=/nonexistent" in fast
@@ -248,6 +248,8 @@ def test_ci_runs_the_readme_test_command_without_the_engines_before_installing_t
     assert 'INFERSWEEP_CACHE="$NEWCOMER_CACHE"' in fast
     assert any(ln.startswith("NEWCOMER_CACHE=$(mktemp -d") for ln in lines)
     assert any(ln.startswith("FULL_CACHE=$(mktemp -d") for ln in lines)
+    # the full tier runs only what the newcomer tier did not (tests/test_ci_tiers.py): the skips it logged
+    assert 'INFERSWEEP_SKIPPED_LOG="$SKIPPED"' in fast and 'INFERSWEEP_REST_OF="$SKIPPED"' in lines[order[-1]]
 
 
 # --- cluster/check_llamacpp_build.sh: the build still starts from an empty wheel cache ---------------------
