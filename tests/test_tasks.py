@@ -7,7 +7,6 @@ The fast tier runs a seeded tiny random Llama (byte tokenizer) on 5-item tasks w
 from __future__ import annotations
 
 import hashlib
-import importlib.util
 import json
 import math
 
@@ -21,11 +20,13 @@ from engine.tasks.lmeval import SessionLM
 from engine.tasks.needle import documents
 from engine.tasks.run import available_tasks, run_lmeval, task_problems
 from engine.validation import check_trial
-from conftest import need_task_data
+from conftest import need_task_data, require_installed
 from support import make_trial
 
 TINY = ModelConfig(name="tiny-llama", path="tiny://llama")
-HAVE_LLAMA_CPP = importlib.util.find_spec("llama_cpp") is not None
+# llama.cpp's cases always exist (so CI's newcomer tier logs them as skipped and the full tier runs them): they skip
+# with the install command where llama-cpp-python is absent, and fail under CI=true
+LLAMACPP = pytest.param("llamacpp", marks=require_installed("llamacpp"))
 LL_ATOL = 1e-3  # summed log-probs of a few tokens: float32 kernels of different engines agree to ~1e-5 per token
 MC_TASK = "arc_easy"
 
@@ -145,7 +146,7 @@ def test_lm_eval_task_on_the_tiny_model_is_deterministic(cache):
     assert a.metrics[f"acc_stderr.{MC_TASK}"] == pytest.approx(math.sqrt(acc * (1 - acc) / 4), abs=1e-9)
 
 
-@pytest.mark.parametrize("other", ["native"] + (["llamacpp"] if HAVE_LLAMA_CPP else []))
+@pytest.mark.parametrize("other", ["native", LLAMACPP])
 def test_engines_give_the_same_answers_for_the_same_fp32_model(cache, other):
     reqs = [(ctx, cont) for ctx in ("Q: What do bees make?\nA:", "Q: Which is the largest planet?\nA:")
             for cont in (" honey", " Jupiter", " ice")]
@@ -536,7 +537,7 @@ def _jsonl(path, items):
     return path
 
 
-@pytest.mark.parametrize("backend", ["hf", "native"] + (["llamacpp"] if HAVE_LLAMA_CPP else []))
+@pytest.mark.parametrize("backend", ["hf", "native", LLAMACPP])
 def test_user_task_files_run_through_lm_eval(cache, tmp_path, backend):
     """A multiple-choice and a generation JSONL of the user's, named in eval.tasks beside a shipped task: scored
     by lm-eval on the trial's own engine, with the answers hf gives."""
