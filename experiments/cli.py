@@ -91,7 +91,8 @@ kv_cache=off,contiguous attention=eager,sdpa quant=none,int8-weight; settings ar
                              over every look), the paired accuracy gate holds vs the incumbent and the baseline
                              (non-inferiority within optimize.gate.max_drop; undecided: more items up to
                              optimize.gate.max_items) and optimize.slo / optimize.max_memory_gb hold; undecided
-                             pairs are measured again (optimize.remeasure); the final config is printed as its
+                             pairs are measured again (optimize.remeasure), and once more at the chain's end while
+                             budget remains (optimize.retries); the final config is printed as its
                              deploy command (docs/optimize.md: what each verdict guarantees)
   optimize=search            Optuna multi-objective search (optimize.search.objectives: tpot, accuracy, peak_memory)
                              with the paired gate / SLO / memory limit as constraints; refused and predicted-dominated

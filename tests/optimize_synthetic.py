@@ -70,7 +70,8 @@ class Synthetic:
             if len(stored) > req.attempt:
                 out.append([Measurement(**{**m.__dict__, "reused": True}) for m in stored[req.attempt]])
                 continue
-            key = (*group, len(self.store.get(group, [])))  # the n-th run of the group: its own noise
+            n = len(self.store.get(group, []))  # the n-th run of the group: its own noise, its own load flag
+            key = (*group, n)
             rng = random.Random(zlib.crc32(repr((key, self.seed)).encode()))  # stable across processes
             drift = [1 + rng.uniform(-self.drift, self.drift) for _ in range(ROUNDS)]  # shared by the group
             ms = []
@@ -81,7 +82,7 @@ class Synthetic:
                     metrics={"tpot_ms_p50": sorted(rounds)[ROUNDS // 2], **self._memory(p, req), **self.extra(p)},
                     rounds={"tpot_ms_p50": rounds},
                     correct={} if p.get(EVAL_OFF) == "false" else {"bigbench_emoji_movie": self._correct(p)},
-                    labels={**self.labels, **({"unstable": u} if (u := self.unstable(p, req.attempt)) else {})},
+                    labels={**self.labels, **({"unstable": u} if (u := self.unstable(p, n)) else {})},
                     config_hash=f"{zlib.crc32(repr(point_key(p)).encode()):08x}", run_id=f"run{self.runs}"))
                 self.runs += 1
             self.store.setdefault(group, []).append(ms)

@@ -48,6 +48,11 @@ def test_the_shipped_rules_keep_their_false_acceptance_and_false_holds():
     # measurement of 2 trials) and rounds added by the engine (mean rounds above the measurements' minimum)
     r = timing_rates(1.0, RULES, Noise(), 300, ROUNDS)
     assert r.trials / 2 > 2.5 and r.rounds > ROUNDS * r.trials / 2 * 1.2
+    # the whole procedure includes the chain's end: a pair undecided after the walk's measurements (here: every
+    # one flagged for load) is measured optimize.retries more times, and the per-look level counts those too
+    always_loaded = timing_rates(1.0, RULES, Noise(load=1.0), 50, ROUNDS)
+    assert RULES.retries == 1 and always_loaded.trials == 2 * RULES.looks == 2 * (RULES.attempts + 1)
+    assert always_loaded.undecided == 1.0
 
 
 def test_power_the_docs_state():

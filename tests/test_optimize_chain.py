@@ -137,7 +137,12 @@ def test_a_gain_not_shown_to_clear_min_effect_is_never_accepted_even_when_the_me
     syn = Synthetic(tpot_of({("kv_cache", "contiguous"): 0.98}), noise=0.10)
     res = chain(syn, space={"kv_cache": ["off", "contiguous"]}, rules=rules(gate=False)).run()
     assert res.rows[1].decision in (UNDECIDED_PAIR, REJECTED) and res.incumbent == {"kv_cache": "off"}
-    assert [r.attempt for r in syn.requests if r.interleaved] == [0, 1, 2]
+    # three measurements in the walk, then the chain's end retries the undecided pair once (optimize.retries=1),
+    # pooled with its three: each a fresh measurement (the runs already used are skipped)
+    assert [len(r.skip) for r in syn.requests if r.interleaved] == [1, 3, 5, 7]  # the baseline, then 2 runs a pair
+    retry = res.rows[-1]
+    assert retry.label == "KV cache (retry)" and retry.attempts == 1 and retry.decision in (UNDECIDED_PAIR, REJECTED)
+    assert retry.decision == REJECTED or retry.reason.endswith("stopped after 4 measurement(s)")
     # a 6% gain whose point estimate clears x1.03 but whose interval does not: not accepted on the estimate
     rounds = [100.0, 90.0, 110.0, 95.0, 105.0, 100.0, 92.0, 108.0, 100.0]
     inc = Measurement({}, rounds={"tpot_ms_p50": rounds})
@@ -184,21 +189,46 @@ def test_loaded_measurements_are_dropped_and_the_pair_measured_again():
     load = "load: other processes used 40.3% of the CPUs (> 25.0%)"
     syn = Synthetic(tpot_of({("kv_cache", "contiguous"): 0.5}), unstable=lambda p, attempt: load if attempt == 0 else "")
     res = chain(syn, space={"kv_cache": ["off", "contiguous"]}, rules=rules(gate=False)).run()
-    assert [r.attempt for r in syn.requests if r.interleaved][:2] == [0, 1]
+    assert [len(r.skip) for r in syn.requests if r.interleaved][:2] == [1, 3]  # the second: a fresh measurement
     assert res.rows[1].decision == ACCEPTED and res.rows[1].attempts == 2 and "(9 rounds)" in res.rows[1].reason
     # flagged for spread only: the interval carries it, and x2 separates from x1.03 -> decided at once
     spread = Synthetic(tpot_of({("kv_cache", "contiguous"): 0.5}),
                        unstable=lambda p, attempt: "spread: tpot_ms_p50 CI half-width 12.3% > 10.0%")
     res = chain(spread, space={"kv_cache": ["off", "contiguous"]}, rules=rules(gate=False)).run()
-    assert [r.attempt for r in spread.requests if r.interleaved][:1] == [0] and res.rows[1].attempts == 1
+    assert res.rows[1].attempts == 1
     assert res.rows[1].decision == ACCEPTED
     # always loaded: measured `attempts` times, then never accepted or rejected on noise
     noisy = Synthetic(tpot_of({("kv_cache", "contiguous"): 0.5}), unstable=lambda p, a: load)
     res = chain(noisy, space={"kv_cache": ["off", "contiguous"]}, rules=rules(gate=False)).run()
-    assert [r.attempt for r in noisy.requests if r.interleaved] == [0, 1, 2]
+    # three in the walk, one more at the chain's end (pooled: still nothing clean), no total (nothing was kept)
+    assert len([r for r in noisy.requests if r.interleaved]) == 4
     assert res.rows[1].decision == UNDECIDED_PAIR and res.rows[1].reason.startswith("unstable: incumbent load")
     assert res.rows[1].reason.endswith("stopped after 3 measurement(s)")
-    assert res.incumbent == {"kv_cache": "off"}
+    assert res.rows[2].label == "KV cache (retry)" and res.rows[2].reason.endswith("stopped after 4 measurement(s)")
+    assert res.incumbent == {"kv_cache": "off"} and len(res.rows) == 3
+    # without retries (optimize.retries=0): the walk's three measurements only
+    res = chain(Synthetic(tpot_of({("kv_cache", "contiguous"): 0.5}), unstable=lambda p, a: load),
+                space={"kv_cache": ["off", "contiguous"]}, rules=rules(gate=False, retries=0)).run()
+    assert [r.label for r in res.rows] == ["baseline", "KV cache"]
+
+
+def test_an_undecided_pair_is_retried_at_the_end_and_can_be_accepted_there():
+    # the kv pair is loaded in the walk (three measurements, undecided), quiet at the end: the retry pools the
+    # clean one and accepts; the incumbent changed since (sdpa accepted), so it is a new pair on top of sdpa
+    load = "load: other processes used 40.3% of the CPUs (> 25.0%)"
+    syn = Synthetic(tpot_of({("kv_cache", "contiguous"): 0.5, ("attention", "sdpa"): 0.7}),
+                    unstable=lambda p, n: load if p.get("kv_cache") == "contiguous" and p.get("attention") == "eager" else "")
+    res = chain(syn, space={"kv_cache": ["off", "contiguous"], "attention": ["eager", "sdpa"]},
+                rules=rules(gate=False)).run()
+    by = {r.label: r for r in res.rows}
+    assert by["KV cache"].decision == UNDECIDED_PAIR and by["fused (flash) attention"].decision == ACCEPTED
+    assert by["KV cache (retry)"].decision == ACCEPTED and by["KV cache (retry)"].candidate == "kv_cache=contiguous"
+    assert res.incumbent == {"kv_cache": "contiguous", "attention": "sdpa"} and res.rows[-1].decision == TOTAL
+    # budget spent at the end of the walk: no retry
+    syn2 = Synthetic(tpot_of({("kv_cache", "contiguous"): 0.5, ("attention", "sdpa"): 0.7}), unstable=syn.unstable)
+    res = chain(syn2, space={"kv_cache": ["off", "contiguous"], "attention": ["eager", "sdpa"]},
+                budget=budget(max_trials=9), rules=rules(gate=False)).run()
+    assert "KV cache (retry)" not in {r.label for r in res.rows} and res.stop.startswith("budget")
 
 
 def test_the_memory_limit_is_judged_on_the_candidate_measured_alone():

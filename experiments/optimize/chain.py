@@ -17,7 +17,9 @@ incumbent and against the baseline on the same items, the item count doubled whi
 to `max_items`); with a memory limit, the candidate is measured alone for it. A pair that differs only in axes
 that cannot change the task scores (`score_neutral`: the KV cache, batching and speculation, where the tasks are
 log-likelihood ones scored teacher-forced without a cache) is measured without the task eval: its accuracy is
-equal by construction. The chain stops at its end or when the budget (trials, seconds) is spent, and ends with
+equal by construction. At the walk's end, while budget remains, each pair left undecided on timing is measured
+again (`rules.retries`: pooled with its earlier measurements where the incumbent is unchanged, else a new pair on
+the final incumbent). The chain stops at its end or when the budget (trials, seconds) is spent, and ends with
 the final configuration against the baseline as one more pair (the total gain). Every decision becomes a row of
 the chain table.
 """
@@ -144,7 +146,8 @@ class Chain:
         self.predict, self.score_neutral, self.eval_baseline = predict, tuple(score_neutral), eval_baseline
         self.total_pair = total_pair
         self.trials = self.reused = 0
-        self._used: set[str] = set()  # run ids this chain measured or reused (the total pair skips them)
+        self._used: set[str] = set()  # run ids this chain measured or reused (a fresh pair skips them)
+        self._pairs: dict[tuple, list] = {}  # (incumbent, candidate) -> the timing measurements taken of the pair
         self._t0 = 0.0
         self._reference: dict[int, Measurement] = {}  # eval.limit -> the baseline's per-item answers at it
 
@@ -202,29 +205,36 @@ class Chain:
         return self._reference[limit]
 
     # --- one pair --------------------------------------------------------------------------------------
-    def measure_pair(self, inc: Point, cand: Point) -> tuple[Verdict, list[Measurement], int]:
+    def measure_pair(self, inc: Point, cand: Point, retry: bool = False) -> tuple[Verdict, list[Measurement], int]:
         """Measure `cand` against `inc` until a verdict needs nothing more, the pair's attempts are used up or the
-        budget ends: (verdict, the last measurements of the pair, measurements taken).
+        budget ends: (verdict, the last measurements of the pair, measurements taken). `retry`: the chain's end
+        measures a pair still undecided again -- its earlier measurements pooled with up to `rules.retries` more
+        (the per-look level counts them: Rules.looks) -- where the pair was measured before; else as new.
 
         Timing: interleaved attempts, the clean rounds of all of them pooled, each judged at the rule's per-look
         level (decide.py). Accuracy, once the timing accepts: the candidate's items against the incumbent's and
         the baseline's, the item count doubled while either gate is undecided (looks at the gate's level)."""
         same = self._same_scores(inc, cand)
         eval_off = {EVAL_OFF: "false"} if same else {}
-        attempts: list[tuple[Measurement, Measurement]] = []
+        key = (tuple(sorted(inc.items())), tuple(sorted(cand.items())))
+        prior = self._pairs.get(key, []) if retry else []
+        attempts: list[tuple[Measurement, Measurement]] = list(prior)
+        most = len(prior) + self.rules.retries if prior else self.rules.attempts
         tries = 0
         while True:  # --- timing
             pts = ({**inc, **eval_off}, {**cand, **eval_off})
-            ms = self._run(Request(pts, interleaved=True, attempt=len(attempts)))
+            # a fresh measurement: never one this chain already used (a rerun finds each again, in order)
+            ms = self._run(Request(pts, interleaved=True, skip=frozenset(self._used)))
             tries += 1
             attempts.append((ms[0], ms[1]))
+            self._pairs[key] = attempts
             v = judge_timing(attempts, self.objective, self.rules)
             if v.needs != REMEASURE:
                 break
             spent = self._spent()
-            if len(attempts) >= self.rules.attempts or spent:
+            if len(attempts) >= most or spent:
                 why = spent or f"{len(attempts)} measurement(s)"
-                return Verdict(UNDECIDED_PAIR, f"{v.reason}; stopped after {why}", v.ratio), ms, tries
+                return Verdict(UNDECIDED_PAIR, f"{v.reason}; stopped after {why}", v.ratio, needs=REMEASURE), ms, tries
             self.echo(f"  measuring again ({len(attempts) + 1}/{self.rules.attempts}): {v.reason}")
         if v.decision != ACCEPTED:
             return v, ms, tries
@@ -288,6 +298,7 @@ class Chain:
             self._reference[self.eval_limit] = m0
         inc_m = m0
         stop = "end of chain"
+        pending: list[tuple[int, Step, str, Point]] = []  # pairs left undecided on timing: retried at the end
         for i, step in enumerate(plan(self.space, self.baseline), start=1):
             ok, why = pays_off(step.key, inc_m.labels)
             distrust = self._trusted_regime(inc_m, rows) if ok is False else ""
@@ -315,12 +326,45 @@ class Chain:
                 if v.decision == ACCEPTED:  # the rest of the step's variants must beat this one
                     inc, inc_m = cand, ms[1]
                     path.append(dict(inc))
+                elif v.decision == UNDECIDED_PAIR and v.needs == REMEASURE:
+                    pending.append((i, step, variant, dict(inc)))
             if stop:
                 break
         else:
             stop = "end of chain"
+        if pending and self.rules.retries:  # an undecided pair left for want of budget: the stop says so
+            if not self._spent():
+                inc, inc_m = self._retry(pending, inc, inc_m, rows, path)
+            stop = self._spent() or stop
         total = self._total(inc, rows) if self.total_pair and inc != self.baseline else None
         return ChainResult(rows, inc, inc_m, stop or "end of chain", self.trials, self.reused, path, total)
+
+    def _retry(self, pending: list[tuple[int, Step, str, Point]], inc: Point, inc_m: Measurement, rows: list[Row],
+               path: list[Point]) -> tuple[Point, Measurement]:
+        """The chain's end, while budget remains: each pair whose timing was left undecided measured again, in the
+        chain's order. Where the incumbent is still the one it was measured against, the pair's earlier
+        measurements are pooled with up to `rules.retries` more (the per-look level was set for them all:
+        Rules.looks); where a later step changed the incumbent, the variant on top of the final incumbent is a new
+        pair, judged like any step. An accepted retry becomes the incumbent."""
+        n = max(r.step for r in rows)
+        for i, step, variant, then in pending:
+            if self._spent():
+                break
+            cand = {**inc, step.key: variant}
+            if cand == inc:
+                continue
+            n += 1
+            how = "its measurements pooled" if then == inc else "the incumbent changed since: a new pair"
+            self.echo(f"retry of step {i} ({step.label}): {describe(cand, inc)} vs incumbent ({how})")
+            v, ms, tries = self.measure_pair(inc, cand, retry=True)
+            rows.append(Row(n, f"{step.label} (retry)", describe(cand, inc), v.decision, v.reason, _nums(v.ratio),
+                            accuracy_cell(v.accuracy, v.cumulative), inc_m.regime, ms[1].regime,
+                            tuple(m.config_hash for m in ms), tries))
+            self.echo(f"  -> {v.decision}: {v.reason}")
+            if v.decision == ACCEPTED:
+                inc, inc_m = cand, ms[1]
+                path.append(dict(inc))
+        return inc, inc_m
 
     def _total(self, final: Point, rows: list[Row]) -> Optional[Ratio]:
         """The chain's total gain: the final configuration against the baseline as one more interleaved pair,

@@ -36,6 +36,7 @@ class OptimizeConf:
     max_trials: int = 24  # trials run now (FINISHED ones reused by hash are free)
     max_minutes: float = 0.0  # 0: no time limit
     remeasure: int = 2  # further measurements of an undecided pair (its rounds pooled; load-flagged ones dropped)
+    retries: int = 1  # at the chain's end, while budget remains: more measurements of a still-undecided pair
     rounds: int = 5  # interleaved rounds of a pair (cluster.interleave)
     trust_regime: bool = True  # skip chain steps the measured regime says cannot pay off
     slo: dict[str, float] = field(default_factory=dict)  # metric -> limit, e.g. {ttft_ms_p99: 500}
@@ -60,7 +61,7 @@ def rules_of(o: OptimizeConf, gate: bool, eval_limit: int = 0, model_documents: 
                  gate_looks=gate_looks(eval_limit, o.gate.max_items) if eval_limit else 1, gate=gate,
                  slo={str(k): float(v) for k, v in (o.slo or {}).items()},
                  max_memory_bytes=None if o.max_memory_gb is None else o.max_memory_gb * 1e9,
-                 model_documents=tuple(model_documents))
+                 model_documents=tuple(model_documents), retries=o.retries)
 
 
 def budget_of(o: OptimizeConf) -> Budget:
@@ -95,6 +96,8 @@ def problems(o: OptimizeConf, space: dict[str, list[str]], config: dict[str, Any
         out.append(f"optimize.min_effect: must be >= 0 (0.03 = a 3% gain), got {o.min_effect}")
     if o.remeasure < 0:
         out.append(f"optimize.remeasure: must be >= 0, got {o.remeasure}")
+    if o.retries < 0:
+        out.append(f"optimize.retries: must be >= 0, got {o.retries}")
     if o.rounds < 2:
         out.append(f"optimize.rounds: a pair needs >= 2 interleaved rounds for an interval, got {o.rounds}")
     if not 0 < o.false_accept < 0.5:

@@ -19,7 +19,7 @@ class Rules:
     """How a pair is decided. Built from `optimize.*` by settings.rules_of (its defaults: conf/optimize/)."""
     min_effect: float  # the smallest gain worth taking (0.03: 3%), decided on the interval's lower bound
     false_accept: float  # P(accept | true gain < min_effect) over the whole procedure of one pair
-    attempts: int  # measurements of a pair at most (1 + optimize.remeasure)
+    attempts: int  # measurements of a pair at most in the chain's walk (1 + optimize.remeasure)
     max_drop: float  # the accuracy drop (share of items) the gate tolerates
     false_holds: float  # P(gate holds | true drop = max_drop) over all of the gate's looks
     gate_looks: int  # looks of the gate at one pair (eval.limit doubled up to gate.max_items)
@@ -27,11 +27,17 @@ class Rules:
     slo: dict[str, float] = field(default_factory=dict)  # metric -> upper limit (ttft_ms_p99: 500)
     max_memory_bytes: Optional[float] = None  # None: no limit
     model_documents: tuple[str, ...] = ()  # tasks whose documents each model builds with its own tokenizer
+    retries: int = 0  # further measurements, at the chain's end, of a pair whose timing is still undecided
+
+    @property
+    def looks(self) -> int:
+        """Measurements of one pair at most, over the whole procedure (the walk's, then the end's retries)."""
+        return max(1, self.attempts) + max(0, self.retries)
 
     @property
     def timing_alpha(self) -> float:
         """The one-sided level of one look of the timing rule."""
-        return self.false_accept / (ENGINE_LOOKS * max(1, self.attempts))
+        return self.false_accept / (ENGINE_LOOKS * self.looks)
 
     @property
     def gate_alpha(self) -> float:
