@@ -453,3 +453,20 @@ def test_every_accepted_step_is_also_gated_against_the_baseline():
     bad = paired_accuracy("t", [1.0] * 200, [0.0] * 20 + [1.0] * 180, 0.03, 0.05 / 3)
     decision, why, _ = judge_accuracy([ok], [bad])
     assert decision == REJECTED and why.startswith("accuracy gate: vs baseline: t -10.0%")
+
+
+def test_a_candidate_validation_refuses_on_its_incumbent_is_skipped_not_failed_and_notes_group_retries():
+    from experiments.optimize.measurement import INVALID
+    from experiments.optimize.table import order_notes
+    from experiments.optimize.types import Row
+
+    why = "kv_cache.mode: engine.compile_mode=cpp preallocates a static contiguous cache: use kv_cache=contiguous"
+    inc = Measurement({"engine": "hf"}, rounds={"tpot_ms_p50": [1.0] * 9})
+    v = judge_timing([(inc, Measurement({"engine": "native-cpp"}, status=INVALID, error=why))],
+                     Objective.parse("tpot"), RULES)
+    assert v.decision == SKIPPED and v.reason == "refused before a trial: " + why
+    notes = order_notes([Row(0, "baseline", "b", "baseline", ""), Row(1, "engine", "engine=native-cpp", SKIPPED, v.reason),
+                         Row(2, "KV cache", "kv_cache=contiguous", UNDECIDED_PAIR, "unstable"),
+                         Row(3, "KV cache (retry)", "kv_cache=contiguous", ACCEPTED, "faster")])
+    # the retry's acceptance answers the step: no note for it; the refused step is named as such
+    assert notes == [f"the step 'engine' could not run on this chain's incumbent (engine=native-cpp: {v.reason})"]

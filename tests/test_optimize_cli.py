@@ -129,3 +129,23 @@ def test_hydras_own_spelling_of_an_axis_is_that_axis():
     hydra = read_space(["experiment=optimize-cpu", "hydra.sweeper.params.quant=none,int4-weight"]).axes
     assert hydra == plain and hydra["quant"] == ["none", "int4-weight"]
     assert not [k for k in hydra if k.startswith("hydra")]
+
+
+def test_the_cpp_step_is_a_value_the_chain_can_choose(tiny_overrides):
+    """engine=native-cpp (conf/engine/native-cpp.yaml: engine.compile_mode=cpp) needs kv_cache=contiguous: on the
+    baseline (kv_cache=off) that is an interaction with another axis of the space, not a bad value -- the space is
+    accepted, the step comes after the chain's own steps, and its config hash is the long spelling's."""
+    from experiments.config.compose import expand
+    from experiments.optimize.chain import plan
+    from experiments.optimize.run import OptimizeError, prepare
+
+    space, _, disp = prepare([*tiny_overrides, "kv_cache=off,contiguous", "engine=hf,native-cpp", GATE_OFF])
+    assert [s.key for s in plan(space.axes, {"kv_cache": "off", "engine": "hf"})] == ["kv_cache", "engine"]
+    assert any("kv_cache.mode" in p for p in disp.validate({"kv_cache": "off", "engine": "native-cpp"}))
+    assert disp.validate({"kv_cache": "contiguous", "engine": "native-cpp"}) == []
+    long = expand([*tiny_overrides, "kv_cache=contiguous", "engine=native", "engine.compile=true",
+                   "engine.compile_mode=cpp"])[0]
+    assert disp.spec({"kv_cache": "contiguous", "engine": "native-cpp"}).config_hash == long.config_hash
+    # with the KV cache pinned off it is the value's own problem: refused before any trial, with the reason
+    with pytest.raises(OptimizeError, match="engine=native-cpp: kv_cache.mode"):
+        prepare([*tiny_overrides, "kv_cache=off", "attention=eager,sdpa", "engine=hf,native-cpp", GATE_OFF])

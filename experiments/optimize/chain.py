@@ -37,7 +37,7 @@ from .decide import (ACCEPTED, BASELINE, MORE_ITEMS, REJECTED, REMEASURE, RUN_FA
                      Rules, Verdict, accuracy_cell, accuracy_of, judge_accuracy, judge_timing, loaded, memory_problem)
 from .measurement import EVAL_LIMIT, EVAL_OFF, Measure, Measurement, Point, Request, describe, spent
 from .objective import Objective
-from .types import Budget, Row
+from .types import RETRY, Budget, Row
 
 MODEL_KEYS = ("model", "model.name")  # the model axis (right-size); `model.dtype` is the precision axis
 
@@ -357,7 +357,7 @@ class Chain:
             how = "its measurements pooled" if then == inc else "the incumbent changed since: a new pair"
             self.echo(f"retry of step {i} ({step.label}): {describe(cand, inc)} vs incumbent ({how})")
             v, ms, tries = self.measure_pair(inc, cand, retry=True)
-            rows.append(Row(n, f"{step.label} (retry)", describe(cand, inc), v.decision, v.reason, _nums(v.ratio),
+            rows.append(Row(n, step.label + RETRY, describe(cand, inc), v.decision, v.reason, _nums(v.ratio),
                             accuracy_cell(v.accuracy, v.cumulative), inc_m.regime, ms[1].regime,
                             tuple(m.config_hash for m in ms), tries))
             self.echo(f"  -> {v.decision}: {v.reason}")

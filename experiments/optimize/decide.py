@@ -27,9 +27,9 @@ from engine.measure.noise import LOAD, unstable_causes
 from engine.measure.spread import Ratio
 
 from .accuracy import UNDECIDED, UNPAIRED, WORSE, PairedAccuracy, paired_accuracy
-from .measurement import Measurement
+from .measurement import INVALID, Measurement
 from .objective import Objective
-from .types import (ACCEPTED, BASELINE, ENGINE_LOOKS, MORE_ITEMS, REJECTED, REMEASURE, RUN_FAILED,  # noqa: F401
+from .types import (ACCEPTED, BASELINE, ENGINE_LOOKS, MORE_ITEMS, REFUSED, REJECTED, REMEASURE, RUN_FAILED,  # noqa: F401
                     SKIPPED, TOTAL, UNDECIDED_PAIR, Rules)  # (the decisions' names, re-exported beside the judge)
 
 
@@ -140,6 +140,9 @@ def judge_timing(attempts: Sequence[tuple[Measurement, Measurement]], objective:
     """The timing verdict of a pair from all its measurements so far (latest last): failed, load (this
     measurement is not used: measure again), SLO, then the sequential ratio over the pooled clean rounds."""
     inc, cand = attempts[-1]
+    refused = [m.error for m in (inc, cand) if m.status == INVALID]
+    if refused:  # validation refused the combination (engine=native-cpp on kv_cache=off): nothing ran, nothing spent
+        return Verdict(SKIPPED, REFUSED + refused[0].splitlines()[0])
     if not cand.ok or not inc.ok:
         bad = cand if not cand.ok else inc
         return Verdict(RUN_FAILED, f"{bad.status.lower()}: {(bad.error or '').splitlines()[0] if bad.error else '?'}")

@@ -78,10 +78,20 @@ def prepare(overrides: list[str]) -> tuple[Space, OptimizeConf, TrialMeasure]:
             for k, values in space.axes.items():
                 for v in values:
                     if v != base[k]:
-                        found += [f"{k}={v}: {p}" for p in disp.validate({**base, k: v})]
+                        found += [f"{k}={v}: {p}" for p in own_problems(k, disp.validate({**base, k: v}), space.axes)]
     if found:
         raise OptimizeError(found)
     return space, o, disp
+
+
+def own_problems(key: str, problems: list[str], axes: dict[str, list[str]]) -> list[str]:
+    """The problems of one axis value on the baseline that are its own: one keyed on another axis of the space is
+    an interaction with that axis' baseline value (engine=native-cpp needs kv_cache=contiguous, which the baseline
+    has off) -- the value runs once that axis is applied, and a candidate that combines them badly is refused at
+    its step without a trial."""
+    group = key.split(".", 1)[0]
+    others = {k.split(".", 1)[0] for k in axes} - {group}
+    return [p for p in problems if p.split(":", 1)[0].split(".", 1)[0] not in others]
 
 
 def rounds_of(o: OptimizeConf) -> int:

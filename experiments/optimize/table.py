@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Optional, Sequence
 
-from .types import ACCEPTED, BASELINE, REJECTED, SKIPPED, TOTAL, UNDECIDED_PAIR, Row
+from .types import ACCEPTED, BASELINE, REFUSED, REJECTED, RETRY, SKIPPED, TOTAL, UNDECIDED_PAIR, Row
 
 COLUMNS = ("step", "candidate", "decision", "reason", "ratio [interval]", "accuracy (paired: vs incumbent | vs baseline)",
            "regime before -> after", "trials")
@@ -30,16 +30,18 @@ def to_markdown(rows: Sequence[Row]) -> str:
 def order_notes(rows: Sequence[Row]) -> list[str]:
     """Where this machine's measured chain differs from the seed's (each step paying off after the one before)."""
     out = []
-    steps: dict[int, list[Row]] = {}
+    steps: dict[str, list[Row]] = {}  # a step's rows and its retry's (the chain's end) together
     for r in rows:
         if r.step and r.decision != TOTAL:
-            steps.setdefault(r.step, []).append(r)
-    for i, rs in sorted(steps.items()):
+            steps.setdefault(r.label.removesuffix(RETRY), []).append(r)
+    for rs in steps.values():
         if any(r.decision == ACCEPTED for r in rs):
             continue
         why = "; ".join(f"{r.candidate}: {r.reason}" for r in rs)
         if all(r.decision == UNDECIDED_PAIR for r in rs):
             out.append(f"the seed's step '{rs[0].label}' could not be decided here ({why})")
+        elif all(r.reason.startswith(REFUSED) for r in rs):
+            out.append(f"the step '{rs[0].label}' could not run on this chain's incumbent ({why})")
         else:
             out.append(f"the seed's step '{rs[0].label}' did not pay off here ({why})")
     return out

@@ -9,6 +9,8 @@ from typing import Optional
 ACCEPTED, REJECTED, UNDECIDED_PAIR = "accepted", "rejected", "undecided"
 RUN_FAILED, SKIPPED, BASELINE, TOTAL = "failed", "skipped", "baseline", "total"
 REMEASURE, MORE_ITEMS = "remeasure", "more_items"  # what could still decide an undecided pair
+RETRY = " (retry)"  # the label suffix of a row the chain's end measured again (an undecided pair, retried)
+REFUSED = "refused before a trial: "  # the reason of a candidate validation refused on its incumbent (SKIPPED)
 
 # engine/pipeline.py run_interleaved: the pair's rounds, then rounds added at most twice while its interval holds x1
 ENGINE_LOOKS = 3
