@@ -3,6 +3,7 @@ or with the decode step in C++, the `-cpp` variants) against llama.cpp (f32, Q8_
 on one machine.
 
     python benchmarks/bench_native_vs_llamacpp.py [--rounds 5] [--threads 2] [--variants a,b,...] [--json PATH]
+                                                  [--shape smollm2|gemma3|1b]
 
 Every variant is a trial of the platform (engine.run_interleaved: each warms up, then every round runs one
 timed repeat of each, ABBA order), SmolLM2-135M-Instruct (the prepared checkpoint), batch 1, context 128,
@@ -12,6 +13,12 @@ rounds, 95% interval of the median), TPOT, the share of the cost model's bandwid
 ratios with their intervals (engine.measure.spread.paired_ratio). The weight-only levels quantize the LM head
 too (quant.skip_modules=[]), as llama.cpp's Q8_0 / Q4_0 do; `native-int8-dequant` is the level as it ran
 before (quant.kernel=dequant, LM head fp32). Prints markdown and a JSON line; machine, load and date included.
+
+`--shape gemma3` (issue 36's model-size row): the same table on the prepared Gemma 3 270M (`model=gemma-3-270m`,
+18 layers, a 262k vocabulary whose tied LM head is ~2/3 of the weights), against the GGUFs engine=llamacpp
+re-exports from that checkpoint (quant.level none -> F32, gguf-q8_0, gguf-q4_0); llama.cpp's F32 re-export is the
+fp32 reference of its goals (Gemma 3 270M: native fp32 >= x0.8 of it). Its default context (128) stays inside the
+sliding window (512).
 """
 from __future__ import annotations
 
@@ -38,7 +45,9 @@ from engine.measure.spread import paired_ratio, spread  # noqa: E402
 SMOL = dict(name="smollm2-135m-instruct", path="prepared://smollm2-135m-instruct")
 # --shape 1b: a random-weight Llama of ~1B parameters built in memory (Llama 3.2 1B's layer shape, 16 layers, a 32k
 # vocabulary; issue 36's scaling row): native variants only (llama.cpp has no GGUF of it)
+GEMMA = dict(name="gemma-3-270m", path="prepared://gemma-3-270m")
 SHAPES = {"smollm2": SMOL,
+          "gemma3": GEMMA,
           "1b": dict(name="llama-1b-random", path="tiny://llama", tiny=TinyModelConfig(
               num_layers=16, hidden_size=2048, intermediate_size=8192, num_heads=32, num_kv_heads=8, vocab_size=32000,
               max_position_embeddings=4096, tie_word_embeddings=True))}
@@ -92,6 +101,21 @@ GOALS = [
     ("native W8A8 vs INT8 weight-only, both C++ step", "native-w8a8-cpp", "native-int8-cpp", "-"),
     ("native INT4 x Q8_0 vs INT4 weight-only, both C++ step", "native-int4q8-cpp", "native-int4-cpp", "-"),
 ]
+
+# per shape: how the goals' labels name the model and llama.cpp's references (the GGUFs engine=llamacpp re-exports
+# from the prepared Gemma 3 checkpoint: F32 is the fp32 reference)
+LABELS = {"gemma3": ("Gemma 3 270M: ", {"llama.cpp f32": "llama.cpp F32 re-export", "llama.cpp Q8_0": "llama.cpp Q8_0 re-export",
+                                        "llama.cpp Q4_0": "llama.cpp Q4_0 re-export"})}
+
+
+def goal_label(label: str, shape: str) -> str:
+    """`label` as --shape names its model and llama.cpp references (unchanged for smollm2 and 1b)."""
+    if shape not in LABELS:
+        return label
+    prefix, names = LABELS[shape]
+    for old, new in names.items():
+        label = label.replace(old, new)
+    return prefix + label
 
 
 # each C++-step variant and the eager variant with the same weights and kernels
@@ -178,7 +202,8 @@ def main() -> None:
                          "goal, as a share of the probe's FLOP peak (0: skip)")
     ap.add_argument("--prefill-variants", default="native-fp32,native-bf16,native-int8-gemv,llamacpp-f32")
     ap.add_argument("--json", default="")
-    ap.add_argument("--shape", default="smollm2", choices=sorted(SHAPES), help="the model: SmolLM2-135M, or a random 1B Llama")
+    ap.add_argument("--shape", default="smollm2", choices=sorted(SHAPES),
+                    help="the model: SmolLM2-135M, Gemma 3 270M (against llama.cpp's re-exports of it), or a random 1B Llama")
     ap.add_argument("--prefill-only", action="store_true", help="only the prefill group")
     a = ap.parse_args()
     global MODEL
@@ -209,7 +234,7 @@ def main() -> None:
     print("| variant | decode tok/s median [95% CI] | TPOT ms | weights MB | weights GB/s | roofline % (decode) | ppl (2 windows) | kernels |")
     print("|---|---|---:|---:|---:|---:|---:|---|")
     out = {"machine": cpu_model(), "threads": a.threads, "date": f"{start:%Y-%m-%d %H:%M}", "load": [load0, load1],
-           "rounds": a.rounds, "variants": {}, "goals": []}
+           "rounds": a.rounds, "model": MODEL["name"], "variants": {}, "goals": []}
     for n, r in res.items():
         s = r.samples["decode_tok_s"]
         sp = spread(s)
@@ -227,6 +252,7 @@ def main() -> None:
     for label, new, base, goal in GOALS:
         if new not in res or base not in res:
             continue
+        label = goal_label(label, a.shape)
         pr = paired_ratio(res[base].samples["decode_tok_s"], res[new].samples["decode_tok_s"])
         if pr is None:
             continue
