@@ -25,19 +25,8 @@ DTYPES = ("float32", "bfloat16", "float16")
 QUANT_LEVELS = ("none", "int8-weight", "int8-dynamic", "bnb-int8", "bnb-nf4", "bnb-fp4", "int4-weight")
 # kv_cache.dtype (the K/V element type) has no engine-independent values but `auto` (the engine's default): each
 # engine declares its own (engine/engines/<name>), and validation accepts `engine.engines.values("kv_cache.dtype")`
-# int8-weight matmul: dequant = cast the int8 weight to the activation dtype per call, then a float GEMM;
-# int8pack = torch._weight_int8pack_mm (gpt-fast's op; CPU/MPS only; unvectorized in some CPU builds)
-INT8_KERNELS = ("dequant", "int8pack", "gemv", "auto", "gemv-all", "gemv-q8")
-# gemv = our fused dequantize-GEMV (engine/quant_kernels.py) for decode-sized batches, dequant+GEMM above;
-# gemv-all = gemv, and our dense fp32/bf16 GEMV for the linears the level leaves in full precision (level none: all);
-# gemv-q8 (int4-weight) = INT4 x INT8: the activation quantized per block of 32 (llama.cpp's Q4_0 x Q8_0);
-# auto = per weight shape the fastest of the kernels the level has, timed once per machine (engine/quant.py);
-# which level runs which kernel: engine/quant.py `kernel_problems`
-# how engine.compile=true compiles (engine=native): dynamic = torch.compile(dynamic=True) of the whole forward;
-# static = a static KV cache and a one-token step compiled with inductor freezing (gpt-fast style);
-# static-autotune = static plus inductor max_autotune (its C++ GEMM templates; long compile);
-# cpp = the one-token step in C++ (engine/engines/native/cpp_step.py: one call per token, no torch dispatch)
-COMPILE_MODES = ("dynamic", "static", "static-autotune", "cpp")
+# likewise quant.kernel (engine/quant.py's matmuls, declared by the torch engines hf and native: engine/engines/hf
+# TORCH_KERNELS) and engine.compile_mode (engine=native's COMPILE_MODES: engine/engines/native)
 WORKLOAD_KINDS = ("static", "serving", "multi-turn")
 BATCHING_MODES = ("static", "continuous")
 ARRIVALS = ("all-at-once", "fixed-rate", "poisson")
@@ -123,7 +112,7 @@ class EngineConfig:
 
     backend: str = "hf"  # hf (transformers forward, our decode loop) | native (engine/native) | llamacpp
     compile: bool = False  # torch.compile the forward
-    # one of COMPILE_MODES (engine/engines/native/compiled.py); added after the first schema
+    # one its engine declares (engine=native's COMPILE_MODES: engine/engines/native); added after the first schema
     compile_mode: str = field(default="dynamic", metadata=added("dynamic"))
     threads: int = 0  # torch intra-op threads; 0 = the CPUs the trial was given
 
@@ -136,7 +125,7 @@ class QuantConfig:
     compute_dtype: str = "float32"  # bnb 4-bit compute dtype (bfloat16/float16 on GPUs)
     skip_modules: list[str] = field(default_factory=lambda: ["lm_head"])  # kept in full precision (fnmatch)
     keep_last_layers: int = 0  # mixed precision: the last N decoder layers stay unquantized
-    kernel: str = "dequant"  # int8-weight / int4-weight matmul, one of INT8_KERNELS (int4: not int8pack)
+    kernel: str = "dequant"  # int8-weight / int4-weight matmul, one the torch engines declare (engine/engines/hf TORCH_KERNELS)
 
 
 @dataclass

@@ -47,7 +47,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from . import quant_kernels as qk
-from .config import INT8_KERNELS, QUANT_LEVELS, EngineError, QuantConfig  # noqa: F401  (re-exported)
+from .config import QUANT_LEVELS, EngineError, QuantConfig  # noqa: F401  (re-exported)
 
 BNB_LEVELS = ("bnb-int8", "bnb-nf4", "bnb-fp4")
 GEMV_ALL_LEVELS = ("none", "int8-weight", "int4-weight")  # the levels quant.kernel=gemv-all runs with
@@ -75,7 +75,8 @@ def quantize_per_channel(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def kernel_problems(level: str, kernel: str) -> list[str]:
     """Why quant.kernel=`kernel` cannot run with quant.level=`level` ([] when it can): the one home of the kernel x
-    level rules (validation asks here; the modules refuse the same at construction)."""
+    level rules (the torch engines that run these modules, hf and native, ask here in their checks:
+    engine/engines/hf `quant_kernel_checks`; the modules refuse the same at construction)."""
     if kernel == "gemv-all":
         if level not in GEMV_ALL_LEVELS:
             return [f"gemv-all (our GEMV for the full-precision linears too) runs with quant.level "

@@ -14,8 +14,6 @@ from .config import (
     ATTENTION_IMPLS,
     BATCHING_MODES,
     DTYPES,
-    INT8_KERNELS,
-    COMPILE_MODES,
     KV_CACHE_MODES,
     LENGTH_DISTS,
     EngineError,
@@ -109,7 +107,7 @@ def check_trial(trial: TrialConfig, gpu_available: bool) -> list[tuple[str, str]
     p += _choice("attention.impl", trial.attention.impl, ATTENTION_IMPLS)
     p += _choice("kv_cache.mode", trial.kv_cache.mode, KV_CACHE_MODES)
     p += _choice("kv_cache.dtype", trial.kv_cache.dtype, engines.values("kv_cache.dtype"))
-    p += _choice("engine.compile_mode", trial.engine.compile_mode, COMPILE_MODES)
+    p += _choice("engine.compile_mode", trial.engine.compile_mode, engines.values("engine.compile_mode"))
     p += _choice("workload.kind", w.kind, WORKLOAD_KINDS)
     facts, why = _facts(m)
     if why:
@@ -121,11 +119,7 @@ def check_trial(trial: TrialConfig, gpu_available: bool) -> list[tuple[str, str]
     q = trial.quant
     p += _choice("quant.level", q.level, engines.values("quant.level"))
     p += _choice("quant.compute_dtype", q.compute_dtype, DTYPES)
-    p += _choice("quant.kernel", q.kernel, INT8_KERNELS)
-    if q.kernel in INT8_KERNELS:
-        from .quant import kernel_problems
-
-        p += [("quant.kernel", why) for why in kernel_problems(q.level, q.kernel)]
+    p += _choice("quant.kernel", q.kernel, engines.values("quant.kernel"))  # which level runs which: the engine's check
     if q.keep_last_layers < 0:
         p.append(("quant.keep_last_layers", f"must be >= 0, got {q.keep_last_layers}"))
     if q.level.startswith("bnb-") and m.dtype != "float32" and not gpu_available:

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from engine import engines
-from engine.config import (ATTENTION_IMPLS, COMPILE_MODES, BATCHING_MODES, KV_CACHE_MODES, QUANT_LEVELS, SPECULATIVE_METHODS,
+from engine.config import (ATTENTION_IMPLS, BATCHING_MODES, KV_CACHE_MODES, QUANT_LEVELS, SPECULATIVE_METHODS,
                            KVCacheConfig, AttentionConfig, EngineConfig, ModelConfig, TrialConfig)
 from engine.config import replace
 from engine.engines import _get
@@ -20,7 +20,8 @@ ROOT = Path(__file__).resolve().parents[1]
 ALLOWED = {"kv_cache.mode": KV_CACHE_MODES, "batching.mode": BATCHING_MODES, "attention.impl": ATTENTION_IMPLS,
            "quant.level": engines.values("quant.level"), "speculative.method": SPECULATIVE_METHODS,
            "kv_cache.dtype": engines.values("kv_cache.dtype"),
-           "engine.compile": ("True", "False"), "engine.compile_mode": COMPILE_MODES}
+           "quant.kernel": engines.values("quant.kernel"),
+           "engine.compile": ("True", "False"), "engine.compile_mode": engines.values("engine.compile_mode")}
 
 
 def _trial(engine: str, **kw) -> TrialConfig:
@@ -57,6 +58,43 @@ def test_engines_contribute_their_own_axis_values():
     msgs = [m for k, m in check_trial(replace(_trial("hf"), "kv_cache.dtype", "q5_1"), gpu_available=False)
             if k == "kv_cache.dtype"]
     assert msgs[0] == "'q5_1' is not allowed; choose one of auto, f32, f16, q8_0, q4_0, fp8"
+
+
+def test_native_declares_its_compile_modes_and_the_torch_engines_their_kernels():
+    """engine.compile_mode's values are engine=native's (every other engine runs dynamic only); quant.kernel's are
+    the torch engines' (hf and native both run engine/quant.py's modules), whose rules say which level runs which
+    kernel. Validation accepts the registry's union, with the messages the global lists gave."""
+    from engine import quant
+    from engine.engines.hf import TORCH_KERNELS
+    from engine.engines.native import COMPILE_MODES
+    from engine.engines.native.compiled import STATIC_MODES
+    from engine.validation import check_trial
+
+    native = engines.get("native")
+    assert native.support["engine.compile_mode"].values == COMPILE_MODES == ("dynamic", "static", "static-autotune", "cpp")
+    assert set(STATIC_MODES) < set(COMPILE_MODES)
+    assert all(e.support["engine.compile_mode"].values == ("dynamic",) for e in engines.all_engines() if e is not native)
+    assert engines.values("engine.compile_mode") == COMPILE_MODES
+    for name in ("hf", "native"):
+        assert engines.get(name).support["quant.kernel"].values == TORCH_KERNELS
+    assert engines.values("quant.kernel") == TORCH_KERNELS == ("dequant", "int8pack", "gemv", "auto", "gemv-all", "gemv-q8")
+    # every kernel is one a level's module runs, or gemv-all (quantize_model's dense GEMV for the full-precision linears)
+    assert set(TORCH_KERNELS) == {k for m in quant.MODULES.values() for k in m.KERNELS} | {"gemv-all"}
+
+    def msgs(trial, key):
+        return [m for k, m in check_trial(trial, gpu_available=False) if k == key]
+
+    assert msgs(replace(_trial("native"), "engine.compile_mode", "jit"), "engine.compile_mode")[0] == (
+        "'jit' is not allowed; choose one of dynamic, static, static-autotune, cpp")
+    assert msgs(replace(_trial("hf"), "quant.kernel", "fast"), "quant.kernel")[0] == (
+        "'fast' is not allowed; choose one of dequant, int8pack, gemv, auto, gemv-all, gemv-q8")
+    for name in ("hf", "native"):  # the kernel x level rules are the torch engines' checks
+        t = replace(_trial(name), "quant.kernel", "gemv-all")
+        assert msgs(t, "quant.kernel") == []
+        assert "gemv-all" in msgs(replace(t, "quant.level", "int8-dynamic"), "quant.kernel")[0]
+        t = replace(replace(_trial(name), "quant.level", "int4-weight"), "quant.kernel", "gemv-q8")
+        assert msgs(t, "quant.kernel") == []
+        assert "not gemv-q8" in msgs(replace(t, "quant.level", "int8-weight"), "quant.kernel")[0]
 
 
 def test_unsupported_names_engine_key_and_alternatives():

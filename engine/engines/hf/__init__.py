@@ -8,15 +8,35 @@ from __future__ import annotations
 from typing import Any
 
 from ...config import QUANT_LEVELS, TrialConfig
-from ..base import Support
+from ..base import Problems, Support
 from ..logits import LogitsEngine, torch_checks
 
 TORCH_QUANT = QUANT_LEVELS  # engine/quant.py's levels
+# quant.kernel, the matmul of engine/quant.py's weight-only levels (the modules' KERNELS say which level runs which):
+# dequant = cast the int8 weight to the activation dtype per call, then a float GEMM;
+# int8pack = torch._weight_int8pack_mm (gpt-fast's op; CPU/MPS only; unvectorized in some CPU builds);
+# gemv = our fused dequantize-GEMV (engine/quant_kernels.py) for decode-sized batches, dequant+GEMM above;
+# auto = per weight shape the fastest of the kernels the level has, timed once per machine (engine/quant.py);
+# gemv-all = gemv, and our dense fp32/bf16 GEMV for the linears the level leaves in full precision (level none: all);
+# gemv-q8 (int4-weight) = INT4 x INT8: the activation quantized per block of 32 (llama.cpp's Q4_0 x Q8_0)
+TORCH_KERNELS = ("dequant", "int8pack", "gemv", "auto", "gemv-all", "gemv-q8")
 # shared by the engines that run torch kernels in this process (hf, native)
 TORCH_SUPPORT = {
     "quant.level": Support(TORCH_QUANT, "gguf-* levels are GGUF weight types written by llama.cpp (engine=llamacpp)"),
+    "quant.kernel": Support(TORCH_KERNELS, "quant.kernel picks the matmul of engine/quant.py's levels"),
     "kv_cache.dtype": Support(("auto",), "K/V stay in model.dtype on the torch engines"),
 }
+
+
+def quant_kernel_checks(trial: TrialConfig) -> Problems:
+    """quant.kernel x quant.level on the engines that run engine/quant.py's modules (hf, native): which level runs
+    which kernel (engine/quant.py `kernel_problems`). An unknown kernel is the support table's to refuse."""
+    q = trial.quant
+    if q.kernel not in TORCH_KERNELS:
+        return []
+    from ...quant import kernel_problems
+
+    return [("quant.kernel", why) for why in kernel_problems(q.level, q.kernel)]
 
 
 class HFEngine(LogitsEngine):
@@ -30,7 +50,7 @@ class HFEngine(LogitsEngine):
     }
 
     def check(self, trial: TrialConfig, facts, gpu_available: bool):
-        return torch_checks(trial, gpu_available)
+        return torch_checks(trial, gpu_available) + quant_kernel_checks(trial)
 
     def materializes_scores(self, trial: TrialConfig) -> bool:
         return trial.attention.impl == "eager"  # torch's eager path writes softmax(QK^T); sdpa / flash fuse it

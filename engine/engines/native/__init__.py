@@ -18,14 +18,24 @@ from typing import Any
 
 from ...config import TrialConfig
 from ..base import Runs, ServingPlan
-from ..hf import TORCH_SUPPORT
+from ..base import Support
+from ..hf import TORCH_SUPPORT, quant_kernel_checks
 from ..logits import LogitsEngine, LogitsSession, torch_checks
+
+# engine.compile_mode, how engine.compile=true compiles: dynamic = torch.compile(dynamic=True) of the whole forward;
+# static = a static KV cache and a one-token step compiled with inductor freezing (compiled.py, gpt-fast style);
+# static-autotune = static plus inductor max_autotune (its C++ GEMM templates; long compile);
+# cpp = the one-token step in C++ (cpp_step.py: one call per token, no torch dispatch)
+COMPILE_MODES = ("dynamic", "static", "static-autotune", "cpp")
 
 
 class NativeEngine(LogitsEngine):
     name = "native"
     summary = "our Llama-family runtime: contiguous or paged KV cache, continuous batching, prefix caching"
-    support = dict(TORCH_SUPPORT)
+    support = {
+        **TORCH_SUPPORT,
+        "engine.compile_mode": Support(COMPILE_MODES, "these are the ways our runtime's decode step is compiled"),
+    }
     serves = True
     serving_usage = "engine=native kv_cache=paged"
     searches_capacity = True
@@ -33,7 +43,7 @@ class NativeEngine(LogitsEngine):
     runs_self_draft = True  # over the HF model hf or native loaded (native shares its weights)
 
     def check(self, trial: TrialConfig, facts, gpu_available: bool):
-        p = torch_checks(trial, gpu_available)
+        p = torch_checks(trial, gpu_available) + quant_kernel_checks(trial)
         if facts is not None and facts.config is not None and not trial.model.path.startswith("tiny://"):
             from .support import unhonoured_window, unsupported, window_exceeded
 
