@@ -119,6 +119,8 @@ def test_every_shipped_experiment_expands_and_validates(path: Path):
     """Every trial of every shipped experiment is valid; one that names an engine not installed here
     (llama.cpp, vLLM) is refused for that alone, and the rest of its grid is still checked."""
     overrides = [f"experiment={path.stem}"]
+    if re.search(r"^optimize:", path.read_text(), re.M):  # an `infersweep optimize` experiment: validated as it runs
+        return _validates_as_optimize(overrides)
     if path.stem == "engines":  # every variant, not only the experiment's default list
         variants = sorted(p.stem for p in (conf_dir() / "engine_variant").glob("*.yaml"))
         overrides.append("engine_variant=" + ",".join(variants))
@@ -129,6 +131,24 @@ def test_every_shipped_experiment_expands_and_validates(path: Path):
             pytest.fail(f"experiment={path.stem} is not ready under CI=true: {unprepared}")
         return
     assert specs and all(s.config["sweep_name"] for s in specs)
+
+
+def _validates_as_optimize(overrides: list[str]) -> None:
+    """An optimize experiment's space is no grid: `infersweep optimize` validates the baseline and every value of
+    every axis on it, a value's problem that names another axis being an interaction judged at its step (optimize-
+    cpu's engine=native-cpp needs the KV cache the baseline has off). So: what `infersweep optimize` checks before
+    its first trial passes, or (a new machine) only "`infersweep prepare ...`" problems stand in its way."""
+    from experiments.optimize.run import OptimizeError, prepare
+
+    try:
+        space, _, _ = prepare(overrides)
+    except OptimizeError as e:
+        unprepared = [p for p in e.problems if "`infersweep prepare" in p]
+        assert unprepared and len(unprepared) == len(e.problems), e.problems
+        if in_ci():
+            pytest.fail(f"{overrides} is not ready under CI=true: {unprepared}")
+        return
+    assert len(space.axes) >= 2 and space.config["sweep_name"]
 
 
 def test_an_absent_engine_hides_no_other_problem():
