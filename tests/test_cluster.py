@@ -214,8 +214,11 @@ def _signal_sweep_after(args: list[str], done: int, sig: int) -> tuple[int, str]
     """Run the sweep command `args` and send it `sig` once its own progress line counts `done` trials done (its
     MLflow records can lag behind on a loaded machine: polling the store let a whole sweep finish before the
     signal). (exit code, output)."""
+    # SIGINT at its default in the child, as in a terminal: a shell's background job (`.ci/run &`, nohup) starts
+    # with SIGINT ignored, which Python and every child inherit -- Ctrl-C would then be a no-op and the sweep finish
     proc = subprocess.Popen(args, cwd=PROJECT_ROOT, env=dict(os.environ, PYTHONPATH=str(PROJECT_ROOT)),
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     seen: list[str] = []
     reader = threading.Thread(target=lambda: seen.extend(iter(lambda: proc.stdout.read(1), "")), daemon=True)
     reader.start()
