@@ -2,6 +2,7 @@
 the fix), the optimize run's lifecycle, and one small real chain on the tiny model (slow tier)."""
 from __future__ import annotations
 
+import dataclasses
 import subprocess
 import sys
 
@@ -146,6 +147,11 @@ def test_the_cpp_step_is_a_value_the_chain_can_choose(tiny_overrides):
     long = expand([*tiny_overrides, "kv_cache=contiguous", "engine=native", "engine.compile=true",
                    "engine.compile_mode=cpp"])[0]
     assert disp.spec({"kv_cache": "contiguous", "engine": "native-cpp"}).config_hash == long.config_hash
+    # both values are logits engines (native-cpp is engine=native): the KV cache still cannot change a task score
+    from experiments.optimize.run import score_neutral
+
+    with_tasks = dataclasses.replace(space, config={**space.config, "eval": {"tasks": ["arc_easy"]}})
+    assert "kv_cache.mode" in score_neutral(with_tasks)
     # with the KV cache pinned off it is the value's own problem: refused before any trial, with the reason
     with pytest.raises(OptimizeError, match="engine=native-cpp: kv_cache.mode"):
         prepare([*tiny_overrides, "kv_cache=off", "attention=eager,sdpa", "engine=hf,native-cpp", GATE_OFF])

@@ -164,6 +164,17 @@ def run_optimize(overrides: list[str], in_process: bool = False, echo=print) -> 
         tracker.client.set_terminated(rid, status=status)
 
 
+def group_backend(option: str) -> str:
+    """The backend an `engine=` config group option runs (`native-cpp` -> `native`); the option itself where the
+    group has no such file (validation names it)."""
+    from omegaconf import OmegaConf
+
+    from ..config.compose import conf_dir
+
+    path = conf_dir() / "engine" / f"{option}.yaml"
+    return str(OmegaConf.load(path).get("backend", option)) if path.is_file() else option
+
+
 def score_neutral(space: Space) -> tuple[str, ...]:
     """The axes that cannot change this space's task scores: the KV cache, batching and speculation touch only
     generation, and an in-process logits engine (hf, native) scores a log-likelihood task teacher-forced with no
@@ -175,7 +186,9 @@ def score_neutral(space: Space) -> tuple[str, ...]:
 
     tasks = list((space.config.get("eval") or {}).get("tasks") or [])
     default = EngineConfig().backend
-    backends = space.axes.get("engine") or [str((space.config.get("engine") or {}).get("backend", default))]
+    # the engine axis lists config group options (`native-cpp`), each naming its backend (`native`)
+    backends = ([group_backend(v) for v in space.axes["engine"]] if "engine" in space.axes else
+                [str((space.config.get("engine") or {}).get("backend", default))])
     try:
         logits = all(isinstance(engines.get(b), LogitsEngine) for b in backends)
     except EngineError:  # an unknown engine: validation says so; no axis is neutral
