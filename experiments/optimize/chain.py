@@ -121,6 +121,14 @@ def _nums(r: Optional[Ratio]) -> Optional[tuple[float, float, float]]:
     return (r.value, r.lo, r.hi) if r is not None else None
 
 
+def _pair_row(step: int, label: str, cand: Point, inc: Point, inc_m: Measurement, v: Verdict,
+              ms: list[Measurement], tries: int) -> Row:
+    """The chain table's row of one measured pair (a step's or its retry's)."""
+    return Row(step, label, describe(cand, inc), v.decision, v.reason, _nums(v.ratio),
+               accuracy_cell(v.accuracy, v.cumulative), inc_m.regime, ms[1].regime,
+               tuple(m.config_hash for m in ms), tries)
+
+
 @dataclass
 class ChainResult:
     rows: list[Row]
@@ -235,7 +243,7 @@ class Chain:
             if len(attempts) >= most or spent:
                 why = spent or f"{len(attempts)} measurement(s)"
                 return Verdict(UNDECIDED_PAIR, f"{v.reason}; stopped after {why}", v.ratio, needs=REMEASURE), ms, tries
-            self.echo(f"  measuring again ({len(attempts) + 1}/{self.rules.attempts}): {v.reason}")
+            self.echo(f"  measuring again ({len(attempts) + 1}/{most}): {v.reason}")
         if v.decision != ACCEPTED:
             return v, ms, tries
         if same:
@@ -319,9 +327,7 @@ class Chain:
                     continue
                 self.echo(f"step {i} ({step.label}): {describe(cand, inc)} vs incumbent")
                 v, ms, tries = self.measure_pair(inc, cand)
-                rows.append(Row(i, step.label, describe(cand, inc), v.decision, v.reason, _nums(v.ratio),
-                                accuracy_cell(v.accuracy, v.cumulative), inc_m.regime, ms[1].regime,
-                                tuple(m.config_hash for m in ms), tries))
+                rows.append(_pair_row(i, step.label, cand, inc, inc_m, v, ms, tries))
                 self.echo(f"  -> {v.decision}: {v.reason}")
                 if v.decision == ACCEPTED:  # the rest of the step's variants must beat this one
                     inc, inc_m = cand, ms[1]
@@ -357,9 +363,7 @@ class Chain:
             how = "its measurements pooled" if then == inc else "the incumbent changed since: a new pair"
             self.echo(f"retry of step {i} ({step.label}): {describe(cand, inc)} vs incumbent ({how})")
             v, ms, tries = self.measure_pair(inc, cand, retry=True)
-            rows.append(Row(n, step.label + RETRY, describe(cand, inc), v.decision, v.reason, _nums(v.ratio),
-                            accuracy_cell(v.accuracy, v.cumulative), inc_m.regime, ms[1].regime,
-                            tuple(m.config_hash for m in ms), tries))
+            rows.append(_pair_row(n, step.label + RETRY, cand, inc, inc_m, v, ms, tries))
             self.echo(f"  -> {v.decision}: {v.reason}")
             if v.decision == ACCEPTED:
                 inc, inc_m = cand, ms[1]
