@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Install llama-cpp-python (engine=llamacpp) into the Python given as $1 (default: python3).
-# PyPI has no binary wheel of it, so it is compiled once (10-20 min on 2 cores) into a wheel cached in
-# $INFERSWEEP_WHEELS (default ~/.cache/infersweep/wheels); every later setup installs that wheel in seconds.
+# PyPI has no binary wheel of it, so it is compiled once (3-8 min on 2 cores here, longer on a busy or slower
+# machine) into a wheel cached in $INFERSWEEP_WHEELS (default ~/.cache/infersweep/wheels); every later setup installs that wheel in seconds.
 # The wheel is built with -DGGML_NATIVE=ON: it is tuned to (and only safe on) this machine's CPU, which is why
 # the cache lives in the home directory, not in the repository.
 #
@@ -33,7 +33,7 @@ if [ -z "$wheel" ]; then
     flock 9
     wheel=$(find_wheel)
     if [ -z "$wheel" ]; then
-        echo "no llama-cpp-python $VERSION wheel in $WHEELS: building it from source (10-20 min on 2 cores)..."
+        echo "no llama-cpp-python $VERSION wheel in $WHEELS: building it from source (minutes: 3-8 on 2 cores)..."
         if ! CMAKE_BUILD_PARALLEL_LEVEL=${CMAKE_BUILD_PARALLEL_LEVEL:-$(nproc)} \
              CMAKE_ARGS=${CMAKE_ARGS:--DGGML_NATIVE=ON} \
              "$PY" -m pip wheel --no-deps "llama-cpp-python==$VERSION" -w "$WHEELS"; then

@@ -104,8 +104,14 @@ def test_adapter_loglikelihood_equals_the_engines_own_scoring():
     _, s = _session("hf")
     lm = SessionLM(s, 2048)
     reqs = [_Req("Q: How many legs do horses have?\nA:", " four"), _Req("Q: What do bees make?\nA:", " honey"),
-            _Req("x", " a longer continuation of several bytes")]
+            _Req("x", " a longer continuation of several bytes"), _Req("Q: 2 + 2 =", " 4"),
+            _Req("Q: Name the largest planet of the solar system, please.\nA:", " Jupiter")]
+    seen = []  # what the session was asked, in its order: longest first, so its padded batches waste little
+    real = s.loglikelihood
+    s.loglikelihood = lambda pairs, say: seen.extend(len(c) + len(t) for c, t in pairs) or real(pairs, say)
     got = lm.loglikelihood(reqs, disable_tqdm=True)
+    del s.loglikelihood
+    assert seen == sorted(seen, reverse=True) and len(set(seen)) > 2
     for (ctx, cont), (ll, greedy) in zip([r.args for r in reqs], got):
         c, t = s.tokenizer.encode(ctx), s.tokenizer.encode(cont)
         logits = s.backend.score(torch.tensor([c + t]))[0]
