@@ -163,3 +163,21 @@ def test_an_absent_engine_hides_no_other_problem():
                                                 "model.tiny.num_heads=2", "model.tiny.num_kv_heads=1"])
     assert len(specs) == 2 and absent == {n: get(n).missing() for n in ("llamacpp", "vllm") if get(n).missing()}
     assert all("make setup-" in why for why in absent.values())
+
+
+def test_quant_kernel_on_an_engine_with_its_own_kernels_folds_to_one_hash():
+    """llama.cpp and vLLM run their own kernels: quant.kernel (engine/quant.py's torch matmuls) changes nothing there,
+    so every value validates and folds to the default -- one trial, the default's config hash -- where the torch
+    engines keep one trial per kernel."""
+    from engine.engines.hf import TORCH_KERNELS
+
+    kernels = "quant.kernel=" + ",".join(TORCH_KERNELS)
+    base = ["model=tiny-llama", "attention=sdpa", "model.tiny.num_heads=2", "model.tiny.num_kv_heads=1"]
+    for engine in ("llamacpp", "vllm"):
+        specs, _ = expand_with_engines_absent(base + [f"engine={engine}", kernels])
+        (spec,) = specs  # the six identical trials are one
+        assert spec.config["quant"]["kernel"] == "dequant", engine
+        (alone,), _ = expand_with_engines_absent(base + [f"engine={engine}"])
+        assert alone.config_hash == spec.config_hash  # the default's own hash: nothing recorded so far moves
+    specs = expand(base + ["engine=hf", "quant=int8-weight", "quant.kernel=dequant,gemv"])
+    assert len({s.config_hash for s in specs}) == 2

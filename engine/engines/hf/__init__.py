@@ -20,6 +20,13 @@ TORCH_QUANT = QUANT_LEVELS  # engine/quant.py's levels
 # gemv-all = gemv, and our dense fp32/bf16 GEMV for the linears the level leaves in full precision (level none: all);
 # gemv-q8 (int4-weight) = INT4 x INT8: the activation quantized per block of 32 (llama.cpp's Q4_0 x Q8_0)
 TORCH_KERNELS = ("dequant", "int8pack", "gemv", "auto", "gemv-all", "gemv-q8")
+
+
+def own_kernels(engine: str) -> Support:
+    """quant.kernel on an engine that runs its own kernels (llama.cpp, vLLM): every torch kernel runs as the same
+    trial there, so each folds to the default (one config hash) instead of being silently ignored."""
+    return Support(("dequant",), f"{engine} runs its own kernels; quant.kernel picks engine/quant.py's torch matmuls",
+                   aliases={k: "dequant" for k in TORCH_KERNELS if k != "dequant"})
 # shared by the engines that run torch kernels in this process (hf, native)
 TORCH_SUPPORT = {
     "quant.level": Support(TORCH_QUANT, "gguf-* levels are GGUF weight types written by llama.cpp (engine=llamacpp)"),

