@@ -202,8 +202,9 @@ def test_gemma3_cpp_step_greedy_tokens_equal_the_eager_engine(dtype, level):
 def _real_model_cpp_step_against_the_eager_engine(name: str, dtype: str, level: str, new: int = 32) -> None:
     text = REAL_TEXT
     spec = QuantConfig(level=level, kernel="gemv-all" if level in ("none", "int8-weight", "int4-weight") else "dequant")
+    w8a8 = level == "int8-dynamic"
 
-    def backends(dtype):
+    def backends(dtype, spec=spec):
         model = ModelConfig(name=name, path=f"prepared://{name}", dtype=dtype)
         loaded = load_model(model, attention="sdpa", quant=spec)
         ids = loaded.tokenizer._tok(text, return_tensors="pt")["input_ids"][:, :64]
@@ -214,7 +215,7 @@ def _real_model_cpp_step_against_the_eager_engine(name: str, dtype: str, level: 
 
     ids, bs = backends(dtype)
     tokens = {k: _greedy(b, ids, new).reshape(-1) for k, b in bs.items()}
-    if dtype == "float32" and level != "int8-dynamic":
+    if dtype == "float32" and not w8a8:
         assert torch.equal(tokens["cpp"], tokens["eager"])
         return
     seq = torch.cat([ids, tokens["eager"][None, :-1]], dim=1)
@@ -224,13 +225,19 @@ def _real_model_cpp_step_against_the_eager_engine(name: str, dtype: str, level: 
         return incremental_logits(backend.new_session(1, seq.shape[1]), seq, ids.shape[1])[0, p:].float()
 
     logits = {k: forced(b) for k, b in bs.items()}
-    if level == "int8-dynamic":
-        _w8a8_against_the_eager_engine(name, logits, tokens, forced)
-        return
-    reference = forced(backends("float32")[1]["eager"])
+    if w8a8:  # the tokens agree while the logits do; past a rounding flip, the C++ step's W8A8 error is eager's size
+        close = torch.isclose(logits["cpp"], logits["eager"], **FP32_TOL).all(-1)
+        apart = int((~close).nonzero()[0]) if not bool(close.all()) else len(close)
+        assert torch.equal(tokens["cpp"][:apart], tokens["eager"][:apart]), (apart, tokens)
+        if apart == len(close):
+            return
+    # bf16: the fp32 engine at the same level; W8A8: the unquantized fp32 model
+    reference = forced(backends("float32", QuantConfig() if w8a8 else spec)[1]["eager"])
     err = {k: (v - reference).abs().amax(-1) for k, v in logits.items()}
-    for stat in (torch.max, torch.median):
+    for stat in (torch.median, torch.mean) if w8a8 else (torch.max, torch.median):
         assert float(stat(err["cpp"])) <= BF16_ERROR_FACTOR * float(stat(err["eager"])), (stat, err)
+    if w8a8:
+        return
     diff = (logits["cpp"] - logits["eager"]).abs().amax(-1)
     top2 = logits["eager"].topk(2, dim=-1).values
     margin = top2[:, 0] - top2[:, 1]
@@ -239,22 +246,6 @@ def _real_model_cpp_step_against_the_eager_engine(name: str, dtype: str, level: 
     got, want = tokens["cpp"], tokens["eager"]
     first = int((got != want).nonzero()[0]) if not torch.equal(got, want) else len(want)
     assert first == len(want) or bool(margin[first] <= 2 * diff[first]), (first, margin[first], diff[first])
-
-
-def _w8a8_against_the_eager_engine(name: str, logits: dict, tokens: dict, forced) -> None:
-    """The int8-dynamic rule of the real-model test above: the tokens agree while the logits do; past a rounding flip,
-    the C++ step's W8A8 error is the eager engine's size."""
-    close = torch.isclose(logits["cpp"], logits["eager"], **FP32_TOL).all(-1)
-    apart = int((~close).nonzero()[0]) if not bool(close.all()) else len(close)
-    assert torch.equal(tokens["cpp"][:apart], tokens["eager"][:apart]), (apart, tokens)
-    if apart == len(close):
-        return
-    model = ModelConfig(name=name, path=f"prepared://{name}", dtype="float32")
-    unquantized = make_backend(load_model(model, attention="sdpa"), _trial(model, mode="dynamic", compile=False))
-    reference = forced(unquantized)
-    err = {k: (v - reference).abs().amax(-1) for k, v in logits.items()}
-    for stat in (torch.median, torch.mean):
-        assert float(stat(err["cpp"])) <= BF16_ERROR_FACTOR * float(stat(err["eager"])), (stat, apart, err)
 
 
 def test_the_step_profile_accounts_for_each_steps_time(prompts):
