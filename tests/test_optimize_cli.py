@@ -33,11 +33,16 @@ GATE_OFF = "optimize.gate.enabled=false"
      "leave it unset"),
     # every value of the space is validated before the first trial: an unknown model at the right-size step too
     (["kv_cache=off,contiguous", "model=tiny-llama,no-such-model", GATE_OFF], "model=no-such-model", "tiny-llama"),
+    # the overrides' own problems (found while reading the space) are the optimize's too
+    (["kv_cache=off,contiguous", GATE_OFF, "no_such_key=1"], "overrides: unknown key", "keys at top level: attention"),
 ])
 def test_bad_input_is_refused_before_any_trial(args, key, fix, tiny_overrides, mlflow_client, capsys):
     rc = main(["optimize", *tiny_overrides, "sweep_name=t-opt-bad", *args])
     err = capsys.readouterr().err
     assert rc == 2 and key in err and fix in err
+    # headed by what was asked, one line per problem
+    head, *lines = err.rstrip("\n").split("\n")
+    assert head == "error: invalid optimize:" and lines and all(ln.startswith("  - ") for ln in lines), err
     assert mlflow_client.get_experiment_by_name("t-opt-bad") is None  # nothing ran, nothing was recorded
 
 

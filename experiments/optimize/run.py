@@ -62,7 +62,10 @@ class OptimizeResult(Decided):
 
 def prepare(overrides: list[str]) -> tuple[Space, OptimizeConf, TrialMeasure]:
     """Everything checked before any trial: the settings, the space, and the baseline trial's config."""
-    space = read_space(overrides)
+    try:
+        space = read_space(overrides)
+    except SweepError as e:  # the overrides' own problems: refused as what was asked (`invalid optimize:`)
+        raise OptimizeError(e.problems) from None
     o = from_dict(space.config.get("optimize") or {})
     found = problems(o, space.axes, space.config)
     if o.strategy == "search" and ACCURACY in o.search.objectives and not (space.config.get("eval") or {}).get("tasks"):
