@@ -455,6 +455,23 @@ def test_every_accepted_step_is_also_gated_against_the_baseline():
     assert decision == REJECTED and why.startswith("accuracy gate: vs baseline: t -10.0%")
 
 
+def test_the_chain_table_has_as_many_cells_in_every_row_as_in_its_header():
+    """The terminal, chain.md and the dashboard show the same markdown: a `|` left unescaped in a header or a
+    cell (the accuracy column's header, a reason quoting `a | b`) shifts every column after it."""
+    import re
+
+    from experiments.optimize.table import COLUMNS, to_markdown
+    from experiments.optimize.types import Row
+
+    syn = Synthetic(tpot_of({("attention", "sdpa"): 0.7, ("quant", "int8-weight"): 0.7}))
+    res = chain(syn, space={"attention": ["eager", "sdpa"], "quant": ["none", "int8-weight"]}).run()
+    assert "vs baseline:" in res.rows[2].accuracy  # a cell with both comparisons
+    rows = [*res.rows, Row(3, "engine", "engine=x", SKIPPED, "refused before a trial: a | b", accuracy="t | u")]
+    lines = to_markdown(rows).splitlines()
+    cells = [len(re.split(r"(?<!\\)\|", ln.strip().strip("|"))) for ln in lines]
+    assert cells == [len(COLUMNS)] * len(lines), lines
+
+
 def test_a_candidate_validation_refuses_on_its_incumbent_is_skipped_not_failed_and_notes_group_retries():
     from experiments.optimize.measurement import INVALID
     from experiments.optimize.table import order_notes

@@ -193,4 +193,4 @@ def accuracy_cell(acc: list[PairedAccuracy], cumulative: Sequence[PairedAccuracy
         parts.append("; ".join(a.cell() for a in acc))
     if cumulative:
         parts.append("vs baseline: " + "; ".join(a.cell() for a in cumulative))
-    return " | ".join(parts)
+    return " / ".join(parts)  # no `|`: the cell reads the same in the terminal as in the rendered table

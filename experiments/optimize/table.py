@@ -7,16 +7,17 @@ from typing import Optional, Sequence
 
 from .types import ACCEPTED, BASELINE, REFUSED, REJECTED, RETRY, SKIPPED, TOTAL, UNDECIDED_PAIR, Row
 
-COLUMNS = ("step", "candidate", "decision", "reason", "ratio [interval]", "accuracy (paired: vs incumbent | vs baseline)",
+COLUMNS = ("step", "candidate", "decision", "reason", "ratio [interval]", "accuracy (paired: vs incumbent / vs baseline)",
            "regime before -> after", "trials")
 
 
 def _esc(s: str) -> str:
+    """A markdown cell: a `|` in it would end the cell and shift every column after it."""
     return str(s).replace("|", "\\|").replace("\n", " ")
 
 
 def to_markdown(rows: Sequence[Row]) -> str:
-    lines = ["| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
+    lines = ["| " + " | ".join(_esc(c) for c in COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
     for r in rows:
         regime = (f"{r.regime_before or '?'} -> {r.regime_after or '?'}" if r.decision not in (SKIPPED, BASELINE, TOTAL)
                   else (r.regime_before or ""))
