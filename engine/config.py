@@ -333,6 +333,11 @@ class EvalConfig:
     # the user's own task files (engine/tasks/user.py: multiple-choice or generation JSONL, or an lm-eval task YAML
     # with local data), each defining a task that eval.tasks names; hashed by content, not path (config hash)
     task_files: list[str] = field(default_factory=list, metadata=added([]))
+    # which items a limit takes: "first" -- the first eval.limit documents of each task (lm-eval's limit); "pooled"
+    # -- eval.limit items in all over the (non-needle) tasks, the first of one seeded shuffle of every task's
+    # documents together (seed: the trial's). A larger limit extends a smaller one's items, so looks at growing
+    # limits see nested samples; the pool draws each task in proportion to its size (the accuracy gate's items).
+    order: str = field(default="first", metadata=added("first"))
 
 
 @dataclass

@@ -18,7 +18,7 @@ from engine.config import EvalConfig, ModelConfig, TrialConfig, WorkloadConfig, 
 from engine.tasks import data as task_data
 from engine.tasks.lmeval import SessionLM
 from engine.tasks.needle import documents
-from engine.tasks.run import available_tasks, run_lmeval, task_problems
+from engine.tasks.run import available_tasks, pooled_items, run_lmeval, task_problems
 from engine.validation import check_trial
 from conftest import need_task_data, require_installed
 from support import make_trial
@@ -527,6 +527,35 @@ def test_items_are_identified_by_doc_id_and_document_digest(cache):
     assert [i.split(":")[0] for i in ids] == ["0", "1", "2", "3", "4"]
     assert ids != r.items["sciq"]  # the same index of another task's documents is another item
     assert r.chance[MC_TASK] == pytest.approx(0.25) and r.chance["sciq"] == pytest.approx(0.25)
+
+
+def test_pooled_items_are_a_seeded_nested_draw_over_every_task():
+    sizes = {"arc_easy": 570, "sciq": 1000, "piqa": 1838}
+    small, large = pooled_items(sizes, 300, seed=0), pooled_items(sizes, 1200, seed=0)
+    assert sum(map(len, small.values())) == 300 and sum(map(len, large.values())) == 1200
+    assert all(set(small[t]) <= set(large[t]) for t in small)  # a larger look keeps the smaller one's items
+    assert pooled_items(sizes, 300, seed=0) == small and pooled_items(sizes, 300, seed=1) != small
+    share = {t: len(large[t]) / 1200 for t in sizes}  # in proportion to the tasks' sizes
+    assert all(abs(share[t] - sizes[t] / 3408) < 0.05 for t in sizes)
+    assert all(0 <= i < sizes[t] for t in large for i in large[t])
+    assert sum(map(len, pooled_items(sizes, 10 ** 6, seed=0).values())) == 3408  # at most the whole pool
+
+
+def test_pooled_order_scores_the_drawn_items_and_a_larger_limit_extends_them(cache):
+    """eval.order=pooled: eval.limit items over all the tasks (5 + 5 + 5 here), identified by each task's own
+    doc_id; the items of limit 6 are among limit 10's, with the same answers (paired across looks)."""
+    trial, s = _session("hf")
+    tasks = [MC_TASK, "sciq", "piqa"]
+    got = {}
+    for limit in (6, 10):
+        t = replace(trial, "eval", EvalConfig(tasks=tasks, limit=limit, order="pooled"))
+        assert task_problems(t, 2048) == []
+        r = run_lmeval(s, t, tasks, 2048, lambda m: None)
+        assert sum(len(v) for v in r.correct.values()) == limit
+        got[limit] = {f"{task}/{i}": c for task in r.items for i, c in zip(r.items[task], r.correct[task])}
+    assert set(got[6]) <= set(got[10]) and all(got[10][k] == v for k, v in got[6].items())
+    bad = replace(trial, "eval", EvalConfig(tasks=tasks, limit=5, order="random"))
+    assert any(k == "eval.order" for k, _ in task_problems(bad, 2048))
 
 
 # --- the user's own task files (eval.task_files) ------------------------------------------------------------

@@ -65,6 +65,33 @@ def is_needle(task: str) -> bool:
     return task in NEEDLE_TASKS
 
 
+FIRST, POOLED = "first", "pooled"  # eval.order
+ORDERS = (FIRST, POOLED)
+
+
+def task_sizes(tasks: list[str], task_manager: Any) -> dict[str, int]:
+    """{task: documents it evaluates} as lm-eval builds them (shipped and user tasks alike)."""
+    from lm_eval.tasks import get_task_dict
+
+    got = get_task_dict(tasks, task_manager)
+    return {t: len(got[t].eval_docs) for t in tasks}
+
+
+def pooled_items(sizes: dict[str, int], n: int, seed: int) -> dict[str, list[int]]:
+    """The first `n` of one seeded shuffle of every (task, document index) together -> {task: sorted indices}.
+    The shuffle depends only on the sizes and the seed, so a larger `n` keeps a smaller one's items (nested looks),
+    and each task comes in about in proportion to its size."""
+    import numpy as np
+
+    pairs = [(t, i) for t in sorted(sizes) for i in range(sizes[t])]
+    order = np.random.default_rng([seed, 0x9A7E]).permutation(len(pairs))[:max(0, n)]
+    out: dict[str, list[int]] = {t: [] for t in sizes}
+    for j in order:
+        t, i = pairs[int(j)]
+        out[t].append(i)
+    return {t: sorted(v) for t, v in out.items() if v}
+
+
 @dataclass
 class TaskResult:
     metrics: dict[str, float] = field(default_factory=dict)
@@ -129,19 +156,32 @@ def run_lmeval(session: Any, trial: TrialConfig, tasks: list[str], max_length: i
         if needle:
             render_needle_tasks(needle, session.tokenizer, trial, Path(tmp) / "needle", say)
             includes.append(str(Path(tmp) / "needle"))
-        for t in tasks:
+        pooled = getattr(trial.eval, "order", FIRST) == POOLED
+        every = [t for t in trial.eval.tasks if not is_needle(t)] if pooled else []
+        for t in dict.fromkeys(list(tasks) + every):  # pooled: the pool is every task's, whichever run now
             if t in user:
                 render_user(user[t], Path(tmp) / "user" / t)  # each in a folder of its own: its modules too
                 includes.append(str(Path(tmp) / "user" / t))
         lm = SessionLM(session, max_length, say)
         tm = TaskManager(include_path=includes, include_defaults=False)
         out = {"results": {}, "samples": {}}
-        # the first eval.limit documents of a task; needle: all generated (eval.limit per depth)
+        # the first eval.limit documents of a task (or eval.limit pooled items); needle: all generated (eval.limit
+        # per depth)
         for group, limit in (([t for t in tasks if not is_needle(t)], trial.eval.limit), (needle, None)):
             if not group:
                 continue
-            say(f"lm-eval: {', '.join(group)}" + (f" (limit {limit})" if limit else ""))
-            got = lm_eval.simple_evaluate(model=lm, tasks=group, limit=limit, task_manager=tm,
+            picks = None
+            if limit and pooled:
+                drawn = pooled_items(task_sizes(every, tm), trial.eval.limit, trial.seed)
+                picks, limit = {t: v for t, v in drawn.items() if t in group}, None
+                group = [t for t in group if t in picks]  # a task the draw left out has no items here
+                if not group:
+                    continue
+                say(f"lm-eval: {', '.join(group)} ({sum(map(len, picks.values()))} pooled items: "
+                    + ", ".join(f"{t} {len(v)}" for t, v in picks.items()) + ")")
+            else:
+                say(f"lm-eval: {', '.join(group)}" + (f" (limit {limit})" if limit else ""))
+            got = lm_eval.simple_evaluate(model=lm, tasks=group, limit=limit, samples=picks, task_manager=tm,
                                           log_samples=True, bootstrap_iters=1000,
                                           random_seed=trial.seed, numpy_random_seed=trial.seed,
                                           torch_random_seed=trial.seed, fewshot_random_seed=trial.seed)
@@ -149,6 +189,8 @@ def run_lmeval(session: Any, trial: TrialConfig, tasks: list[str], max_length: i
             out["samples"].update(got["samples"])
     res = TaskResult()
     for task in tasks:
+        if task not in out["results"]:  # pooled: the draw gave it no items
+            continue
         r = out["results"][task]
         samples = sorted(out["samples"][task], key=lambda s: s["doc_id"])
         prim = primary_metric(task, user)
@@ -192,6 +234,9 @@ def _reference_key(trial: TrialConfig, task: str, user: Optional[dict] = None) -
 
     ident = {k: v for k, v in dataclasses.asdict(trial.model).items() if k != "dtype"}
     ident.update(v=TASKS_VERSION, task=task, limit=trial.eval.limit)
+    if getattr(trial.eval, "order", FIRST) != FIRST and not is_needle(task):  # which items the limit takes
+        ident.update(order=trial.eval.order, tasks=sorted(t for t in trial.eval.tasks if not is_needle(t)),
+                     seed=trial.seed)
     if user and task in user:
         from .user import RENDER_VERSION
 
@@ -245,7 +290,7 @@ def _reference(trial: TrialConfig, loaded: Any, max_length: int, say: Say,
         got = run_lmeval(ref_session, trial, missing, max_length, lambda m: say("reference: " + m))
     if missing:
         root.mkdir(parents=True, exist_ok=True)
-        for task in missing:
+        for task in [t for t in missing if t in got.correct]:
             entry = {"metrics": {k: v for k, v in got.metrics.items() if k.split(".")[1] == task},
                      "correct": got.correct[task], "items": got.items.get(task, [])}
             path = root / f"{_reference_key(trial, task, user)}.json"
@@ -261,7 +306,8 @@ def evaluate_tasks(trial: TrialConfig, session: Any, loaded: Any, max_length: in
     res = run_lmeval(session, trial, list(trial.eval.tasks), max_length, say)
     ref, cached = _reference(trial, loaded, max_length, say, own=res if is_reference(trial) else None)
     res.metrics["task_ref_cached"] = float(cached)
-    for task in trial.eval.tasks:
+    present = [t for t in trial.eval.tasks if t in res.correct and t in ref and ref[t].get("correct") is not None]
+    for task in present:  # (pooled items: a task the draw gave no item is absent)
         score, racc = res.metrics[f"task_score.{task}"], ref[task]["metrics"][f"task_score.{task}"]
         res.metrics[f"task_ref.{task}"] = racc
         for k, v in ref[task]["metrics"].items():  # the reference's score by needle depth
@@ -277,8 +323,8 @@ def evaluate_tasks(trial: TrialConfig, session: Any, loaded: Any, max_length: in
         recovery = score / racc if racc > 0 else (1.0 if score >= racc else 0.0)
         res.metrics[f"task_recovery.{task}"] = recovery
         res.metrics[f"task_gate.{task}"] = float(recovery >= trial.eval.gate)
-    if trial.eval.tasks:
-        res.metrics["task_gate"] = float(all(res.metrics[f"task_gate.{t}"] == 1.0 for t in trial.eval.tasks))
+    if present:
+        res.metrics["task_gate"] = float(all(res.metrics[f"task_gate.{t}"] == 1.0 for t in present))
     return res
 
 
@@ -311,6 +357,9 @@ def task_problems(trial: TrialConfig, max_positions: Optional[int]) -> list[tupl
                                      f"eval.tasks does not name: name it to run it (eval.tasks=[{wanted}])"))
     if ev.limit < 1:
         p.append(("eval.limit", f"must be >= 1 (examples per task; needle: per depth), got {ev.limit}"))
+    if getattr(ev, "order", FIRST) not in ORDERS:
+        p.append(("eval.order", f"unknown order {ev.order!r}; use first (the first eval.limit documents of each task) "
+                                f"or pooled (eval.limit items drawn over all the tasks, seeded)"))
     if not ev.depths or any(not 0.0 <= d <= 1.0 for d in ev.depths):
         p.append(("eval.depths", f"needs fractions in [0, 1], got {list(ev.depths)}"))
     if not 0.0 < ev.gate <= 1.0:
