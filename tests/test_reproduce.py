@@ -10,8 +10,9 @@ import pytest
 from mlflow.tracking import MlflowClient
 
 from conftest import TINY
-from experiments.run.reproduce import (CONSISTENT, DIFFERS_BEYOND_NOISE, INTERLEAVED, NOT_JUDGED, PAIRED, SOLO,
-                                       format_comparison, paired, paired_verdict, reproduce)
+from engine.measure.noise import UNSTABLE
+from experiments.run.reproduce import (CONSISTENT, DIFFERS_BEYOND_NOISE, INTERLEAVED, LOAD_CANNOT_JUDGE, NOT_JUDGED,
+                                       PAIRED, SOLO, TIMING, format_comparison, paired, paired_verdict, reproduce)
 from experiments.run.sweep import run_sweep
 
 
@@ -58,6 +59,32 @@ def test_an_interleaved_trial_is_reproduced_with_its_partner_and_judged_on_the_p
     # peak memory judged between two measurements of one kind (each variant's own footprint), not refused
     assert not rows["peak_mem_bytes"][2].startswith("not compared")
     assert "token ids of partner " + client.get_run(partner_id).info.run_name in rows
+
+
+def test_a_group_flagged_for_load_has_its_timings_shown_not_judged(store, interleaved):
+    """A run flagged `unstable: load` never decides a comparison (docs/metrics.md): reproduce shows its timings
+    and paired ratios as "load: cannot judge" instead of "consistent" / "differs beyond noise"; memory and
+    the deterministic results are still judged. (The flag as the pipeline writes it: a group shares one
+    monitor, so every member of a loaded group carries it.)"""
+    tracking, _, client = store
+    flag = "load: other processes used 40.3% of the CPUs (> 25.0%)"
+    ids = [r["run_id"] for r in interleaved.rows]
+    for rid in ids:
+        client.set_tag(rid, UNSTABLE, flag)
+    try:
+        cmp = reproduce(interleaved.rows[1]["hash"], tracking)
+    finally:  # the module's other tests read this group unflagged
+        for rid in ids:
+            client.delete_tag(rid, UNSTABLE)
+    rows = {m: v for m, _, _, v in cmp.rows}
+    timings = [m for m in rows if m in TIMING and m != "peak_mem_bytes"]
+    assert timings and all(rows[m].endswith(LOAD_CANNOT_JUDGE) for m in timings), rows
+    paired_rows = [v for m, v in rows.items() if " paired vs " in m]
+    assert paired_rows and all(v == f"{PAIRED} {LOAD_CANNOT_JUDGE}" for v in paired_rows)
+    assert not rows["peak_mem_bytes"].endswith(LOAD_CANNOT_JUDGE) and cmp.deterministic_match
+    out = format_comparison(cmp)
+    assert f"flagged for load, so its timings decide no comparison: the original: {flag}" in out
+    assert CONSISTENT not in out.split("timings (reproduced/original")[1].split("\n")[0]
 
 
 def test_a_solo_trial_is_reproduced_alone(store):

@@ -6,7 +6,10 @@ round-robin on one worker, and the paired ratio of each timing (trial vs partner
 against the one recorded -- the number the original decision read. Its absolute timings are judged too, and
 peak memory only between measurements of one kind (a variant's own footprint in a group, or a solo process's
 peak). Where the partners are gone from the store the trial is re-run alone and its timings are shown, not
-judged. The output says which was done.
+judged. The output says which was done. A run flagged `unstable: load` (other processes took the machine: its
+medians are biased in a way no interval carries) decides no timing comparison: where the original, the re-run
+or a partner carries that flag, its timings read "load: cannot judge" (memory and deterministic results are
+still judged).
 """
 from __future__ import annotations
 
@@ -17,6 +20,7 @@ from typing import Optional
 import yaml
 
 from engine.measure.metrics import DETERMINISTIC, TIMINGS
+from engine.measure.noise import LOAD, UNSTABLE, unstable_causes
 from engine.measure.spread import LOWER_IS_BETTER, Ratio, paired_ratio
 
 from ..config.compose import SweepError, load_trial
@@ -49,6 +53,7 @@ class Comparison:
     others: list = field(default_factory=list)
     arrangement: str = ""  # what was done: solo, or interleaved with which partners (one line, printed)
     partner_run_ids: list[str] = field(default_factory=list)  # the partners' new runs (interleaved)
+    loaded: list[str] = field(default_factory=list)  # "the original: load: ..." for each run flagged for load
 
     @property
     def deterministic_match(self) -> bool:
@@ -124,11 +129,14 @@ def reproduce(prefix: str, tracking: dict, against_all: bool = False) -> Compari
             a, b = om.get(k), outcome.metrics.get(k)
             rows.append((k, _num(a), _num(b), deterministic_verdict(a, b)))
     rows += task_rows(tracker, orig, om, outcome)
-    for p, o in pairs:
-        rows += paired_rows(tracker, orig, p, outcome, o)
-    rows += timing_rows(om, outcome.metrics, judged=not missing)
+    loaded = load_flags([("the original", orig.data.tags), ("the reproduction", outcome.labels)])
+    partners_loaded = load_flags([(f"partner {_name(p)}{when}", tags) for p, o in pairs
+                                  for when, tags in (("", p.data.tags), (" (re-run)", o.labels))])
+    for p, o in pairs:  # a group shares one machine: a partner's load is the trial's too
+        rows += paired_rows(tracker, orig, p, outcome, o, loaded=bool(loaded or partners_loaded))
+    rows += timing_rows(om, outcome.metrics, judged=not missing, loaded=bool(loaded or partners_loaded))
     cmp = Comparison(orig.info.run_id, new_id, stored, tokens_match, rows, why, arrangement=arrangement,
-                     partner_run_ids=[new_ids[p.info.run_id] for p, _ in pairs])
+                     partner_run_ids=[new_ids[p.info.run_id] for p, _ in pairs], loaded=loaded + partners_loaded)
     for other in (others if against_all else []):
         try:
             same = json.loads(tracker.load_text(other.info.run_id, TOKENS_ARTIFACT)) == outcome.token_ids
@@ -136,7 +144,8 @@ def reproduce(prefix: str, tracking: dict, against_all: bool = False) -> Compari
             same = None
         om = other.data.metrics
         like = _kind(om) == _kind(outcome.metrics)
-        judged = [f"{k} {v}" for k, _, _, v in timing_rows(om, outcome.metrics, judged=like)]
+        flags = load_flags([("it", other.data.tags), ("the reproduction", outcome.labels)])
+        judged = [f"{k} {v}" for k, _, _, v in timing_rows(om, outcome.metrics, judged=like, loaded=bool(flags))]
         tag = " (a reproduction)" if "reproduces" in other.data.tags else ""
         cmp.others.append((f"run {other.info.run_id[:8]}{tag}, experiment id {other.info.experiment_id}, "
                            f"measured {_kind(om)}",
@@ -207,9 +216,16 @@ def _rounds(tracker: Tracker, run, k: str) -> list[float]:
     return [float(x.value) for x in sorted(hist, key=lambda x: x.step)]
 
 
-def paired_rows(tracker: Tracker, orig, partner, outcome, partner_outcome) -> list[tuple[str, str, str, str]]:
+def load_flags(runs: list[tuple[str, dict]]) -> list[str]:
+    """`"WHO: its unstable label"` for each (who, tags or labels) whose `unstable` label names load."""
+    return [f"{who}: {tags[UNSTABLE]}" for who, tags in runs if LOAD in unstable_causes(tags.get(UNSTABLE, ""))]
+
+
+def paired_rows(tracker: Tracker, orig, partner, outcome, partner_outcome,
+                loaded: bool = False) -> list[tuple[str, str, str, str]]:
     """Each timing's paired ratio of the trial over `partner` (> 1: the trial is better), round by round, as
-    recorded and as re-measured: consistent when the two 95% intervals overlap."""
+    recorded and as re-measured: consistent when the two 95% intervals overlap; `loaded` (a run of either
+    group flagged for load): shown, not judged."""
     rows = []
     for k in TIMINGS:
         rec = paired(_rounds(tracker, partner, k), _rounds(tracker, orig, k), k)
@@ -217,7 +233,7 @@ def paired_rows(tracker: Tracker, orig, partner, outcome, partner_outcome) -> li
         if rec is None and new is None:
             continue
         rows.append((f"{k} paired vs {_name(partner)}", rec.cell() if rec else "-", new.cell() if new else "-",
-                     f"{PAIRED} {paired_verdict(rec, new)}"))
+                     f"{PAIRED} {LOAD_CANNOT_JUDGE if loaded else paired_verdict(rec, new)}"))
     return rows
 
 
@@ -235,8 +251,9 @@ def paired(base: list[float], new: list[float], k: str) -> Optional[Ratio]:
     return paired_ratio(base, new, higher_is_better=k not in LOWER_IS_BETTER)
 
 
-def timing_rows(om: dict, nm: dict, judged: bool = True) -> list[tuple[str, str, str, str]]:
-    """The absolute timings (and peak memory, between measurements of one kind only)."""
+def timing_rows(om: dict, nm: dict, judged: bool = True, loaded: bool = False) -> list[tuple[str, str, str, str]]:
+    """The absolute timings (and peak memory, between measurements of one kind only); `loaded` (either run
+    flagged for load): the timings shown, not judged -- memory, which other processes' load does not move, still is."""
     rows = []
     same_kind = _kind(om) == _kind(nm)
     for k in TIMING:
@@ -247,6 +264,8 @@ def timing_rows(om: dict, nm: dict, judged: bool = True) -> list[tuple[str, str,
                                                        f"the reproduction's {MEM_KIND[_kind(nm)]}"))
         elif not judged or not same_kind:
             rows.append((k, _num(om[k]), _num(nm[k]), f"x{nm[k] / om[k]:.2f} {NOT_JUDGED}"))
+        elif loaded and k != "peak_mem_bytes":
+            rows.append((k, _num(om[k]), _num(nm[k]), f"x{nm[k] / om[k]:.2f} {LOAD_CANNOT_JUDGE}"))
         else:
             rows.append((k, _num(om[k]), _num(nm[k]), timing_verdict(k, om, nm)))
     if same_kind and _kind(om) == INTERLEAVED and om.get("group_peak_mem_bytes") and "group_peak_mem_bytes" in nm:
@@ -292,6 +311,7 @@ def task_rows(tracker: Tracker, orig, om: dict, outcome) -> list[tuple[str, str,
 
 CONSISTENT, DIFFERS_BEYOND_NOISE, NO_INTERVAL = "consistent", "differs beyond noise", "no interval recorded"
 NOT_JUDGED = "not judged (measured differently)"
+LOAD_CANNOT_JUDGE = "load: cannot judge"  # a run flagged `unstable: load` never decides a comparison (docs/metrics.md)
 PAIRED = "paired:"
 
 
@@ -330,13 +350,17 @@ def format_comparison(c: Comparison) -> str:
     lines.append(verdict)
     paired_v = [v for *_, v in c.rows if v.startswith(PAIRED)]
     if paired_v:
-        judged = {w: sum(t.endswith(w) for t in paired_v) for w in (CONSISTENT, DIFFERS_BEYOND_NOISE, NO_INTERVAL)}
+        judged = {w: sum(t.endswith(w) for t in paired_v)
+                  for w in (CONSISTENT, DIFFERS_BEYOND_NOISE, NO_INTERVAL, LOAD_CANNOT_JUDGE)}
         lines.append("paired ratios (trial vs partner, round by round; reproduced vs recorded, judged by their 95% "
                      "intervals): " + ", ".join(f"{n} {w}" for w, n in judged.items() if n))
     timings = [v for *_, v in c.rows if v.startswith("x")]
-    judged = {w: sum(t.endswith(w) for t in timings) for w in (CONSISTENT, DIFFERS_BEYOND_NOISE, NO_INTERVAL, NOT_JUDGED)}
+    judged = {w: sum(t.endswith(w) for t in timings)
+              for w in (CONSISTENT, DIFFERS_BEYOND_NOISE, NO_INTERVAL, NOT_JUDGED, LOAD_CANNOT_JUDGE)}
     lines.append("timings (reproduced/original, judged by both runs' 95% intervals): "
                  + ", ".join(f"{n} {w}" for w, n in judged.items() if n))
+    for flag in c.loaded:
+        lines.append(f"flagged for load, so its timings decide no comparison: {flag}")
     if c.others:
         lines.append(f"against the {len(c.others)} other run(s) with this hash:")
         for who, tokens, judged_timings in c.others:
