@@ -170,18 +170,26 @@ def test_failed_accuracy_gate_rejects_a_faster_candidate():
     assert res.incumbent == {"quant": "bnb-int8"}
 
 
-def test_undecided_accuracy_grows_the_item_count_up_to_the_budget():
-    # 6% of the items lost: 3 of 50 (or 6 of 100) cannot show a drop beyond 3% -> 100, then 200 items
+def test_the_gate_plans_its_items_from_the_first_look_and_grows_up_the_ladder():
+    # 6% of the items lost: 3 of 50 cannot show a drop beyond 3%; the plan sizes the next look from the 3 discordant
+    # items (~1,000 at 90% power), rounded up the shared ladder 50 x sqrt(2)^k, within the cap of 1,500
     syn = Synthetic(tpot_of({("quant", "int8-weight"): 0.6}), wrong=lambda p: 3 if p.get("quant") == "int8-weight" else 0)
-    res = chain(syn, space={"quant": ["none", "int8-weight"]}).run()
-    limits = [r.points[0].get("eval.limit") for r in syn.requests if r.points[0].get("quant") == "none"][1:]
-    assert limits == [None, "100", "200"]
-    assert res.rows[1].decision == REJECTED and res.rows[1].reason.startswith("accuracy gate")  # 12 of 200: worse
-    assert "n=200 worse" in res.rows[1].accuracy
-    # 2% lost: not shown beyond 3% at 200 items either, not shown within it: undecided, never "holds"
-    syn = Synthetic(tpot_of({("quant", "int8-weight"): 0.6}), wrong=lambda p: 1 if p.get("quant") == "int8-weight" else 0)
-    res = chain(syn, space={"quant": ["none", "int8-weight"]}).run()
-    assert res.rows[1].decision == UNDECIDED_PAIR and res.rows[1].reason.startswith("accuracy undecided")
+    said: list[str] = []
+    res = chain(syn, space={"quant": ["none", "int8-weight"]}, budget=budget(max_items=1500), echo=said.append).run()
+    limits = [r.points[0].get("eval.limit") for r in syn.requests if not r.interleaved][1:]  # after the baseline
+    assert limits[0] is None and limits[1] in ("1131", "1500") and len(limits) == 2  # the first look, then the plan
+    assert any("3 of 50 items differ" in m and "items decide it" in m for m in said)  # the plan, printed
+    assert res.rows[1].decision == REJECTED and res.rows[1].reason.startswith("accuracy gate")  # 6% of 1,131: worse
+    assert "worse" in res.rows[1].accuracy
+    # the same candidate where only 200 items may be used: the plan cannot decide it there -- said, nothing spent
+    syn = Synthetic(tpot_of({("quant", "int8-weight"): 0.6}), wrong=lambda p: 3 if p.get("quant") == "int8-weight" else 0)
+    res = chain(syn, space={"quant": ["none", "int8-weight"]}, budget=budget(max_items=200)).run()
+    assert [r.points[0].get("eval.limit") for r in syn.requests if not r.interleaved][1:] == [None]
+    assert res.rows[1].decision == UNDECIDED_PAIR and "more than the 200 optimize.gate.max_items (not spent)" in res.rows[1].reason
+    # no item lost: 0 of 50 differ -> one planned look decides that it holds
+    syn = Synthetic(tpot_of({("quant", "int8-weight"): 0.6}))
+    res = chain(syn, space={"quant": ["none", "int8-weight"]}, budget=budget(max_items=1500)).run()
+    assert res.rows[1].decision == ACCEPTED and "holds" in res.rows[1].accuracy and res.rows[1].attempts == 3
 
 
 def test_loaded_measurements_are_dropped_and_the_pair_measured_again():
@@ -390,10 +398,14 @@ def test_a_pair_that_cannot_change_the_task_scores_is_measured_without_the_eval(
     pairs = [r.points for r in syn.requests if r.interleaved]
     off = [p for p in pairs if all(x.get("eval.enabled") == "false" for x in p)]
     on = [p for p in pairs if not any("eval.enabled" in x for x in p)]
-    # the kv and speculative pairs, and the total pair (final vs baseline: timing only)
-    assert [p[1]["kv_cache"] for p in off[:1]] == ["contiguous"] and len(off) == 3
-    assert off[1][1]["speculative"] == "prompt-lookup" and off[2][0] == {**baseline_of(SPACE), "eval.enabled": "false"}
-    assert len(on) == 3  # the attention pair, the two quantization pairs (int8, then bnb-int8 vs int8)
+    # with the gate on every timing pair runs without the eval (the gate's looks are trials of their own): the kv,
+    # attention, two quantization and speculative pairs, and the total pair (final vs baseline)
+    assert [p[1]["kv_cache"] for p in off[:1]] == ["contiguous"] and len(off) == 6 and on == []
+    assert off[4][1]["speculative"] == "prompt-lookup" and off[5][0] == {**baseline_of(SPACE), "eval.enabled": "false"}
+    looks = [r.points for r in syn.requests if not r.interleaved and len(r.points) == 2]
+    # the gate looked only at the pairs whose scores can change: attention, and int8-weight (bnb-int8 is slower)
+    assert {tuple(sorted(set(p[1].items()) - set(p[0].items()))) for p in looks} == {
+        (("attention", "sdpa"),), (("quant", "int8-weight"),)}
     by = {r.label: r for r in res.rows if r.candidate != "quant=bnb-int8"}
     assert by["KV cache"].decision == ACCEPTED and by["KV cache"].accuracy == ""
     assert by["KV cache"].reason.endswith("accuracy equal by construction (kv_cache: task scores do not depend on it)")

@@ -92,6 +92,28 @@ def pooled_items(sizes: dict[str, int], n: int, seed: int) -> dict[str, list[int
     return {t: sorted(v) for t, v in out.items() if v}
 
 
+def pool_size(tasks: list[str], task_files: list[str]) -> Optional[int]:
+    """How many items `eval.order=pooled` can draw from over `tasks` (needle tasks are not pooled): the prepared
+    documents of the shipped tasks and the items of the user's JSONL files; None where a task's count is not known
+    before lm-eval builds it (data not prepared, a user YAML task)."""
+    from .data import MC_TASKS, mc_dir
+    from .user import load_all
+
+    user = load_all(list(task_files), available_tasks())[0] if task_files else {}
+    total = 0
+    for t in tasks:
+        if is_needle(t):
+            continue
+        if t in user and user[t].n:
+            total += user[t].n
+        elif t in MC_TASKS and (mc_dir() / f"{t}.jsonl").is_file():
+            with open(mc_dir() / f"{t}.jsonl", "rb") as f:
+                total += sum(1 for line in f if line.strip())
+        else:
+            return None
+    return total
+
+
 @dataclass
 class TaskResult:
     metrics: dict[str, float] = field(default_factory=dict)

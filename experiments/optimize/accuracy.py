@@ -17,11 +17,12 @@ that truly loses `max_drop` is ever said to hold stays below `false_holds` over 
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 import math
 from dataclasses import dataclass
 from statistics import NormalDist
-from typing import Any, Mapping, Sequence
+from typing import Any, Mapping, Optional, Sequence
 
 import numpy as np
 
@@ -123,13 +124,85 @@ def gate_verdicts(lo, hi, max_drop: float) -> np.ndarray:
     return np.where(lo > -max_drop, 0, np.where(hi < -max_drop, 1, 2))
 
 
+GATE_LOOKS = 3  # the gate's looks at one pair at most: the first (eval.limit), the planned one, one re-planned
+POWER = 0.8  # the power the docs state: P(holds | a harmless change), checked by simulation (calibration.py)
+# The plan asks for the items that give this power at the look's level from the discordance seen: above POWER,
+# since the discordance it plans on is itself an estimate from the first look's few discordant items.
+PLAN_POWER = 0.9
+STEP = math.sqrt(2)  # look sizes: eval.limit x sqrt(2)^k (a shared ladder: an incumbent's look is reused by hash)
+
+
 def gate_looks(limit: int, max_items: int) -> int:
-    """How many times the gate may look at one pair: at `limit` items, then doubled up to `max_items`."""
-    looks, n = 1, max(1, limit)
-    while n < max_items:
-        n = min(2 * n, max_items)
-        looks += 1
-    return looks
+    """How many times the gate may look at one pair: GATE_LOOKS, or fewer where the ladder from `limit` to
+    `max_items` has fewer sizes (a first look already at the cap is the only one)."""
+    return min(GATE_LOOKS, len(ladder(limit, max_items)))
+
+
+def ladder(first: int, cap: int) -> list[int]:
+    """The item counts a look may take: `first` x sqrt(2)^k, then `cap` itself. One ladder for every pair, so the
+    incumbent's and the baseline's answers at a size are measured once and reused by every candidate."""
+    out, k = [], 0
+    first = max(1, first)
+    while True:
+        n = int(round(first * STEP ** k))
+        if n >= cap:
+            break
+        if not out or n > out[-1]:
+            out.append(n)
+        k += 1
+    return out + [max(1, cap)]
+
+
+@functools.lru_cache(maxsize=64)
+def min_items(max_drop: float, alpha: float) -> int:
+    """The fewest items whose interval can rule out `max_drop` at all (no item differing): below it the gate
+    cannot hold whatever it sees."""
+    n = np.arange(1, 100_001)
+    lo, _ = tango_bounds(np.zeros_like(n), np.zeros_like(n), n, alpha)
+    ok = np.nonzero(lo > -max_drop)[0]
+    return int(n[ok[0]]) if len(ok) else 100_001
+
+
+FLOOR = 0.5  # a look the plan cannot size within the cap is still taken at the cap when it decides this often
+
+
+def _plan_terms(a: "PairedAccuracy", max_drop: float) -> tuple[float, float]:
+    """(planned discordance, distance of the planned difference to -max_drop) from one look."""
+    disc = (a.b + a.c + 1) / (a.n + 1)
+    # planned as a harmless change (no difference): the power the gate owes is the power to pass one. The
+    # difference a first look sees is too noisy to plan on (at 150 items and 10% discordance its sd is 2.6 points);
+    # a candidate truly worse by 2 x max_drop is then shown worse with the same power.
+    return disc, max_drop
+
+
+def power_at(a: "PairedAccuracy", n: int, max_drop: float, alpha: float) -> float:
+    """The chance that a look at `n` items decides the pair, by the plan's own model (items_needed)."""
+    disc, dist = _plan_terms(a, max_drop)
+    if n < min_items(max_drop, alpha):
+        return 0.0
+    return NormalDist().cdf(dist * math.sqrt(n / disc) - NormalDist().inv_cdf(1 - alpha))
+
+
+def items_needed(a: "PairedAccuracy", max_drop: float, alpha: float, power: float = PLAN_POWER) -> float:
+    """Items for the next look to decide the pair with `power` at the look's level `alpha`, from what this look
+    saw: its discordance (b + c of n; one more discordant item assumed, so that none seen is no proof of none), for
+    a harmless change. The normal approximation of the paired difference: n = p_disc (z_alpha + z_power)^2 /
+    max_drop^2, and never fewer than `min_items`."""
+    if a.n <= 0:
+        return math.inf
+    disc, dist = _plan_terms(a, max_drop)
+    if dist < 1e-6:
+        return math.inf
+    z = NormalDist().inv_cdf(1 - alpha) + NormalDist().inv_cdf(power)
+    return max(disc * z * z / dist ** 2, float(min_items(max_drop, alpha)))
+
+
+def next_look(need: float, seen: int, first: int, cap: int) -> Optional[int]:
+    """The ladder's first size >= `need` and > `seen` (None where that is past `cap`: the pool or the budget
+    cannot decide the pair)."""
+    if need > cap:
+        return None
+    return next((n for n in ladder(first, cap) if n >= need and n > seen), None)
 
 
 @dataclass(frozen=True)
@@ -175,6 +248,31 @@ def paired_accuracy(task: str, ref: Any, cand: Any, max_drop: float = 0.03, alph
     lo, hi = tango_bounds(b, c, n, alpha)
     verdict = _CODES[int(gate_verdicts(lo, hi, max_drop))]
     return PairedAccuracy(task, n, b, c, (c - b) / n if n else 0.0, float(lo), float(hi), conf, verdict)
+
+
+POOLED = "pooled"
+
+
+def pooled_accuracy(ref: Mapping[str, Any], cand: Mapping[str, Any], max_drop: float, alpha: float,
+                    unpaired_tasks: Sequence[str] = ()) -> PairedAccuracy:
+    """One paired judgement over the items of every task both answered, pooled (each item keyed by its task): the
+    gate's question is the accuracy over the pool, and pooling tasks gives it the items a single task lacks. Tasks
+    in `unpaired_tasks` (documents each model builds itself, without a text hash) are left out of the pool."""
+    tasks = [t for t in cand if t in ref and t not in unpaired_tasks]
+    name = f"{POOLED} ({'+'.join(t.removeprefix('bigbench_') for t in tasks)})" if len(tasks) > 1 else \
+        (tasks[0] if tasks else POOLED)
+    ri: dict[str, float] = {}
+    ci: dict[str, float] = {}
+    for t in tasks:
+        try:
+            a, y = pair_items(items_of(ref[t]), items_of(cand[t]))
+        except UnpairedItems as e:
+            return PairedAccuracy(name, 0, 0, 0, 0.0, -1.0, 1.0, 1 - 2 * alpha, UNPAIRED, f"{t}: {e}")
+        ri.update({f"{t}/{i}": x for i, x in enumerate(a)})
+        ci.update({f"{t}/{i}": x for i, x in enumerate(y)})
+    if not tasks:
+        return PairedAccuracy(name, 0, 0, 0, 0.0, -1.0, 1.0, 1 - 2 * alpha, UNPAIRED, "no task both answered")
+    return paired_accuracy(name, ri, ci, max_drop, alpha)
 
 
 def resolution(n: int, alpha: float) -> float:

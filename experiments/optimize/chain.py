@@ -25,6 +25,7 @@ the chain table.
 """
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass, field
 from typing import Callable, Mapping, Optional
@@ -33,8 +34,9 @@ from engine import axes as axis_registry
 
 from engine.measure.spread import Ratio
 
+from .accuracy import FLOOR, UNDECIDED, items_needed, next_look, power_at
 from .decide import (ACCEPTED, BASELINE, MORE_ITEMS, REJECTED, REMEASURE, RUN_FAILED, SKIPPED, TOTAL, UNDECIDED_PAIR,
-                     Rules, Verdict, accuracy_cell, accuracy_of, judge_accuracy, judge_timing, loaded, memory_problem)
+                     Rules, Verdict, accuracy_cell, judge_accuracy, judge_timing, loaded, memory_problem, pooled_of)
 from .measurement import EVAL_LIMIT, EVAL_OFF, Measure, Measurement, Point, Request, describe, spent
 from .objective import Objective
 from .types import RETRY, Budget, Row
@@ -129,6 +131,14 @@ def _pair_row(step: int, label: str, cand: Point, inc: Point, inc_m: Measurement
                tuple(m.config_hash for m in ms), tries)
 
 
+def _count(n: float) -> str:
+    return "inf" if not math.isfinite(n) else f"{int(math.ceil(n)):,}"
+
+
+def _duration(s: float) -> str:
+    return f"{s:.0f} s" if s < 90 else f"{s / 60:.1f} min"
+
+
 @dataclass
 class ChainResult:
     rows: list[Row]
@@ -146,13 +156,14 @@ class Chain:
                  measure: Measure, *, baseline: Optional[Point] = None, eval_limit: int = 0,
                  trust_regime: bool = True, clock: Callable[[], float] = time.monotonic, echo=lambda s: None,
                  predict: Optional[Predict] = None, score_neutral: tuple[str, ...] = (), eval_baseline: bool = True,
-                 total_pair: bool = True):
+                 total_pair: bool = True, item_pool: int = 0):
         self.space = {k: list(v) for k, v in space.items()}
         self.baseline = dict(baseline or baseline_of(space))
         self.objective, self.rules, self.budget, self._measure = objective, rules, budget, measure
         self.eval_limit, self.trust_regime, self.clock, self.echo = eval_limit, trust_regime, clock, echo
         self.predict, self.score_neutral, self.eval_baseline = predict, tuple(score_neutral), eval_baseline
         self.total_pair = total_pair
+        self.item_pool = item_pool  # items the gate's tasks hold in all (eval.order=pooled); 0: not known
         self.trials = self.reused = 0
         self._used: set[str] = set()  # run ids this chain measured or reused (a fresh pair skips them)
         self._pairs: dict[tuple, list] = {}  # (incumbent, candidate) -> the timing measurements taken of the pair
@@ -223,7 +234,9 @@ class Chain:
         level (decide.py). Accuracy, once the timing accepts: the candidate's items against the incumbent's and
         the baseline's, the item count doubled while either gate is undecided (looks at the gate's level)."""
         same = self._same_scores(inc, cand)
-        eval_off = {EVAL_OFF: "false"} if same else {}
+        # timing never scores items where the gate will: the gate's looks are trials of their own, at sizes shared by
+        # every pair (the incumbent's answers scored once, reused by hash), and a pair its timing rejects costs none
+        eval_off = {EVAL_OFF: "false"} if same or self.rules.gate else {}
         key = (tuple(sorted(inc.items())), tuple(sorted(cand.items())))
         prior = self._pairs.get(key, []) if retry else []
         attempts: list[tuple[Measurement, Measurement]] = list(prior)
@@ -249,37 +262,89 @@ class Chain:
         if same:
             v.reason += f"; accuracy equal by construction ({same}: task scores do not depend on it)"
         elif self.rules.gate:  # --- accuracy
-            limit = self.eval_limit
-            inc_m, cand_m = ms
-            while True:
-                # the baseline's answers: the incumbent's own where it differs from the baseline only in axes that
-                # cannot change a score (their answers are the same by construction), else measured at this count
-                same_as_base = inc == self.baseline or self._same_scores(self.baseline, inc)
-                ref = inc_m if same_as_base else self._reference_at(limit)
-                v.accuracy = accuracy_of(inc_m, cand_m, self.rules)
-                v.cumulative = accuracy_of(ref, cand_m, self.rules) if ref is not inc_m else []
-                decision, why, needs = judge_accuracy(v.accuracy, v.cumulative)
-                nxt = min(2 * (limit or 50), self.budget.max_items)
-                if needs == MORE_ITEMS and limit and nxt > limit and not self._spent():
-                    limit = nxt
-                    self.echo(f"  more items (eval.limit={limit}): {why}")
-                    inc_m, cand_m = self._run(Request((self._at(inc, limit), self._at(cand, limit))))
-                    tries += 1
-                    if not (inc_m.ok and cand_m.ok):
-                        bad = cand_m if not cand_m.ok else inc_m
-                        return Verdict(RUN_FAILED, f"at eval.limit={limit}: {bad.error or bad.status}", v.ratio), ms, tries
-                    continue
-                if decision != ACCEPTED:
-                    v.decision, v.reason = decision, f"{why} ({v.reason})"
-                    return v, ms, tries
-                v.reason += f"; {why}" if why else ""
-                break
+            v, more = self._gate(inc, cand, v)
+            tries += more
+            if v.decision != ACCEPTED:
+                return v, ms, tries
         if self.rules.max_memory_bytes is not None:  # --- memory, on a measurement whose peak is the process's
             (solo,) = self._run(Request(({**cand, EVAL_OFF: "false"},)))
             tries += 1
             if mem := (memory_problem(solo, self.rules) if solo.ok else f"memory: solo run {solo.status.lower()}"):
                 return Verdict(REJECTED, f"{mem} (measured alone; {v.reason})", v.ratio, v.accuracy, v.cumulative), ms, tries
         return v, ms, tries
+
+    # --- the accuracy gate -------------------------------------------------------------------------------
+    def _look(self, inc: Point, cand: Point, n: int) -> tuple[Optional[tuple[Measurement, Measurement, Measurement]], str, float]:
+        """One look of the gate at `n` items: (incumbent, candidate, baseline) answers, or None and why it failed;
+        and the seconds the look took per trial it ran (not reused)."""
+        t0, before = self.clock(), self.trials
+        inc_m, cand_m = self._run(Request((self._at(inc, n), self._at(cand, n))))
+        if not (inc_m.ok and cand_m.ok):
+            bad = cand_m if not cand_m.ok else inc_m
+            return None, f"at eval.limit={n}: {bad.error or bad.status}", 0.0
+        # the baseline's answers: the incumbent's own where it differs from the baseline only in axes that cannot
+        # change a score (their answers are the same by construction), else measured at this count (kept)
+        same_as_base = inc == self.baseline or self._same_scores(self.baseline, inc)
+        ref = inc_m if same_as_base else self._reference_at(n)
+        ran = self.trials - before
+        return (inc_m, cand_m, ref), "", (self.clock() - t0) / ran if ran else 0.0
+
+    def _judge_items(self, v: Verdict, inc_m: Measurement, cand_m: Measurement, ref: Measurement) -> tuple[str, str, str]:
+        v.accuracy = pooled_of(inc_m, cand_m, self.rules)
+        v.cumulative = pooled_of(ref, cand_m, self.rules) if ref is not inc_m else []
+        return judge_accuracy(v.accuracy, v.cumulative)
+
+    def _gate(self, inc: Point, cand: Point, v: Verdict) -> tuple[Verdict, int]:
+        """The paired accuracy gate of `cand` (timing accepted) against the incumbent and the baseline, on the items of
+        every task pooled (eval.order=pooled draws them), in at most `rules.gate_looks` looks at the one-sided level
+        `rules.gate_alpha` each: the first at eval.limit items; after it, the plan -- the items that decide the pair
+        with PLAN_POWER from the discordance seen (accuracy.items_needed), rounded up the ladder of shared look
+        sizes -- printed with its cost, and refused without a trial where it exceeds the pool or
+        optimize.gate.max_items. (verdict, trials asked for)."""
+        first = self.eval_limit or 50
+        cap = min(self.budget.max_items, self.item_pool) if self.item_pool else self.budget.max_items
+        n, tries, looks, per_item = first, 0, 0, 0.0
+        while True:
+            got, err, secs = self._look(inc, cand, n)
+            tries, looks = tries + 1, looks + 1
+            if got is None:
+                return Verdict(RUN_FAILED, err, v.ratio), tries
+            inc_m, cand_m, ref = got
+            decision, why, needs = self._judge_items(v, inc_m, cand_m, ref)
+            seen = min((a.n for a in v.accuracy + v.cumulative), default=n)
+            per_item = secs / max(1, seen) if secs else per_item  # a trial's seconds per item (the cost's estimate)
+            per = max(seen, 1) / n  # items a unit of eval.limit gives: 1 pooled; the tasks' count under order=first
+            if self.item_pool and seen < n:  # the pool ran out below the size asked for: it is the cap
+                cap = seen
+            if needs != MORE_ITEMS:
+                break
+            if looks >= self.rules.gate_looks:
+                why += f" after {looks} looks"
+                break
+            open_ = [a for a in v.accuracy + v.cumulative if a.verdict == UNDECIDED]
+            need = max(items_needed(a, self.rules.max_drop, self.rules.gate_alpha) for a in open_)
+            disc = max(open_, key=lambda a: a.b + a.c)
+            plan = f"{disc.b + disc.c} of {disc.n} items differ"
+            nxt = next_look(need, seen, max(1, round(first * per)), cap)
+            if nxt is None and cap > seen and min(power_at(a, cap, self.rules.max_drop, self.rules.gate_alpha)
+                                                 for a in open_) >= FLOOR:
+                nxt = cap  # short of the planned power, but the cap decides more often than not
+            if nxt is None:
+                limit = "the pool's" if self.item_pool and cap == self.item_pool else "optimize.gate.max_items"
+                why += (f"; plan: {plan}, ~{_count(need)} items would decide it, more than the {cap} {limit} "
+                        f"(not spent)")
+                break
+            if stop := self._spent():
+                why += f"; stopped: {stop}"
+                break
+            cost = f", ~{_duration(per_item * nxt * 2)}" if per_item * nxt * 2 >= 1 else ""
+            n = max(n + 1, math.ceil(nxt / per - 1e-9))
+            self.echo(f"  {describe(cand, inc)}: {plan}; ~{_count(need)} items decide it{cost} "
+                      f"(look {looks + 1} of at most {self.rules.gate_looks}: {nxt} items, eval.limit={n})")
+        if decision != ACCEPTED:
+            return Verdict(decision, f"{why} ({v.reason})", v.ratio, v.accuracy, v.cumulative), tries
+        v.reason += f"; {why}" if why else ""
+        return v, tries
 
     def _trusted_regime(self, inc_m: Measurement, rows: list[Row]) -> str:
         """Why the incumbent's regime cannot decide a skip ('' when it can): an undecided earlier pair (the

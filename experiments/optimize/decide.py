@@ -26,7 +26,7 @@ import numpy as np
 from engine.measure.noise import LOAD, unstable_causes
 from engine.measure.spread import Ratio
 
-from .accuracy import UNDECIDED, UNPAIRED, WORSE, PairedAccuracy, paired_accuracy
+from .accuracy import UNDECIDED, UNPAIRED, WORSE, PairedAccuracy, paired_accuracy, pooled_accuracy
 from .measurement import INVALID, Measurement
 from .objective import Objective
 from .types import (ACCEPTED, BASELINE, ENGINE_LOOKS, MORE_ITEMS, REFUSED, REJECTED, REMEASURE, RUN_FAILED,  # noqa: F401
@@ -130,6 +130,16 @@ def accuracy_of(ref: Measurement, cand: Measurement, rules: Rules) -> list[Paire
     models_differ = any(ref.point.get(k) != cand.point.get(k) for k in ("model", "model.name"))
     return [paired_accuracy(t, ref.correct[t], cand.correct[t], rules.max_drop, rules.gate_alpha,
                             positional_ok=not (models_differ and t in rules.model_documents)) for t in tasks]
+
+
+def pooled_of(ref: Measurement, cand: Measurement, rules: Rules) -> list[PairedAccuracy]:
+    """The gate's one judgement: the items of every task both trials answered, pooled (accuracy.pooled_accuracy);
+    [] where neither answered any task."""
+    if not any(t in ref.correct for t in cand.correct):
+        return []
+    models_differ = any(ref.point.get(k) != cand.point.get(k) for k in ("model", "model.name"))
+    unpaired = [t for t in cand.correct if models_differ and t in rules.model_documents]
+    return [pooled_accuracy(ref.correct, cand.correct, rules.max_drop, rules.gate_alpha, unpaired)]
 
 
 def loaded(m: Measurement) -> bool:
