@@ -15,7 +15,7 @@ class GateConf:
     enabled: bool = True  # judge task accuracy (needs eval.tasks)
     max_drop: float = 0.03  # the accuracy drop (share of items) tolerated, vs the incumbent and vs the baseline
     false_holds: float = 0.05  # P(the gate holds | the true drop is max_drop), over all its looks
-    max_items: int = 200  # an undecided pair is measured again on more items (eval.limit doubled) up to this
+    max_items: int = 1500  # the gate's looks grow from eval.limit up to this many items, as its plan needs
 
 
 @dataclass
