@@ -144,3 +144,15 @@ def test_mutation_planning_too_few_items_loses_the_power(monkeypatch):
     monkeypatch.setattr(chain_mod, "power_at", lambda *a: 0.0)
     g = gate_rates(0.0, RULES, 0.10, seeds=200, limit=FIRST, max_items=SHIPPED.gate.max_items)
     assert g.holds < POWER
+
+
+def test_a_gate_that_cannot_reach_the_items_it_needs_is_refused_before_any_trial():
+    from experiments.optimize.settings import problems
+
+    space = {"quant": ["none", "int8-weight"]}
+    small = dataclasses.replace(SHIPPED, gate=dataclasses.replace(SHIPPED.gate, max_items=100))
+    found = problems(small, space, {"eval": {"tasks": ["arc_easy"], "limit": 50}})
+    assert found == ["optimize.gate: optimize.gate.max_items=100 cannot show accuracy within 3 points even with no "
+                     "item differing (that needs >= 147 items at the gate's level): raise optimize.gate.max_items, add "
+                     "tasks to eval.tasks, or allow a larger optimize.gate.max_drop"]
+    assert problems(SHIPPED, space, {"eval": {"tasks": ["arc_easy"], "limit": 50}}) == []

@@ -122,6 +122,8 @@ def problems(o: OptimizeConf, space: dict[str, list[str]], config: dict[str, Any
     if o.gate.enabled and not (ev.get("enabled", True) and ev.get("tasks")):
         out.append("optimize.gate.enabled: the accuracy gate needs task accuracy, and eval.tasks is empty; choose "
                    "eval=tasks (or eval.tasks=[...]), or turn the gate off with optimize.gate.enabled=false")
+    elif o.gate.enabled and 0 < o.gate.max_drop < 1 and 0 < o.gate.false_holds < 0.5 and o.gate.max_items >= 1:
+        out += gate_reach_problems(o, ev)
     wl = config.get("workload") or {}
     if o.slo and wl.get("kind", "static") not in ("serving", "multi-turn"):
         out.append(f"optimize.slo: an SLO ({', '.join(o.slo)}) needs a serving workload (requests arriving over "
@@ -135,3 +137,24 @@ def problems(o: OptimizeConf, space: dict[str, list[str]], config: dict[str, Any
             out.append(f"{k}: an optimize axis needs at least two values to choose from, got [{', '.join(vs)}]; "
                        f"pin it as {k}={vs[0] if vs else 'VALUE'} or list more values ({k}=a,b)")
     return out
+
+
+def gate_reach_problems(o: OptimizeConf, ev: dict[str, Any]) -> list[str]:
+    """A gate that cannot decide anything: the most items it may look at (optimize.gate.max_items, and the tasks'
+    pool under eval.order=pooled) cannot rule out a drop of max_drop even when no item differs."""
+    from engine.tasks.run import POOLED, pool_size
+
+    from .accuracy import GATE_LOOKS, min_items
+
+    need = min_items(o.gate.max_drop, o.gate.false_holds / GATE_LOOKS)
+    tasks = list(ev.get("tasks") or [])
+    # eval.order=first takes eval.limit documents of each task: its pool is not known before lm-eval builds it
+    pool = pool_size(tasks, list(ev.get("task_files") or [])) if ev.get("order") == POOLED else None
+    reach = min(o.gate.max_items, pool) if pool else o.gate.max_items
+    if reach >= need:
+        return []
+    what = (f"the {pool:,} items of {', '.join(tasks)}" if pool is not None and pool <= o.gate.max_items
+            else f"optimize.gate.max_items={o.gate.max_items}")
+    return [f"optimize.gate: {what} cannot show accuracy within {100 * o.gate.max_drop:g} points even with no item differing "
+            f"(that needs >= {need:,} items at the gate's level): raise optimize.gate.max_items, add tasks to "
+            f"eval.tasks, or allow a larger optimize.gate.max_drop"]
