@@ -130,15 +130,47 @@ def test_server_binds_loopback_unless_configured():
     assert cmd[cmd.index("--host") + 1] == "0.0.0.0"
 
 
+def test_artifacts_and_spool_follow_a_local_store_unless_set(tmp_path):
+    """tracking.uri alone moves the artifact root and the spool beside its database: two stores never share
+    one artifact folder; a path set explicitly is kept; the default store and a remote one use the checkout's
+    mlflow/. Read as every consumer reads them: the composed config, the Tracker, the server, the spool."""
+    from experiments.cli import _tracking
+    from experiments.config.compose import PROJECT_ROOT
+    from experiments.tracking.notes import spool_root
+    from experiments.tracking.paths import with_paths
+    from experiments.tracking.store import Tracker
+
+    def where(*over):
+        t = _tracking(list(over))
+        cmd = server_command(t, 5001)
+        return cmd[cmd.index("--artifacts-destination") + 1], spool_root(t), t
+
+    for kind in ("local", "server"):
+        a_root, a_spool, a = where(f"tracking={kind}", f"tracking.uri=sqlite:///{tmp_path}/a/mlflow.db")
+        assert (a_root, a_spool) == ((tmp_path / "a" / "artifacts").as_uri(), tmp_path / "a" / "spool"), kind
+        # a server started in front of the store (tracking.serve) keeps the store's folders
+        assert spool_root(dict(with_paths(a), uri="http://127.0.0.1:1")) == a_spool
+    tracker = Tracker(_tracking([f"tracking.uri=sqlite:///{tmp_path}/b/mlflow.db"]))
+    exp = tracker.client.get_experiment(tracker.experiment_id("t-beside"))
+    assert exp.artifact_location == f"{(tmp_path / 'b' / 'artifacts').as_uri()}/t-beside"
+    assert where(f"tracking.uri=sqlite:///{tmp_path}/a/mlflow.db", f"tracking.artifact_root={tmp_path}/art",
+                 f"tracking.spool_dir={tmp_path}/sp")[:2] == ((tmp_path / "art").as_uri(), tmp_path / "sp")
+    checkout = ((PROJECT_ROOT / "mlflow" / "artifacts").resolve().as_uri(), PROJECT_ROOT / "mlflow" / "spool")
+    assert where()[:2] == checkout
+    assert where("tracking=postgres")[:2] == checkout
+
+
 @pytest.mark.slow  # a real multi-process cluster/server or a full re-probe: the slow tier (CI runs it)
 def test_cli_started_server_for_the_sweep_lifetime(tmp_path):
-    """tracking=server: the CLI starts `mlflow server` on the store, logs through it, stops it."""
+    """tracking=server: the CLI starts `mlflow server` on the store, logs through it, stops it; the artifacts
+    and the spool stay beside the store although the sweep logs over HTTP."""
     store = tmp_path / "store"
-    over = TINY + ["tracking=server", f"tracking.uri=sqlite:///{store}/mlflow.db", f"tracking.artifact_root={store}/art",
-                   f"tracking.spool_dir={tmp_path}/spool", "sweep_name=t-served"]
+    over = TINY + ["tracking=server", f"tracking.uri=sqlite:///{store}/mlflow.db", "sweep_name=t-served"]
     lines = []
     res = run_sweep(over, in_process=True, echo=lines.append)
     assert [r["status"] for r in res.rows] == ["FINISHED"]
+    # the server proxies artifacts into its destination by experiment id
+    assert res.spool_dir == str(store / "spool") and any(p.is_file() for p in (store / "artifacts").rglob("*"))
     assert res.tracking_uri.startswith("http://127.0.0.1:")
     assert any("starting mlflow server" in ln for ln in lines)
     with socket.socket() as s:  # gone with the sweep

@@ -24,13 +24,13 @@ from ..optimize.settings import OptimizeConf
 class TrackingConf:
     # where runs go: sqlite:///... | postgresql://... (with serve) | http://host:port (a running server)
     uri: str = "sqlite:///mlflow/mlflow.db"
-    artifact_root: str = "mlflow/artifacts"
+    artifact_root: str = ""  # "": beside a local store (sqlite:////x/mlflow.db -> /x/artifacts), else mlflow/artifacts
     ui_port: int = 5000
     serve: bool = False  # start `mlflow server` on `uri` for the sweep's lifetime and log through it
     host: str = "127.0.0.1"  # bind address of that server; keep loopback unless you mean it
     port: int = 0  # 0 = any free port
     workers: int = 1  # server worker processes (1 for SQLite; more with PostgreSQL)
-    spool_dir: str = "mlflow/spool"  # results wait here when the store is unreachable (`infersweep sync`)
+    spool_dir: str = ""  # results wait here when the store is unreachable (`infersweep sync`); "": beside it, as above
     request_timeout_s: float = 10  # per HTTP request to a tracking server
     request_retries: int = 2  # HTTP retries before the result is spooled instead
     writers: int = 1  # driver threads writing results to a server (>1 wants PostgreSQL behind it)

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from ..config.compose import PROJECT_ROOT
+from .paths import tracking_path
 from ..config.spec import TrialSpec
 from ..run.trial import TrialOutcome
 
@@ -19,7 +20,7 @@ RUNNING = "running"  # <spool_dir>/running/<sweep_id>/<index>.json: trials runni
 
 
 def spool_root(tracking: dict[str, Any]) -> Path:
-    p = Path(tracking.get("spool_dir") or "mlflow/spool")
+    p = Path(tracking_path(tracking, "spool_dir"))
     return p if p.is_absolute() else PROJECT_ROOT / p
 
 

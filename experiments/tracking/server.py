@@ -53,7 +53,7 @@ def server_command(tracking: dict[str, Any], port: int, host: Optional[str] = No
     return [
         mlflow_bin(), "server",
         "--backend-store-uri", resolve_uri(tracking["uri"]),
-        "--artifacts-destination", resolve_artifact_root(tracking["artifact_root"]),
+        "--artifacts-destination", resolve_artifact_root(tracking),
         "--serve-artifacts",
         "--host", host or tracking.get("host") or "127.0.0.1",
         "--port", str(port),
@@ -170,8 +170,11 @@ def serving(tracking: dict[str, Any], echo=print) -> Iterator[dict[str, Any]]:
     if not tracking.get("serve"):
         yield tracking
         return
+    from .paths import with_paths
+
     server = MlflowServer(tracking)
     store = redact(str(tracking["uri"]))
     echo(f"starting mlflow server on {server.url} (store {store}; log {server.log_path})")
     with server:
-        yield dict(tracking, uri=server.url, serve=False)
+        # the server's URI says nothing of the store's folder: the artifact root and spool stay the store's
+        yield dict(with_paths(tracking), uri=server.url, serve=False)

@@ -26,6 +26,7 @@ import yaml
 
 from ..config.compose import PROJECT_ROOT
 from .dashboard import display_metrics, experiment_tags, ordered_display, short_name, tag_experiment
+from .paths import sqlite_path, tracking_path
 from ..config.hashing import HASH_VERSION
 from ..config.spec import TrialSpec
 from ..run.trial import TrialOutcome, identified_correct
@@ -47,15 +48,6 @@ def resolve_uri(uri: str) -> str:
         path.parent.mkdir(parents=True, exist_ok=True)
         return prefix + str(path)
     return uri
-
-
-def sqlite_path(uri: str) -> Optional[Path]:
-    """The database file of a `sqlite:///` URI; None for other stores and in-memory databases."""
-    prefix = "sqlite:///"
-    if not uri.startswith(prefix):
-        return None
-    path = uri[len(prefix):].split("?", 1)[0]
-    return None if path in ("", ":memory:") else Path(path)
 
 
 def missing_store(uri: str):
@@ -85,7 +77,9 @@ def open_store(uri: str):
     return client
 
 
-def resolve_artifact_root(root: str) -> str:
+def resolve_artifact_root(tracking: dict[str, Any]) -> str:
+    """The artifact root as a URI (tracking.artifact_root, or its default beside a local store: paths.py)."""
+    root = tracking_path(tracking, "artifact_root")
     if "://" in root:
         return root
     path = Path(root) if Path(root).is_absolute() else PROJECT_ROOT / root
@@ -178,7 +172,7 @@ class Tracker:
     def __init__(self, tracking: dict[str, Any]):
         self.tracking = tracking
         self.uri = resolve_uri(tracking["uri"])
-        self.artifact_root = resolve_artifact_root(tracking["artifact_root"])
+        self.artifact_root = resolve_artifact_root(tracking)
         self.http_env: dict[str, str] = {}
         if is_http(self.uri):
             # fail fast to the spool instead of MLflow's default of minutes of retries per request
