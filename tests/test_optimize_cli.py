@@ -46,6 +46,24 @@ def test_bad_input_is_refused_before_any_trial(args, key, fix, tiny_overrides, m
     assert mlflow_client.get_experiment_by_name("t-opt-bad") is None  # nothing ran, nothing was recorded
 
 
+def test_a_task_file_with_an_unknown_key_is_refused_before_any_trial(tiny_overrides, mlflow_client, capsys, tmp_path):
+    """A task YAML lm-eval would refuse at load (`TaskConfig.__init__() got an unexpected keyword argument`, 136 s
+    into the first trial) is refused up front: one line naming the file, the key and the keys allowed, and no
+    second line calling the task it defines unknown."""
+    (tmp_path / "rows.jsonl").write_text('{"q": "2+2=", "opts": ["3", "4"], "y": 1}\n')
+    typo = tmp_path / "typo.yaml"
+    typo.write_text("task: typo\ndataset_path: json\ndataset_kwargs:\n  data_files: {test: rows.jsonl}\n"
+                    "test_split: test\noutput_type: multiple_choice\ndoc_to_text: q\ndoc_to_choice: opts\n"
+                    "doc_to_target: y\nnum_fewshots: 0\n")
+    rc = main(["optimize", *tiny_overrides, "sweep_name=t-opt-bad", "kv_cache=off,contiguous", GATE_OFF, "eval=tasks",
+               "eval.tasks=[typo]", f"eval.task_files=[{typo}]"])
+    err = capsys.readouterr().err
+    assert rc == 2 and err.startswith("error: invalid optimize:\n")
+    (line,) = [ln for ln in err.splitlines() if ln.startswith("  - ")]
+    assert f"{typo}: unknown key 'num_fewshots'; an lm-eval task takes " in line and "num_fewshot," in line
+    assert mlflow_client.get_experiment_by_name("t-opt-bad") is None
+
+
 def test_every_problem_at_once_through_the_installed_command(tiny_overrides):
     p = subprocess.run([sys.executable, "-m", "experiments.cli", "optimize", *tiny_overrides, "sweep_name=t-opt-bad",
                         "optimize.objective=fastest", "optimize.max_trials=0"], capture_output=True, text=True, timeout=300)

@@ -357,7 +357,7 @@ def task_problems(trial: TrialConfig, max_positions: Optional[int]) -> list[tupl
     from .. import engines
     from .data import data_problems
     from .needle import overhead_tokens
-    from .user import load_all
+    from .user import load_all, meant_task
 
     ev = trial.eval
     files = list(getattr(ev, "task_files", None) or [])
@@ -368,7 +368,9 @@ def task_problems(trial: TrialConfig, max_positions: Optional[int]) -> list[tupl
     user, file_problems = load_all(files, shipped)
     p += [("eval.task_files", m) for m in file_problems]
     known = shipped + sorted(user)
-    unknown = [t for t in ev.tasks if t not in known]
+    # a task its (refused) file means to define is that file's problem, said above: not also an unknown task
+    meant = {meant_task(f) for f in files} if file_problems else set()
+    unknown = [t for t in ev.tasks if t not in known and t not in meant]
     if unknown:
         p.append(("eval.tasks", f"unknown task(s) {', '.join(map(repr, unknown))}; available: {', '.join(known)}"
                                 + ("" if files else " (or your own: eval.task_files=[path/to/items.jsonl])")))

@@ -37,6 +37,7 @@ YAML_DATA_PATHS = ("json", "csv", "parquet", "arrow", "text")
 OUTPUT_TYPES = {"multiple_choice": "loglikelihood", "loglikelihood": "loglikelihood",
                 "generate_until": "generate_until"}
 KINDS = ("mc", "gen", "yaml")
+STRUCTURAL = ("include", "group", "task_list")  # lm-eval keys that build several tasks: refused in a task file
 LM_EVAL_METRICS = ("acc", "acc_norm", "exact_match")  # registered by lm-eval itself (no `evaluate` download)
 
 
@@ -213,6 +214,17 @@ def _functions(cfg: Any) -> list[str]:
     return []
 
 
+@functools.lru_cache(maxsize=1)
+def task_keys() -> frozenset[str]:
+    """The keys an lm-eval task YAML may hold: the fields of the installed lm-eval's `TaskConfig`, which it builds
+    with them (read from lm-eval, not copied: a new version's keys come with it)."""
+    import dataclasses
+
+    from lm_eval.api.task import TaskConfig
+
+    return frozenset(f.name for f in dataclasses.fields(TaskConfig))
+
+
 def _load_yaml(path: Path, raw: bytes) -> tuple[Optional[dict], bytes, list[str]]:
     """(the task config, the bytes its identity covers, problems) of an lm-eval task YAML with local data."""
     try:
@@ -225,9 +237,13 @@ def _load_yaml(path: Path, raw: bytes) -> tuple[Optional[dict], bytes, list[str]
     content = raw
     if not isinstance(cfg.get("task"), str) or not NAME_RE.match(cfg.get("task") or ""):
         out.append(f"{path}: task must be a name of letters, digits, _ . - (got {cfg.get('task')!r})")
-    for key in ("include", "group", "task_list"):
+    for key in STRUCTURAL:
         if key in cfg:
             out.append(f"{path}: `{key}` is not supported in a task file (one self-contained task per YAML)")
+    unknown = [k for k in cfg if k not in STRUCTURAL and k not in task_keys()]
+    if unknown:  # lm-eval would fail the trial at load (`TaskConfig.__init__() got an unexpected keyword argument`)
+        out.append(f"{path}: unknown key{'s' if len(unknown) > 1 else ''} {', '.join(map(repr, unknown))}; an lm-eval "
+                   f"task takes {', '.join(sorted(task_keys()))}")
     if cfg.get("output_type") not in OUTPUT_TYPES:
         out.append(f"{path}: output_type must be one of {', '.join(OUTPUT_TYPES)} (got {cfg.get('output_type')!r})")
     if cfg.get("dataset_path") not in YAML_DATA_PATHS:
@@ -302,6 +318,21 @@ def _jsonl_task(path_str: str, size: int, mtime_ns: int) -> tuple[Optional[UserT
     if kind == "mc":
         return UserTask(name, path, "mc", "loglikelihood", "acc", _sha256(raw), len(docs), docs), []
     return UserTask(name, path, "gen", "generate_until", "exact_match", _sha256(raw), len(docs), docs), []
+
+
+def meant_task(path_text: str) -> Optional[str]:
+    """The task a file means to define, read even where it cannot define it (its problems are reported): a
+    JSONL's name, a YAML's `task:`. So a task named in `eval.tasks` is not also called unknown."""
+    path = resolve(path_text)
+    if path.suffix == ".jsonl":
+        return path.stem
+    try:
+        if path.stat().st_size > MAX_FILE_BYTES:
+            return None
+        cfg = yaml_load(path.read_text(encoding="utf-8"))
+    except Exception:  # noqa: BLE001 -- missing or unreadable: its own problem says so
+        return None
+    return cfg.get("task") if isinstance(cfg, dict) and isinstance(cfg.get("task"), str) else None
 
 
 def load_all(paths: Iterable[str], reserved: Iterable[str] = ()) -> tuple[dict[str, UserTask], list[str]]:
