@@ -89,7 +89,7 @@ def main() -> int:
 
     # 1. the grid
     sp = read_space(base + axes + ["sweep_name=bench-opt-grid", "optimize.gate.enabled=false"])
-    grid = TrialMeasure(sp.fixed, "bench-opt-grid", sp.config["tracking"], None, args.rounds, "bench_optimize grid",
+    grid = TrialMeasure(sp, "bench-opt-grid", sp.config["tracking"], None, args.rounds, "bench_optimize grid",
                       echo=lambda s: None)
     points = [dict(zip(sp.axes, vs)) for vs in itertools.product(*sp.axes.values())]
     valid = [p for p in points if not grid.validate(p)]
@@ -133,8 +133,8 @@ def main() -> int:
 
     # 4. each pick against the grid's best: one interleaved pair (the drift of the machine cancels)
     # at least CHECK_ROUNDS: the signed-rank bound at one-sided 2.5% needs 6 rounds (with 4 it is [0, inf])
-    check = TrialMeasure([o for o in sp.fixed if not o.startswith("sweep_name=")] + ["sweep_name=bench-opt-check"],
-                       "bench-opt-check", sp.config["tracking"], None, max(args.rounds, CHECK_ROUNDS),
+    check_space = read_space([o for o in sp.fixed if not o.startswith("sweep_name=")] + ["sweep_name=bench-opt-check"])
+    check = TrialMeasure(check_space, "bench-opt-check", sp.config["tracking"], None, max(args.rounds, CHECK_ROUNDS),
                        "bench_optimize check",
                        echo=lambda s: None)
     out = []

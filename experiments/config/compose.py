@@ -14,7 +14,7 @@ import os
 import pickle
 import re
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any, Iterable, Mapping, NamedTuple
 
 from omegaconf import OmegaConf, open_dict
 
@@ -36,6 +36,30 @@ class SweepError(UserError):
     """Every problem found in a sweep, reported together."""
 
     heading = "invalid sweep"
+
+
+@dataclasses.dataclass(frozen=True)
+class Problem:
+    """One problem with a trial, kept structured so a reader can ask what it is about without parsing text: the
+    canonical config key it concerns (`kv_cache.mode`; '' where it names several keys or none, like a bundle
+    conflict or a config the engine's dataclasses refuse) and why. `label`: the spelling shown before the reason
+    where it is not the key itself (`model.dtype=auto`, `overrides`)."""
+
+    key: str
+    why: str
+    label: str = ""
+
+    def __str__(self) -> str:
+        head = self.label or self.key
+        return f"{head}: {self.why}" if head else self.why
+
+
+class InvalidTrial(SweepError):
+    """One trial's problems: `found` structured (Problem), `problems` as the user reads them."""
+
+    def __init__(self, found: Iterable[Problem]):
+        self.found = tuple(found)
+        super().__init__([str(p) for p in self.found])
 
 
 def _first_lines(e: Exception, n: int = 2) -> str:
@@ -67,11 +91,20 @@ def _schema_key_set() -> frozenset:
 
 
 def unknown_option(group: str, options: Iterable[str]) -> str:
-    return f"{group}: unknown option; available: {', '.join(options)}"
+    return str(_unknown_option(group, options))
+
+
+def _unknown_option(group: str, options: Iterable[str]) -> Problem:
+    return Problem(group, f"unknown option; available: {', '.join(options)}")
 
 
 def describe_error(key: str, e: Exception) -> str:
     """Hydra's error for one override, rewritten to name the key and what is allowed."""
+    return str(_described(key, e))
+
+
+def _described(key: str, e: Exception) -> Problem:
+    """`describe_error`, structured: the key the error is about (an option's group, an unknown key) and why."""
     msg = str(e)
     if "Could not find" in msg and "Available options" in msg:
         options = []
@@ -79,7 +112,7 @@ def describe_error(key: str, e: Exception) -> str:
             if not ln.startswith("\t"):
                 break
             options.append(ln.strip())
-        return unknown_option(key.split("@")[0].lstrip("+~"), options)
+        return _unknown_option(key.split("@")[0].lstrip("+~"), options)
     if "Could not override" in msg or "Could not append" in msg:
         parent = key.lstrip("+~").rsplit(".", 1)[0] if "." in key else ""
         tree = _schema_tree()
@@ -88,11 +121,11 @@ def describe_error(key: str, e: Exception) -> str:
             node = node.get(part, {}) if isinstance(node, dict) else {}
         known = sorted(k for k in node) if isinstance(node, dict) else []
         where = f"in {parent}" if parent else "at top level"
-        return f"{key.lstrip('+~')}: unknown key; keys {where}: {', '.join(known)}"
+        return Problem(key.lstrip("+~"), f"unknown key; keys {where}: {', '.join(known)}")
     cause = e.__cause__ or e.__context__
     if cause is not None and "Error merging override" in msg:
-        return f"{key}: {_first_lines(cause, 1)}"
-    return f"{key}: {_first_lines(e)}"
+        return Problem(key, _first_lines(cause, 1))
+    return Problem(key, _first_lines(e))
 
 
 def _unknown(config: dict) -> list[str]:
@@ -115,9 +148,14 @@ def _prune(config: dict, dotted: list[str]) -> dict:
 def check_config(config: dict, gpu_available: bool | None = None) -> list[str]:
     """All problems of one resolved config: keys the schema does not know (added with `+key=`), then
     value checks of the rest."""
+    return [str(p) for p in config_problems(config, gpu_available)]
+
+
+def config_problems(config: dict, gpu_available: bool | None = None) -> list[Problem]:
+    """`check_config`, structured: each problem with the config key it is about."""
     extra = _unknown(config)
-    problems = [f"{k}: unknown key (not in the trial schema)" for k in extra]
-    return problems + validate(_prune(config, extra), gpu_available)
+    return [Problem(k, "unknown key (not in the trial schema)") for k in extra] + _validated(
+        _prune(config, extra), gpu_available)
 
 
 _COMPOSITIONS: dict[tuple, "Composition"] = {}  # see Composer.composition
@@ -182,6 +220,11 @@ class Composer:
         """The problem when `key=value` chooses a config group option that does not exist, else None.
         Hydra reports that itself, except for groups the defaults list marks `optional` (experiment):
         there it silently composes without them, and a typo would run the default trial instead."""
+        found = self.missing(key, value, label)
+        return None if found is None else str(found)
+
+    def missing(self, key: str, value: Any, label: str | None = None) -> Problem | None:
+        """`missing_option`, structured (about the group)."""
         from hydra.core.global_hydra import GlobalHydra
         from hydra.core.object_type import ObjectType
 
@@ -194,7 +237,7 @@ class Composer:
         if not _group_exists(loader, group):
             return None
         options = loader.get_group_options(group, ObjectType.CONFIG)
-        return None if value in options else unknown_option(label or group, options)
+        return None if value in options else _unknown_option(label or group, options)
 
     def compose_raw(self, overrides: list[str]):
         """Hydra's compose, with a group choice spelled the way the defaults list needs it: `group=option`
@@ -446,12 +489,17 @@ def expand(overrides: list[str], gpu_available: bool | None = None) -> list[Tria
     return specs
 
 
-def _split_overrides(overrides: list[str], problems: list[str]) -> tuple[list, list]:
-    """(fixed overrides, sweep overrides `key=a,b`), parsed; a syntax error ends the expansion at once."""
+def parse_overrides(overrides: Iterable[str]) -> list:
+    """Hydra's parse of command-line overrides (its `Override` objects); bad syntax is a SweepError."""
     try:
-        parsed = _parse(overrides)
+        return _parse(overrides)
     except Exception as e:  # hydra's OverrideParseException
         raise SweepError([f"override syntax: {_first_lines(e)}"]) from None
+
+
+def _split_overrides(overrides: list[str], problems: list[str]) -> tuple[list, list]:
+    """(fixed overrides, sweep overrides `key=a,b`), parsed; a syntax error ends the expansion at once."""
+    parsed = parse_overrides(overrides)
     fixed = [o for o in parsed if not o.is_sweep_override()]
     sweeps = [o for o in parsed if o.is_sweep_override()]
     for o in sweeps:
@@ -533,49 +581,100 @@ def _trials(c: "Composer", fixed: list, fixed_strs: list[str], axes: dict[str, l
     """(the Cartesian product of the axes, each trial composed, normalized and hashed, a combination that only
     differed in what cannot change it run once; the bundle conflicts: requested choice -> {option: what it sets})."""
     keys = list(axes)
-    # what the command line chose itself, for the bundle check (an engine variant must not contradict it)
-    chosen = {o.key_or_group: o.value() for o in fixed
-              if not o.is_delete() and o.key_or_group not in BUNDLE_GROUPS + ("experiment",)}
+    chosen = _chosen(fixed)
     conflicts: dict[str, dict[str, str]] = {}
     specs: list[TrialSpec] = []
     hashes: set[str] = set()
     merged_hashes: set[str] = set()  # hashes a normalization produced: a repeat is the same trial
     for i, combo in enumerate(itertools.product(*(axes[k] for k in keys))):
         swept = dict(zip(keys, combo))
-        try:
-            config, _ = c.compose_fast(fixed_strs, [f"{k}={v}" for k, v in swept.items()])
-        except Exception as e:
-            problems.append(f"trial {i} ({swept}): {describe_error('overrides', e)}")
-            continue
-        requested = dict(chosen, **{k: v for k, v in swept.items() if k not in BUNDLE_GROUPS})
-        for req, option, sets in bundle_conflicts(c.choices(fixed_strs, [f"{k}={v}" for k, v in swept.items()]),
-                                                  requested):
+        one = _compose_one(c, fixed_strs, chosen, swept, len(specs), gpu_available)
+        for req, option, sets in one.conflicts:
             conflicts.setdefault(req, {})[option] = sets
-        # keys that cannot change this trial (speculative.k with speculative=off) are reset, and a
-        # combination that only differed in them is the same trial: run it once
-        config, inert = normalize(config)
-        config = absolute_task_files(config)  # eval.task_files read the same wherever the trial runs
-        # a value the engine runs as another (llama.cpp attention=sdpa is eager) is that value
-        config, folded = fold_aliases(config)
-        kept = {k: folded.get(k, _unescape(v)) for k, v in swept.items() if k not in inert}
-        # model.dtype=auto becomes this hardware's dtype before hashing (the hash names what ran); a
-        # sweep of auto,float32 on a CPU without bf16 units is then one trial, not a duplicate
-        try:
-            config, resolved = resolve_auto_dtype(config, gpu_available)
-        except EngineError as e:  # e.g. a bad INFERSWEEP_CPU_BF16: a clear problem, not a traceback
-            problems.append(f"model.dtype=auto: {e}")
+        if one.problem is not None:
+            problems.append(str(one.problem) if one.composed else f"trial {i} ({swept}): {one.problem}")
             continue
-        if resolved and "model.dtype" in kept:
-            kept["model.dtype"] = config["model"]["dtype"]
-        spec = TrialSpec(config=config, swept=kept, index=len(specs))
-        merged = len(kept) < len(swept) or resolved or bool(folded)
-        if spec.config_hash in hashes and (merged or spec.config_hash in merged_hashes):
+        spec = one.spec
+        if spec.config_hash in hashes and (one.merged or spec.config_hash in merged_hashes):
             continue
-        if merged:
+        if one.merged:
             merged_hashes.add(spec.config_hash)
         hashes.add(spec.config_hash)
         specs.append(spec)
     return specs, conflicts
+
+
+def _chosen(fixed: list) -> dict[str, Any]:
+    """What the command line chose itself, for the bundle check (an engine variant must not contradict it)."""
+    return {o.key_or_group: o.value() for o in fixed
+            if not o.is_delete() and o.key_or_group not in BUNDLE_GROUPS + ("experiment",)}
+
+
+class _One(NamedTuple):
+    """One combination of axis values on the fixed overrides (`_compose_one`)."""
+
+    spec: TrialSpec | None  # composed, normalized, hashed; None when a problem stopped it
+    merged: bool = False  # a normalization made it: a repeat of its hash is the same trial
+    conflicts: tuple | list = ()  # its bundle conflicts (`bundle_conflicts`)
+    problem: Problem | None = None
+    composed: bool = False  # Hydra composed it (a problem came after)
+
+
+def _compose_one(c: "Composer", fixed_strs: list[str], chosen: dict[str, Any], swept: dict[str, str], index: int,
+                 gpu_available: bool | None) -> _One:
+    extra = [f"{k}={v}" for k, v in swept.items()]
+    try:
+        config, _ = c.compose_fast(fixed_strs, extra)
+    except Exception as e:
+        p = _described("overrides", e)
+        return _One(None, problem=Problem("", p.why, "overrides") if p.key == "overrides" else p)
+    requested = dict(chosen, **{k: v for k, v in swept.items() if k not in BUNDLE_GROUPS})
+    conflicts = bundle_conflicts(c.choices(fixed_strs, extra), requested)
+    # keys that cannot change this trial (speculative.k with speculative=off) are reset, and a
+    # combination that only differed in them is the same trial: run it once
+    config, inert = normalize(config)
+    config = absolute_task_files(config)  # eval.task_files read the same wherever the trial runs
+    # a value the engine runs as another (llama.cpp attention=sdpa is eager) is that value
+    config, folded = fold_aliases(config)
+    kept = {k: folded.get(k, _unescape(v)) for k, v in swept.items() if k not in inert}
+    # model.dtype=auto becomes this hardware's dtype before hashing (the hash names what ran); a
+    # sweep of auto,float32 on a CPU without bf16 units is then one trial, not a duplicate
+    try:
+        config, resolved = resolve_auto_dtype(config, gpu_available)
+    except EngineError as e:  # e.g. a bad INFERSWEEP_CPU_BF16: a clear problem, not a traceback
+        return _One(None, conflicts=conflicts, problem=Problem("model.dtype", str(e), "model.dtype=auto"), composed=True)
+    if resolved and "model.dtype" in kept:
+        kept["model.dtype"] = config["model"]["dtype"]
+    merged = len(kept) < len(swept) or resolved or bool(folded)
+    return _One(TrialSpec(config=config, swept=kept, index=index), merged, conflicts)
+
+
+@dataclasses.dataclass(frozen=True)
+class Composed:
+    """One point composed on fixed overrides: its resolved config, normalized as a sweep's trial (None when it did
+    not compose), and the problems found composing it (an unknown option, a bundle conflict); the config's own
+    value checks are `config_problems`'."""
+
+    config: dict[str, Any] | None
+    found: tuple[Problem, ...] = ()
+
+
+def compose_point(fixed: list, point: Mapping[str, str], gpu_available: bool | None = None) -> Composed:
+    """`point` ({key: value}, each value in override syntax as an axis holds it) on the parsed `fixed` overrides
+    (`parse_overrides`), composed once as `expand` composes a trial of a sweep over those keys. The trial it makes
+    is the fixed overrides' own: a run records no swept keys for it."""
+    fixed_strs = [o.input_line for o in fixed]
+    with Composer() as c:
+        found = [p for k, v in point.items() if (p := c.missing(k, _unescape(v))) is not None]
+        if found:
+            return Composed(None, tuple(found))
+        one = _compose_one(c, fixed_strs, _chosen(fixed), dict(point), 0, gpu_available)
+    by_request: dict[str, dict[str, str]] = {}
+    for req, option, sets in one.conflicts:
+        by_request.setdefault(req, {})[option] = sets
+    # a bundle conflict names two keys at once: about no one key
+    found = ([one.problem] if one.problem else []) + [Problem("", msg) for msg in _bundle_problems(by_request)]
+    return Composed(one.spec.config if one.spec is not None else None, tuple(found))
 
 
 def _trial_problems(specs: list[TrialSpec], gpu_available: bool | None) -> list[str]:
@@ -631,27 +730,32 @@ def _dedupe(items: list[str]) -> list[str]:
 
 def validate(config: dict[str, Any], gpu_available: bool | None = None) -> list[str]:
     """Value checks of one resolved trial config; messages name the config key and what is allowed."""
+    return [str(p) for p in _validated(config, gpu_available)]
+
+
+def _validated(config: dict[str, Any], gpu_available: bool | None = None) -> list[Problem]:
     from engine.validation import check_trial
 
     from cluster import ClusterConfig
 
     cl = ClusterConfig.from_dict(config["cluster"])
-    out = cl.problems() + _tracking_problems(config["tracking"])
+    # the cluster's messages name their key in their text (cluster/config.py): kept whole, not split apart
+    out = [Problem("", msg) for msg in cl.problems()] + _tracking_problems(config["tracking"])
     try:
         trial = build_trial(config, cl)
-    except (TypeError, ValueError, EngineError) as e:
-        return out + [str(e)]
+    except (TypeError, ValueError, EngineError) as e:  # the config as a whole: the message names where
+        return out + [Problem("", str(e))]
     gpu = cl.num_gpus_per_trial > 0 if gpu_available is None else gpu_available
-    out += [f"{key}: {msg}" for key, msg in check_trial(trial, gpu_available=gpu)]
+    out += [Problem(key, msg) for key, msg in check_trial(trial, gpu_available=gpu)]
     if cl.interleave and trial.workload.serving and trial.capacity.search:
-        out.append("cluster.interleave: a capacity search runs its own probes one after another; it cannot be "
-                   "interleaved with other trials (drop cluster.interleave or capacity.search)")
+        out.append(Problem("cluster.interleave", "a capacity search runs its own probes one after another; it cannot "
+                           "be interleaved with other trials (drop cluster.interleave or capacity.search)"))
     if cl.interleave:
         out += _interleave_engine_problems(trial.engine.backend)
     return out
 
 
-def _interleave_engine_problems(backend: str) -> list[str]:
+def _interleave_engine_problems(backend: str) -> list[Problem]:
     """Interleaving calls each variant's engine once per round in the worker's process: an engine that runs
     in its own process would be started again for every timed repeat (the registry's `in_process`)."""
     from engine import engines
@@ -659,17 +763,18 @@ def _interleave_engine_problems(backend: str) -> list[str]:
     if backend not in engines.NAMES or engines.get(backend).in_process:
         return []
     able = [e.name for e in engines.all_engines() if e.in_process]
-    return [f"cluster.interleave: engine={backend} runs in its own process, and interleaving measures its variants "
-            f"round-robin inside one worker process; drop cluster.interleave (cluster.interleave=0) or use an "
-            f"engine that runs in-process: {', '.join(able)}"]
+    return [Problem("cluster.interleave", f"engine={backend} runs in its own process, and interleaving measures its "
+                    f"variants round-robin inside one worker process; drop cluster.interleave (cluster.interleave=0) "
+                    f"or use an engine that runs in-process: {', '.join(able)}")]
 
 
-def _tracking_problems(tr: dict[str, Any]) -> list[str]:
+def _tracking_problems(tr: dict[str, Any]) -> list[Problem]:
     out = []
     if tr.get("serve") and str(tr.get("uri", "")).startswith(("http://", "https://")):
-        out.append("tracking.serve: true needs a database uri (sqlite:/// or postgresql://) to serve, not a server")
+        out.append(Problem("tracking.serve", "true needs a database uri (sqlite:/// or postgresql://) to serve, not a "
+                           "server"))
     if tr.get("workers", 1) < 1:
-        out.append(f"tracking.workers: must be >= 1, got {tr['workers']}")
+        out.append(Problem("tracking.workers", f"must be >= 1, got {tr['workers']}"))
     return out
 
 

@@ -1,5 +1,5 @@
-"""The production `Measure`: each point becomes a validated TrialSpec (`expand` of the fixed overrides plus
-the point), runs through the sweep's machinery (`run_specs`: the Ray dispatcher, retries, one MLflow run per
+"""The production `Measure`: each point becomes a validated TrialSpec (the space's `trial`: the point composed
+once on the fixed overrides), runs through the sweep's machinery (`run_specs`: the Ray dispatcher, retries, one MLflow run per
 trial nested under the `optimize` run, KILLED on Ctrl-C), and comes back as a `Measurement`.
 
 Resume by config hash: a single point whose hash already has a FINISHED run in the experiment is read back
@@ -14,53 +14,43 @@ from typing import Any, Optional, Sequence
 
 from engine.measure.metrics import TIMINGS
 
-from ..config.compose import SweepError, expand
+from ..config.compose import Problem, SweepError
 from ..config.spec import TrialSpec
 from ..run.trial import FINISHED, identified_correct, interleave_group_id
 from ..tracking.store import CORRECT_ARTIFACT, REPEAT_PREFIX, resolve_uri
 from .measurement import FAILED, INVALID, Measurement, Point, Request
+from .space import Space
 
 INTERLEAVE_TAG = "env.interleave_group"
-
-
-def _overrides(point: Point) -> list[str]:
-    return [f"{k}={v}" for k, v in point.items()]
 
 
 class TrialMeasure:
     """The production `Measure` (measurement.py): points -> validated trials -> `run_specs` (the cluster's own
     dispatcher, cluster/dispatcher.py, places them) -> Measurements; FINISHED trials reused by config hash."""
 
-    def __init__(self, fixed: list[str], sweep_name: str, tracking: dict[str, Any], parent_run_id: Optional[str],
+    def __init__(self, space: Space, sweep_name: str, tracking: dict[str, Any], parent_run_id: Optional[str],
                  rounds: int, command: str, in_process: bool = False, echo=print):
-        self.fixed, self.sweep_name, self.tracking = list(fixed), sweep_name, tracking
+        self.space, self.sweep_name, self.tracking = space, sweep_name, tracking
         self.parent_run_id, self.rounds, self.command = parent_run_id, rounds, command
         self.in_process, self.echo = in_process, echo
-        self._specs: dict[tuple, TrialSpec | list[str]] = {}
         self._client = None
 
     # --- points -> specs ---------------------------------------------------------------------------------
     def spec(self, point: Point, interleaved: bool = False) -> TrialSpec:
-        key = (tuple(sorted(point.items())), interleaved)
-        if key not in self._specs:
-            extra = [f"cluster.interleave={self.rounds}"] if interleaved else []
-            try:
-                (s,) = expand(self.fixed + _overrides(point) + extra)
-                self._specs[key] = s
-            except SweepError as e:
-                self._specs[key] = list(e.problems)
-        got = self._specs[key]
-        if isinstance(got, list):
-            raise SweepError(got)
-        return got
+        """`point`'s validated trial (as one of an interleaved group: `cluster.interleave` rounds); raises InvalidTrial."""
+        return self.space.trial(point, self.rounds if interleaved else 0)
+
+    def problems(self, point: Point) -> list[Problem]:
+        """The validation's problems with `point` ([] when it can run), each with its config key: never spent as a trial."""
+        return self.space.problems(point)
 
     def validate(self, point: Point) -> list[str]:
-        """The validation's problems with `point` ([] when it can run): never spent as a trial."""
-        try:
-            self.spec(point)
-            return []
-        except SweepError as e:
-            return list(e.problems)
+        """`problems`, as the user reads them."""
+        return [str(p) for p in self.problems(point)]
+
+    def specs(self, req: Request) -> list[TrialSpec]:
+        """The trials of a request's points (a pair's as an interleaved group); raises InvalidTrial."""
+        return [self.spec(p, req.interleaved and len(req.points) > 1) for p in req.points]
 
     # --- the store -------------------------------------------------------------------------------------
     @property
@@ -125,7 +115,7 @@ class TrialMeasure:
         todo: list[tuple[int, list[TrialSpec]]] = []
         for i, req in enumerate(requests):
             try:
-                specs = [self.spec(p, req.interleaved and len(req.points) > 1) for p in req.points]
+                specs = self.specs(req)
             except SweepError as e:
                 out[i] = [Measurement(dict(p), status=INVALID, error="; ".join(e.problems)) for p in req.points]
                 continue

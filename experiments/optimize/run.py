@@ -14,7 +14,7 @@ from typing import Any, Optional
 
 import yaml
 
-from ..config.compose import SweepError
+from ..config.compose import Problem, SweepError
 from ..errors import UserError
 from .chain import MODEL_KEYS, Chain, ChainResult, baseline_of
 from .dispatch import TrialMeasure
@@ -72,29 +72,29 @@ def prepare(overrides: list[str]) -> tuple[Space, OptimizeConf, TrialMeasure]:
         found.append("optimize.search.objectives: 'accuracy' needs task accuracy (eval=tasks); drop it from the list "
                      "or choose eval=tasks")
     tracking = space.config["tracking"]
-    disp = TrialMeasure(space.fixed, space.config["sweep_name"], tracking, None, rounds_of(o),
+    disp = TrialMeasure(space, space.config["sweep_name"], tracking, None, rounds_of(o),
                       "infersweep optimize " + " ".join(overrides))
     if space.axes and not found:
         base = baseline_of(space.axes)
-        found += [f"baseline ({describe(base)}): {p}" for p in disp.validate(base)]
+        found += [f"baseline ({describe(base)}): {p}" for p in space.problems(base)]
         if not found:  # every value of every axis, each on the baseline: an unknown model is refused now, not at step 5
             for k, values in space.axes.items():
                 for v in values:
                     if v != base[k]:
-                        found += [f"{k}={v}: {p}" for p in own_problems(k, disp.validate({**base, k: v}), space.axes)]
+                        found += [f"{k}={v}: {p}" for p in own_problems(k, space.problems({**base, k: v}), space.axes)]
     if found:
         raise OptimizeError(found)
     return space, o, disp
 
 
-def own_problems(key: str, problems: list[str], axes: dict[str, list[str]]) -> list[str]:
+def own_problems(key: str, problems: list[Problem], axes: dict[str, list[str]]) -> list[Problem]:
     """The problems of one axis value on the baseline that are its own: one keyed on another axis of the space is
     an interaction with that axis' baseline value (engine=native-cpp needs kv_cache=contiguous, which the baseline
     has off) -- the value runs once that axis is applied, and a candidate that combines them badly is refused at
     its step without a trial."""
     group = key.split(".", 1)[0]
     others = {k.split(".", 1)[0] for k in axes} - {group}
-    return [p for p in problems if p.split(":", 1)[0].split(".", 1)[0] not in others]
+    return [p for p in problems if p.key.split(".", 1)[0] not in others]
 
 
 def rounds_of(o: OptimizeConf) -> int:
