@@ -16,6 +16,17 @@ from .config import EngineConfig
 
 
 @dataclass(frozen=True)
+class RegimeGate:
+    """How a step's payoff follows the measured regime: it attacks the bytes a memory-bound decode moves, so the
+    regime says yes when decode is memory-bound and no when the time goes to compute. Each field: why."""
+    memory: str  # decode is memory-bound: why the step should pay off
+    compute: str  # decode (or, with `prefill`, a compute-bound prefill) takes the time in compute: why it cannot
+    # the step runs in prefill too (quantized weights do; speculation only decodes): a compute-bound prefill that
+    # takes the time says no as well
+    prefill: bool = False
+
+
+@dataclass(frozen=True)
 class Axis:
     group: str  # config group / section: `kv_cache`
     key: str  # the config key holding the choice: `kv_cache.mode`
@@ -23,6 +34,13 @@ class Axis:
     label: str  # what the seed calls the step
     chain: Optional[int]  # position in the seed's chain; None: an axis that is not a step of it
     whole_group: bool = True  # every key of the group belongs to the optimization (kv_cache.block_size does)
+    first: tuple[str, ...] = ()  # values tried before the others, in the seed's order (weight-only INT8 first)
+    regime: Optional[RegimeGate] = None  # whether the regime decides if the step pays off; None: it has no say
+    # it changes only how tokens are generated, never a teacher-forced log-likelihood score (no cache is used there)
+    generation_only: bool = False
+    # with it applied, each generated token still costs one pass of the target model (the cost model's roofline
+    # prices exactly that); speculation's passes yield as many tokens as the draft gets accepted
+    one_pass_per_token: bool = True
 
     def value(self, params: Mapping[str, Any]) -> Optional[str]:
         """The axis' value in a flat {config key: value} mapping (None when the key is absent)."""
@@ -35,11 +53,15 @@ class Axis:
         return None if v is None else v != self.off
 
 
-KV_CACHE = Axis("kv_cache", "kv_cache.mode", "off", "KV cache", 0)
-BATCHING = Axis("batching", "batching.mode", "static", "continuous batching", 1)
+KV_CACHE = Axis("kv_cache", "kv_cache.mode", "off", "KV cache", 0, generation_only=True)
+BATCHING = Axis("batching", "batching.mode", "static", "continuous batching", 1, generation_only=True)
 ATTENTION = Axis("attention", "attention.impl", "eager", "fused (flash) attention", 2)
-QUANT = Axis("quant", "quant.level", "none", "quantization", 3)
-SPECULATIVE = Axis("speculative", "speculative.method", "off", "speculative decoding", 4)
+QUANT = Axis("quant", "quant.level", "none", "quantization", 3, first=("int8-weight",), regime=RegimeGate(
+    memory="fewer weight bytes per step", compute="quantization cuts bytes, not FLOPs", prefill=True))
+SPECULATIVE = Axis("speculative", "speculative.method", "off", "speculative decoding", 4, generation_only=True,
+                   one_pass_per_token=False, regime=RegimeGate(
+                       memory="verifying k drafted tokens costs about one weight pass",
+                       compute="verifying k drafted tokens costs ~k times the FLOPs"))
 BACKEND = Axis("engine", "engine.backend", EngineConfig.backend, "engine", None)  # off: the default (reference) engine
 # the number format the weights and activations run in: an optimization like quantization, though its key
 # lives in the model's group (whose other keys -- name, path -- say which model, not how it runs)
@@ -60,6 +82,11 @@ def is_optimization_key(key: str) -> bool:
         return True
     a = _BY_GROUP.get(key.split(".", 1)[0])
     return a is not None and a.whole_group
+
+
+def of_key(name: str) -> Optional[Axis]:
+    """The axis a config key or a user's short name (`quant`, `quant.level`) chooses; None for other keys."""
+    return _BY_KEY.get(resolve_key(name))
 
 
 def resolve_key(name: str) -> str:

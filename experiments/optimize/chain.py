@@ -43,10 +43,6 @@ from .types import RETRY, Budget, Row
 
 MODEL_KEYS = ("model", "model.name")  # the model axis (right-size); `model.dtype` is the precision axis
 
-# quantization's variants in the seed's order: weight-only INT8 first, then the others as the space lists them
-QUANT_FIRST = ("int8-weight",)
-
-
 # a point -> (predicted seconds per generated token, weight bytes), None where the cost model cannot say
 Predict = Callable[[Point], Optional[tuple[float, float]]]
 
@@ -59,8 +55,7 @@ class Step:
 
 
 def _axis(key: str) -> Optional[axis_registry.Axis]:
-    ck = axis_registry.resolve_key(key)
-    return next((a for a in axis_registry.AXES if a.key == ck), None)
+    return axis_registry.of_key(key)
 
 
 def off_value(key: str) -> Optional[str]:
@@ -82,10 +77,8 @@ def plan(space: Mapping[str, list[str]], baseline: Mapping[str, str]) -> list[St
     """The chain's steps over `space`: the seed's order, then the other axes as listed, the model last."""
     def variants(k: str) -> tuple[str, ...]:
         vs = [v for v in space[k] if v != baseline[k]]
-        a = _axis(k)
-        if a is axis_registry.QUANT:
-            vs = [v for v in vs if v in QUANT_FIRST] + [v for v in vs if v not in QUANT_FIRST]
-        return tuple(vs)
+        first = _axis(k).first if _axis(k) else ()  # the seed's order: quantization's weight-only INT8 first
+        return tuple([v for v in vs if v in first] + [v for v in vs if v not in first])
 
     chain_keys = sorted((k for k in space if _axis(k) is not None and _axis(k).chain is not None),
                         key=lambda k: _axis(k).chain)
@@ -99,23 +92,19 @@ def plan(space: Mapping[str, list[str]], baseline: Mapping[str, str]) -> list[St
 
 def pays_off(key: str, labels: Mapping[str, str]) -> tuple[Optional[bool], str]:
     """Whether the incumbent's regime says step `key` should pay off (None: no opinion), and why. Only the steps
-    whose gain the regime decides are judged: quantization and speculative decoding attack the bytes a
-    memory-bound decode moves, and buy nothing when the time goes to compute."""
-    a = _axis(key)
+    whose gain the regime decides are judged (engine/axes.py `Axis.regime`: quantization and speculative decoding
+    attack the bytes a memory-bound decode moves, and buy nothing when the time goes to compute)."""
+    gate = _axis(key).regime if _axis(key) else None
     decode = labels.get("regime.decode.measured") or labels.get("regime.decode") or ""
     phase, overall = labels.get("regime.phase", ""), labels.get("regime", "")
-    if a is axis_registry.QUANT:
-        if phase == "prefill" and overall == "compute":
-            return False, "time goes to a compute-bound prefill: quantization cuts bytes, not FLOPs"
-        if decode == "compute":
-            return False, "decode is compute-bound: quantization cuts bytes, not FLOPs"
-        if decode == "memory":
-            return True, "decode is memory-bound: fewer weight bytes per step"
-    if a is axis_registry.SPECULATIVE:
-        if decode == "compute":
-            return False, "decode is compute-bound: verifying k drafted tokens costs ~k times the FLOPs"
-        if decode == "memory":
-            return True, "decode is memory-bound: verifying k drafted tokens costs about one weight pass"
+    if gate is None:
+        return None, ""
+    if gate.prefill and phase == "prefill" and overall == "compute":
+        return False, f"time goes to a compute-bound prefill: {gate.compute}"
+    if decode == "compute":
+        return False, f"decode is compute-bound: {gate.compute}"
+    if decode == "memory":
+        return True, f"decode is memory-bound: {gate.memory}"
     return None, ""
 
 
@@ -186,7 +175,8 @@ class Chain:
         and SmolLM2 1.75 on the same text, which made the larger model the faster one)."""
         if self.predict is None:
             return ""
-        if axis_registry.SPECULATIVE.applied({axis_registry.resolve_key(k): v for k, v in inc.items()}):
+        on = {axis_registry.resolve_key(k): v for k, v in inc.items()}
+        if any(a.applied(on) and not a.one_pass_per_token for a in axis_registry.AXES):
             return ""
         mine, theirs = self.predict(cand), self.predict(inc)
         if mine is None or theirs is None or theirs[0] <= 0 or theirs[1] <= 0:
