@@ -179,9 +179,10 @@ def group_backend(option: str) -> str:
 
 
 def score_neutral(space: Space) -> tuple[str, ...]:
-    """The axes that cannot change this space's task scores: the KV cache, batching and speculation touch only
-    generation, and an in-process logits engine (hf, native) scores a log-likelihood task teacher-forced with no
-    cache (engine/engines/logits.py `Backend.score`). Nothing when a task generates or an engine scores otherwise."""
+    """The axes that cannot change this space's task scores: those that touch only generation (engine/axes.py
+    `generation_only`: the KV cache, batching, speculation), where an in-process logits engine (hf, native) scores a
+    log-likelihood task teacher-forced with no cache (engine/engines/logits.py `Backend.score`). Nothing when a task
+    generates or an engine scores otherwise."""
     from engine import axes, engines
     from engine.config import EngineConfig, EngineError
     from engine.engines.logits import LogitsEngine
@@ -198,7 +199,7 @@ def score_neutral(space: Space) -> tuple[str, ...]:
         return ()
     if not tasks or any(needs_generation(t) for t in tasks) or not logits:
         return ()
-    return (axes.KV_CACHE.key, axes.BATCHING.key, axes.SPECULATIVE.key)
+    return tuple(a.key for a in axes.AXES if a.generation_only)
 
 
 def model_documents(space: Space) -> tuple[str, ...]:
