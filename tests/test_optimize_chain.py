@@ -252,6 +252,20 @@ def test_the_memory_limit_is_judged_on_the_candidate_measured_alone():
     assert res.rows[1].decision == ACCEPTED
 
 
+def test_a_candidate_whose_weights_alone_exceed_the_memory_limit_is_skipped_not_measured():
+    """Its peak holds its weights, so no measurement could meet the limit: skipped with that reason, no trial
+    spent; a candidate whose weights fit is measured and judged as before."""
+    weights = {"none": 0.54e9, "int8-weight": 0.22e9, "int4-weight": 0.18e9}
+    syn = Synthetic(tpot_of({("quant", "int8-weight"): 0.6, ("quant", "int4-weight"): 0.5}), memory=lambda p: 0.3e9)
+    res = chain(syn, space={"quant": ["none", "int8-weight", "int4-weight"]}, rules=rules(gate=False, max_memory_bytes=0.2e9),
+                weights=lambda p: weights[p.get("quant", "none")]).run()
+    int8, int4 = res.rows[1], res.rows[2]
+    assert int8.decision == SKIPPED and int8.reason == ("memory: its weights alone (0.22 GB) exceed optimize.max_memory_gb "
+                                                        "(0.20 GB): not spent as a trial")
+    assert not any(p.get("quant") == "int8-weight" for r in syn.requests for p in r.points)
+    assert int4.decision == REJECTED and int4.reason.startswith("memory: peak 0.30 GB > 0.20 GB (measured alone")
+
+
 def test_regime_skips_steps_that_cannot_pay_off():
     syn = Synthetic(tpot_of({("quant", "int8-weight"): 0.5}),
                     labels={"regime.decode.measured": "compute", "regime.phase": "decode", "regime": "compute"})

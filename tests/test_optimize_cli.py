@@ -64,6 +64,30 @@ def test_a_task_file_with_an_unknown_key_is_refused_before_any_trial(tiny_overri
     assert mlflow_client.get_experiment_by_name("t-opt-bad") is None
 
 
+def test_a_memory_limit_below_every_configurations_weights_is_refused_before_any_trial():
+    """SmolLM2-135M's baseline measures 582 MB; its fp32 weights alone are 0.54 GB (the model's facts, the cost
+    model's widths). A limit below them is refused, with the other problems; with a quantization axis the limit is
+    judged against the smallest configuration of the space, and one that configuration meets is accepted."""
+    from conftest import need_prepared
+    from experiments.optimize.run import OptimizeError, prepare
+
+    need_prepared("smollm2-135m-instruct")
+    base = ["model=smollm2-135m", "kv_cache=off,contiguous", GATE_OFF]
+    with pytest.raises(OptimizeError) as ei:
+        prepare([*base, "optimize.max_memory_gb=0.01", "optimize.max_trials=0"])
+    assert "optimize.max_memory_gb: 0.01 GB is below the baseline's weights alone (0.54 GB, smollm2-135m-instruct " \
+           "float32): no configuration of this space can meet it" in ei.value.problems
+    assert any(p.startswith("optimize.max_trials") for p in ei.value.problems)  # every problem at once
+    quant = [*base, "quant=none,int8-weight,int4-weight"]
+    with pytest.raises(OptimizeError) as ei:
+        prepare([*quant, "optimize.max_memory_gb=0.1"])
+    assert ei.value.problems == [
+        "optimize.max_memory_gb: 0.1 GB is below the smallest configuration's (quant=int4-weight) weights alone "
+        "(0.18 GB, smollm2-135m-instruct float32 int4-weight): no configuration of this space can meet it"]
+    space, o, _ = prepare([*quant, "optimize.max_memory_gb=0.3"])  # below the baseline's, met by int4-weight
+    assert o.max_memory_gb == 0.3
+
+
 def test_every_problem_at_once_through_the_installed_command(tiny_overrides):
     p = subprocess.run([sys.executable, "-m", "experiments.cli", "optimize", *tiny_overrides, "sweep_name=t-opt-bad",
                         "optimize.objective=fastest", "optimize.max_trials=0"], capture_output=True, text=True, timeout=300)

@@ -145,13 +145,15 @@ class Chain:
                  measure: Measure, *, baseline: Optional[Point] = None, eval_limit: int = 0,
                  trust_regime: bool = True, clock: Callable[[], float] = time.monotonic, echo=lambda s: None,
                  predict: Optional[Predict] = None, score_neutral: tuple[str, ...] = (), eval_baseline: bool = True,
-                 total_pair: bool = True, item_pool: int = 0):
+                 total_pair: bool = True, item_pool: int = 0,
+                 weights: Optional[Callable[[Point], Optional[float]]] = None):
         self.space = {k: list(v) for k, v in space.items()}
         self.baseline = dict(baseline or baseline_of(space))
         self.objective, self.rules, self.budget, self._measure = objective, rules, budget, measure
         self.eval_limit, self.trust_regime, self.clock, self.echo = eval_limit, trust_regime, clock, echo
         self.predict, self.score_neutral, self.eval_baseline = predict, tuple(score_neutral), eval_baseline
         self.total_pair = total_pair
+        self.weights = weights  # a point -> its weight bytes (predict.WeightBytes), None where unknown
         self.item_pool = item_pool  # items the gate's tasks hold in all (eval.order=pooled); 0: not known
         self.trials = self.reused = 0
         self._used: set[str] = set()  # run ids this chain measured or reused (a fresh pair skips them)
@@ -186,6 +188,16 @@ class Chain:
             return (f"cost model: predicted x{t:.2f} slower per token with x{b:.1f} the weight bytes "
                     f"(roofline): not spent as a trial")
         return ""
+
+    def _over_memory(self, cand: Point) -> str:
+        """Why `cand` cannot meet the memory limit whatever it measures ('' when it may): its weights alone exceed
+        it, and the limit is judged on the candidate's peak, which holds them."""
+        limit = self.rules.max_memory_bytes
+        b = self.weights(cand) if self.weights is not None and limit is not None else None
+        if b is None or b <= limit:
+            return ""
+        return (f"memory: its weights alone ({b / 1e9:.2f} GB) exceed optimize.max_memory_gb ({limit / 1e9:.2f} GB): "
+                f"not spent as a trial")
 
     # --- budget ----------------------------------------------------------------------------------------
     def _spent(self) -> str:
@@ -376,7 +388,7 @@ class Chain:
                 if stop:
                     break
                 cand = {**inc, step.key: variant}
-                if step.key in MODEL_KEYS and (why := self._predicted_loss(inc, cand)):
+                if (step.key in MODEL_KEYS and (why := self._predicted_loss(inc, cand))) or (why := self._over_memory(cand)):
                     rows.append(Row(i, step.label, describe(cand, inc), SKIPPED, why, regime_before=inc_m.regime))
                     self.echo(f"step {i} ({step.label}): {describe(cand, inc)} skipped: {why}")
                     continue

@@ -22,6 +22,77 @@ from .measurement import Point, describe, point_key
 log = logging.getLogger(__name__)
 
 NUMERICS = ("model", "model.name", "model.dtype", "quant", "quant.level", "engine", "engine.backend", "engine_variant")
+FOOTPRINT = NUMERICS  # the axes that change which weights a configuration holds, and in what format
+
+
+def _precision(trial, eng):
+    """The cost model's widths for `trial` as engine.pipeline.roofline builds them: the engine's weight format, the
+    modules it keeps unquantized, its K/V element size."""
+    from engine import axes
+    from engine.config import replace
+    from engine.measure.costmodel import Precision
+
+    costed = replace(replace(trial, "quant.level", eng.weight_level(trial)), "quant.skip_modules", eng.skip_modules(trial))
+    q, kv_elt = costed.quant, eng.kv_element_bytes(trial)
+    return (Precision.of(costed.model.dtype, q.level, "lm_head" in q.skip_modules, q.keep_last_layers, kv_elt)
+            if q.level != axes.QUANT.off else Precision.of(costed.model.dtype, kv_elt_bytes=kv_elt))
+
+
+def weight_bytes(trial) -> Optional[float]:
+    """Bytes of `trial`'s matmul weights as its engine stores them (the model's facts, the cost model's widths):
+    what any run of it holds at least. None where the model's shape or the format is unknown."""
+    from engine import engines
+    from engine.config import EngineError
+    from engine.model_facts import facts_or_none
+
+    facts = facts_or_none(trial.model)
+    if facts is None or facts.shape is None:
+        return None
+    try:
+        return _precision(trial, engines.get(trial.engine.backend)).weight_bytes(facts.shape)
+    except (EngineError, KeyError, ValueError):
+        return None
+
+
+def _what(trial) -> str:
+    """'smollm2-135m-instruct float32' (with its quantization where it has one)."""
+    q = trial.quant.level
+    return f"{trial.model.name} {trial.model.dtype}" + (f" {q}" if q != "none" else "")
+
+
+def weights_floor(disp, space: Mapping[str, list[str]], baseline: Point) -> Optional[tuple[float, str]]:
+    """(the fewest weight bytes any configuration of `space` holds, which configuration that is): every
+    combination of the FOOTPRINT axes, the others at the baseline; combinations validation refuses never run.
+    None where a configuration's weights are unknown (the floor could be lower: nothing is refused on it)."""
+    keys = [k for k in space if k in FOOTPRINT]
+    best: Optional[tuple[float, str]] = None
+    for values in itertools.product(*(space[k] for k in keys)):
+        p = {**baseline, **dict(zip(keys, values))}
+        try:
+            trial = disp.spec(p).trial
+        except SweepError:
+            continue
+        b = weight_bytes(trial)
+        if b is None:
+            return None
+        if best is None or b < best[0]:
+            whose = "the baseline's" if p == dict(baseline) else f"the smallest configuration's ({describe(p, baseline)})"
+            size = f"{b / 1e9:.2f} GB" if b >= 1e7 else f"{b / 1e6:.3g} MB"
+            best = (b, f"{whose} weights alone ({size}, {_what(trial)})")
+    return best
+
+
+class WeightBytes:
+    """point -> its weight bytes (`weight_bytes` of its trial; None where it is unknown or validation refuses it)."""
+
+    def __init__(self, disp):
+        self.disp = disp
+
+    def __call__(self, p: Point) -> Optional[float]:
+        try:
+            return weight_bytes(self.disp.spec(p).trial)
+        except SweepError:
+            return None
 
 
 class CostModelSkip:
@@ -53,8 +124,8 @@ class CostModelSkip:
         import torch
 
         from engine import axes, engines
-        from engine.config import EngineError, replace
-        from engine.measure.costmodel import Precision, Workload, predict
+        from engine.config import EngineError
+        from engine.measure.costmodel import Workload, predict
         from engine.model_facts import facts_or_none
 
         try:
@@ -67,11 +138,7 @@ class CostModelSkip:
         eng = engines.get(trial.engine.backend)
         device = torch.device("cpu")
         try:
-            costed = replace(replace(trial, "quant.level", eng.weight_level(trial)), "quant.skip_modules",
-                             eng.skip_modules(trial))
-            q, kv_elt = costed.quant, eng.kv_element_bytes(trial)
-            prec = (Precision.of(costed.model.dtype, q.level, "lm_head" in q.skip_modules, q.keep_last_layers, kv_elt)
-                    if q.level != axes.QUANT.off else Precision.of(costed.model.dtype, kv_elt_bytes=kv_elt))
+            prec = _precision(trial, eng)
             wl = trial.workload
             work = Workload(wl.batch_size, wl.context_len, wl.max_new_tokens,
                             axes.KV_CACHE.applied({axes.KV_CACHE.key: trial.kv_cache.mode}), eng.materializes_scores(trial))

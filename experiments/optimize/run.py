@@ -67,13 +67,18 @@ def prepare(overrides: list[str]) -> tuple[Space, OptimizeConf, TrialMeasure]:
     except SweepError as e:  # the overrides' own problems: refused as what was asked (`invalid optimize:`)
         raise OptimizeError(e.problems) from None
     o = from_dict(space.config.get("optimize") or {})
-    found = problems(o, space.axes, space.config)
-    if o.strategy == "search" and ACCURACY in o.search.objectives and not (space.config.get("eval") or {}).get("tasks"):
-        found.append("optimize.search.objectives: 'accuracy' needs task accuracy (eval=tasks); drop it from the list "
-                     "or choose eval=tasks")
     tracking = space.config["tracking"]
     disp = TrialMeasure(space, space.config["sweep_name"], tracking, None, rounds_of(o),
                       "infersweep optimize " + " ".join(overrides))
+    floor = None  # a memory limit below every configuration's weights is refused now, not after the trials
+    if space.axes and (o.max_memory_gb or 0) > 0:
+        from .predict import weights_floor
+
+        floor = weights_floor(disp, space.axes, baseline_of(space.axes))
+    found = problems(o, space.axes, space.config, floor)
+    if o.strategy == "search" and ACCURACY in o.search.objectives and not (space.config.get("eval") or {}).get("tasks"):
+        found.append("optimize.search.objectives: 'accuracy' needs task accuracy (eval=tasks); drop it from the list "
+                     "or choose eval=tasks")
     if space.axes and not found:
         base = baseline_of(space.axes)
         found += [f"baseline ({describe(base)}): {p}" for p in space.problems(base)]
@@ -211,6 +216,8 @@ def model_documents(space: Space) -> tuple[str, ...]:
 
 
 def _chain(space: Space, o: OptimizeConf, objective: Objective, gate: bool, disp: TrialMeasure, echo) -> Decided:
+    from .predict import WeightBytes
+
     limit = int((space.config.get("eval") or {}).get("limit") or 0)
     predict = None
     if any(k in MODEL_KEYS for k in space.axes):  # right-size: a larger model predicted slower is not measured
@@ -220,7 +227,8 @@ def _chain(space: Space, o: OptimizeConf, objective: Objective, gate: bool, disp
     neutral = score_neutral(space) if gate else ()
     c = Chain(space.axes, objective, rules_of(o, gate, limit, model_documents(space)), budget_of(o), disp, eval_limit=limit,
               trust_regime=o.trust_regime, echo=echo, predict=predict, score_neutral=neutral,
-              eval_baseline=not neutral)  # log-likelihood tasks only: the pairs measure every accuracy that decides
+              eval_baseline=not neutral,  # log-likelihood tasks only: the pairs measure every accuracy that decides
+              weights=WeightBytes(disp) if o.max_memory_gb else None)  # a candidate whose weights exceed it: skipped
     r: ChainResult = c.run()
     notes = order_notes(r.rows)
     if r.total is not None:

@@ -68,8 +68,10 @@ def budget_of(o: OptimizeConf) -> Budget:
     return Budget(max_trials=o.max_trials, max_s=60 * o.max_minutes, max_items=o.gate.max_items)
 
 
-def problems(o: OptimizeConf, space: dict[str, list[str]], config: dict[str, Any]) -> list[str]:
-    """Every problem with the settings, the space and the trial config they apply to, each naming its key."""
+def problems(o: OptimizeConf, space: dict[str, list[str]], config: dict[str, Any],
+             weights_floor: Optional[tuple[float, str]] = None) -> list[str]:
+    """Every problem with the settings, the space and the trial config they apply to, each naming its key.
+    `weights_floor`: (the fewest weight bytes any configuration of the space holds, whose they are: predict.py)."""
     from .objective import Objective, ObjectiveError
     from .search import GOALS
 
@@ -109,6 +111,9 @@ def problems(o: OptimizeConf, space: dict[str, list[str]], config: dict[str, Any
     if o.max_memory_gb is not None and not o.max_memory_gb > 0:
         out.append(f"optimize.max_memory_gb: a memory limit must be > 0 GB, got {o.max_memory_gb}; leave it unset "
                    f"(null) for no limit")
+    elif o.max_memory_gb is not None and weights_floor and o.max_memory_gb * 1e9 < weights_floor[0]:
+        out.append(f"optimize.max_memory_gb: {o.max_memory_gb:g} GB is below {weights_floor[1]}: no configuration "
+                   f"of this space can meet it")
     for metric, limit in (o.slo or {}).items():
         try:
             bad = not float(limit) > 0
