@@ -141,6 +141,34 @@ def test_a_failed_build_is_an_engine_error_with_its_reason(monkeypatch, tmp_path
         make_backend(loaded, _trial(loaded.spec))
 
 
+def test_the_binding_checks_the_libraries_structs_and_codes_at_load(monkeypatch):
+    """The structs and integer codes are written twice (ctypes, C++): the library reports its own sizes, offsets and
+    codes (isw_step_layout), which match the binding's; a ctypes copy that lost a field, or a code changed on one
+    side only, is an EngineError at load naming each difference -- not the wrong memory read silently."""
+    import ctypes
+
+    from engine.config import EngineError
+    from engine.engines.native import cpp_step
+
+    lib = qk.build("infersweep_decode_step", [cpp_step.SOURCE])
+    assert lib.error is None and cpp_step.layout_problems(lib.isw_step_layout().decode()) == []
+    loaded = load_model(ModelConfig(name="tiny", path=TINY))
+    assert isinstance(make_backend(loaded, _trial(loaded.spec)).decode_step, CppDecodeStep)
+
+    class Lin(ctypes.Structure):  # the binding's _Lin without its last field (bias)
+        _fields_ = cpp_step._Lin._fields_[:-1]
+
+    with monkeypatch.context() as m:
+        m.setattr(cpp_step, "_Lin", Lin)
+        with pytest.raises(EngineError, match=r"disagree: sizeof\(Lin\): C\+\+ 56, ctypes 48; Lin.bias: C\+\+ 48, "
+                                              r"ctypes \(no such field\); change both together"):
+            make_backend(loaded, _trial(loaded.spec))
+    with monkeypatch.context() as m:
+        m.setattr(cpp_step, "W4A8", 6)
+        with pytest.raises(EngineError, match=r"disagree: W4A8: C\+\+ 5, ctypes 6;"):
+            make_backend(loaded, _trial(loaded.spec))
+
+
 def test_cpp_is_an_ordinary_axis_value_in_the_config_hash():
     """compile_mode=cpp hashes apart from the other modes; the default (dynamic) leaves the key out, so every hash
     recorded before the axis existed stands (experiments/hashing and tests/test_hash.py)."""

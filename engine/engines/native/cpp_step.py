@@ -11,6 +11,9 @@ It runs: the Llama family and Gemma 3; model.dtype float32 or bfloat16 (bf16 wid
 torch rounds, so it needs no bf16 arithmetic from the CPU); one sequence (batch 1); kv_cache=contiguous; attention
 eager or sdpa (whose bf16 rounding it reproduces); on a CPU with AVX2 or AVX-512. Everything else is refused before
 launch (`problems`, called by the native engine's check) with the reason.
+
+The descriptor structs and integer codes below are the C++ ones written again in ctypes; the library reports its own
+sizes, offsets and codes (`isw_step_layout`) and the step refuses to load where they differ (`layout_problems`).
 """
 from __future__ import annotations
 
@@ -54,6 +57,26 @@ class _Model(ctypes.Structure):
                 + [(n, ctypes.c_double) for n in ("eps", "attn_scale", "softcap", "embed_scale")]
                 + [("embed", ctypes.c_void_p), ("final_norm", ctypes.c_void_p), ("head", _Lin),
                    ("cos", ctypes.c_void_p * 2), ("sin", ctypes.c_void_p * 2), ("layers", ctypes.POINTER(_Layer))])
+
+
+def _layout() -> dict[str, int | str]:
+    """What this binding assumes of csrc/decode_step.cpp, named as its `isw_step_layout` names it (read at call time:
+    the structs and codes as this module holds them now)."""
+    sizes = {f"sizeof({n})": ctypes.sizeof(c) for n, c in (("Lin", _Lin), ("Layer", _Layer), ("Model", _Model))}
+    offsets = {f"{n}.{f}": getattr(c, f).offset if hasattr(c, f) else "(no such field)" for n, c, fs in (
+        ("Lin", _Lin, ("w", "bias")), ("Layer", _Layer, ("in_norm", "k_cache", "window", "rope")),
+        ("Model", _Model, ("eager_attention", "eps", "embed", "head", "cos", "sin", "layers"))) for f in fs}
+    codes = {"F32": F32, "BF16": BF16, "I8": I8, "I4": I4, "W8A8": W8A8, "W4A8": W4A8, "PHASES": len(PHASES)}
+    return {**sizes, **offsets, **codes}
+
+
+def layout_problems(reported: str) -> list[str]:
+    """Where the library's own layout (`isw_step_layout`: "name=value ...") and this binding's differ: a struct or a
+    code changed on one side only would make the step read the wrong memory, silently."""
+    theirs = dict(kv.split("=", 1) for kv in reported.split())
+    ours = _layout()
+    out = [f"{k}: C++ {theirs.get(k, '(not reported)')}, ctypes {v}" for k, v in ours.items() if theirs.get(k) != str(v)]
+    return out + [f"{k}: C++ {v}, the binding does not check it" for k, v in theirs.items() if k not in ours]
 
 
 def problems(trial, model_type: str | None) -> list[tuple[str, str]]:
@@ -131,6 +154,10 @@ class CppDecodeStep:
         lib = build("infersweep_decode_step", [SOURCE])
         if lib.error:
             raise EngineError(f"engine.compile_mode=cpp: the C++ decode step did not build on this machine: {lib.error}")
+        bad = layout_problems(lib.isw_step_layout().decode())
+        if bad:
+            raise EngineError(f"engine.compile_mode=cpp: the binding (cpp_step.py) and the C++ step ({SOURCE.name}) "
+                              f"disagree: {'; '.join(bad)}; change both together")
         self.lib, self.isa = lib, lib.isa
         self.model = model
         args = model.args

@@ -13,6 +13,8 @@
 #include "gemv.h"
 #include <omp.h>
 #include <chrono>
+#include <cstddef>
+#include <string>
 #include <type_traits>
 #include <vector>
 
@@ -378,5 +380,40 @@ int64_t isw_step_profile(double* out) {
 }
 
 const char* isw_step_isa() { return isw::isa_name(); }
+
+// The layout cpp_step.py writes its ctypes copies of these structs into, and the codes it passes, as
+// "name=value ..." (sizes, the offsets of fields after each kind of member, Kind, PHASES): the binding compares
+// its own at load, so a struct or code changed on one side only is an error naming it, not memory read wrongly.
+const char* isw_step_layout() {
+  static const std::string layout = [] {
+    std::string o;
+    auto put = [&o](const char* name, long long v) { o += name; o += '='; o += std::to_string(v); o += ' '; };
+    put("sizeof(Lin)", sizeof(Lin));
+    put("sizeof(Layer)", sizeof(Layer));
+    put("sizeof(Model)", sizeof(Model));
+    put("Lin.w", offsetof(Lin, w));
+    put("Lin.bias", offsetof(Lin, bias));
+    put("Layer.in_norm", offsetof(Layer, in_norm));
+    put("Layer.k_cache", offsetof(Layer, k_cache));
+    put("Layer.window", offsetof(Layer, window));
+    put("Layer.rope", offsetof(Layer, rope));
+    put("Model.eager_attention", offsetof(Model, eager_attention));
+    put("Model.eps", offsetof(Model, eps));
+    put("Model.embed", offsetof(Model, embed));
+    put("Model.head", offsetof(Model, head));
+    put("Model.cos", offsetof(Model, cos));
+    put("Model.sin", offsetof(Model, sin));
+    put("Model.layers", offsetof(Model, layers));
+    put("F32", F32);
+    put("BF16", BF16);
+    put("I8", I8);
+    put("I4", I4);
+    put("W8A8", W8A8);
+    put("W4A8", W4A8);
+    put("PHASES", PHASES);
+    return o;
+  }();
+  return layout.c_str();
+}
 
 }  // extern "C"
