@@ -259,7 +259,9 @@ def _search(space: Space, o: OptimizeConf, gate: bool, disp: TrialMeasure, echo,
     return Decided("search", dict(best.point) if best else {}, r.stop, r.trials, r.reused,
                    measured=dict(best.measurement.point) if best and best.measurement else {}, summary=tuple(summary(r)),
                    notes=(f"objectives: {', '.join(goals)}; {len(r.evaluated)} configuration(s) measured, "
-                          f"{r.duplicates} repeated proposal(s) of decided configurations (nothing measured)",))
+                          f"{r.duplicates} repeated proposal(s) of decided configurations (nothing measured)",)
+                   + ((f"resumed: {r.earlier} trial(s) run by earlier runs of this study count toward "
+                       f"optimize.max_trials; their verdicts on the best were kept",) if r.earlier else ()))
 
 
 def _final_spec(disp: TrialMeasure, decided: Decided):
