@@ -215,6 +215,17 @@ def model_documents(space: Space) -> tuple[str, ...]:
     return tuple(t for t in (space.config.get("eval") or {}).get("tasks") or [] if needs_generation(t))
 
 
+def gate_pool(config: dict[str, Any]) -> int:
+    """The items the gate can draw from (eval.order=pooled: every task's prepared documents together; else the
+    first eval.limit... of each task, so the pool is not known): 0 where unknown."""
+    from engine.tasks.run import POOLED, pool_size
+
+    ev = config.get("eval") or {}
+    if ev.get("order") != POOLED:
+        return 0
+    return pool_size(list(ev.get("tasks") or []), list(ev.get("task_files") or [])) or 0
+
+
 def _chain(space: Space, o: OptimizeConf, objective: Objective, gate: bool, disp: TrialMeasure, echo) -> Decided:
     from .predict import WeightBytes
 
@@ -228,6 +239,7 @@ def _chain(space: Space, o: OptimizeConf, objective: Objective, gate: bool, disp
     c = Chain(space.axes, objective, rules_of(o, gate, limit, model_documents(space)), budget_of(o), disp, eval_limit=limit,
               trust_regime=o.trust_regime, echo=echo, predict=predict, score_neutral=neutral,
               eval_baseline=not neutral,  # log-likelihood tasks only: the pairs measure every accuracy that decides
+              item_pool=gate_pool(space.config) if gate else 0,
               weights=WeightBytes(disp) if o.max_memory_gb else None)  # a candidate whose weights exceed it: skipped
     r: ChainResult = c.run()
     notes = order_notes(r.rows)
