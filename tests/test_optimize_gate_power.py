@@ -15,7 +15,7 @@ import math
 import numpy as np
 import pytest
 
-from experiments.optimize import accuracy, chain as chain_mod
+from experiments.optimize import accuracy
 from experiments.optimize.accuracy import (GATE_LOOKS, POWER, items_needed, ladder, min_items, next_look,
                                            paired_accuracy, pooled_accuracy, tango_bounds)
 from experiments.optimize.calibration import gate_rates
@@ -140,8 +140,8 @@ def test_the_chain_looks_at_most_gate_looks_times_each_at_the_stated_level():
 def test_mutation_planning_too_few_items_loses_the_power(monkeypatch):
     """A plan that ignores the discordance (the items that rule out max_drop with none differing) looks too early
     and too small: its power at 10% discordance falls below 80% -- the power test would catch it."""
-    monkeypatch.setattr(chain_mod, "items_needed", lambda a, d, al, *r: float(min_items(d, al)))
-    monkeypatch.setattr(chain_mod, "power_at", lambda *a: 0.0)
+    monkeypatch.setattr(accuracy, "items_needed", lambda a, d, al, *r: float(min_items(d, al)))
+    monkeypatch.setattr(accuracy, "power_at", lambda *a: 0.0)
     g = gate_rates(0.0, RULES, 0.10, seeds=200, limit=FIRST, max_items=SHIPPED.gate.max_items)
     assert g.holds < POWER
 

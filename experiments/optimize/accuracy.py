@@ -197,6 +197,33 @@ def items_needed(a: "PairedAccuracy", max_drop: float, alpha: float, power: floa
     return max(disc * z * z / dist ** 2, float(min_items(max_drop, alpha)))
 
 
+@dataclass(frozen=True)
+class Plan:
+    """The gate's next look at a pair still undecided: how many items decide it, and the look that takes them."""
+    need: float  # items that decide it with PLAN_POWER (inf: none do)
+    items: Optional[int]  # the next look's item count; None: not within the cap (not spent)
+    differ: str  # what the plan rests on: '6 of 200 items differ'
+    cap: int
+
+    def undecided(self, what: str = "optimize.gate.max_items") -> str:
+        """The reason of a pair left undecided because the plan cannot be met."""
+        need = f"{math.ceil(self.need):,}" if math.isfinite(self.need) else "inf"
+        return f"plan: {self.differ}, ~{need} items would decide it, more than the {self.cap} {what} (not spent)"
+
+
+def plan_look(open_: Sequence["PairedAccuracy"], seen: int, first: int, cap: int, max_drop: float,
+              alpha: float) -> Plan:
+    """The gate's plan after a look that left `open_` undecided (the chain's and the search's one rule): the items
+    that decide every open judgement with PLAN_POWER from the discordance seen, up the ladder from `first` past
+    `seen`; where that is past `cap`, the cap itself when it decides at least FLOOR of the time, else no look."""
+    need = max(items_needed(a, max_drop, alpha) for a in open_)
+    nxt = next_look(need, seen, first, cap)
+    if nxt is None and cap > seen and min(power_at(a, cap, max_drop, alpha) for a in open_) >= FLOOR:
+        nxt = cap  # short of the planned power, but the cap decides more often than not
+    worst = max(open_, key=lambda a: a.b + a.c)
+    return Plan(need, nxt, f"{worst.b + worst.c} of {worst.n} items differ", cap)
+
+
 def next_look(need: float, seen: int, first: int, cap: int) -> Optional[int]:
     """The ladder's first size >= `need` and > `seen` (None where that is past `cap`: the pool or the budget
     cannot decide the pair)."""

@@ -34,7 +34,7 @@ from engine import axes as axis_registry
 
 from engine.measure.spread import Ratio
 
-from .accuracy import FLOOR, UNDECIDED, items_needed, next_look, power_at
+from .accuracy import UNDECIDED, plan_look
 from .decide import (ACCEPTED, BASELINE, MORE_ITEMS, REJECTED, REMEASURE, RUN_FAILED, SKIPPED, TOTAL, UNDECIDED_PAIR,
                      Rules, Verdict, accuracy_cell, judge_accuracy, judge_timing, loaded, memory_problem, pooled_of)
 from .measurement import EVAL_LIMIT, EVAL_OFF, Measure, Measurement, Point, Request, describe, spent
@@ -324,25 +324,18 @@ class Chain:
                 why += f" after {looks} looks"
                 break
             open_ = [a for a in v.accuracy + v.cumulative if a.verdict == UNDECIDED]
-            need = max(items_needed(a, self.rules.max_drop, self.rules.gate_alpha) for a in open_)
-            disc = max(open_, key=lambda a: a.b + a.c)
-            plan = f"{disc.b + disc.c} of {disc.n} items differ"
-            nxt = next_look(need, seen, max(1, round(first * per)), cap)
-            if nxt is None and cap > seen and min(power_at(a, cap, self.rules.max_drop, self.rules.gate_alpha)
-                                                 for a in open_) >= FLOOR:
-                nxt = cap  # short of the planned power, but the cap decides more often than not
-            if nxt is None:
-                limit = "the pool's" if self.item_pool and cap == self.item_pool else "optimize.gate.max_items"
-                why += (f"; plan: {plan}, ~{_count(need)} items would decide it, more than the {cap} {limit} "
-                        f"(not spent)")
+            plan = plan_look(open_, seen, max(1, round(first * per)), cap, self.rules.max_drop, self.rules.gate_alpha)
+            if plan.items is None:
+                why += "; " + plan.undecided("the pool's" if self.item_pool and cap == self.item_pool
+                                             else "optimize.gate.max_items")
                 break
             if stop := self._spent():
                 why += f"; stopped: {stop}"
                 break
-            cost = f", ~{_duration(per_item * nxt * 2)}" if per_item * nxt * 2 >= 1 else ""
-            n = max(n + 1, math.ceil(nxt / per - 1e-9))
-            self.echo(f"  {describe(cand, inc)}: {plan}; ~{_count(need)} items decide it{cost} "
-                      f"(look {looks + 1} of at most {self.rules.gate_looks}: {nxt} items, eval.limit={n})")
+            cost = f", ~{_duration(per_item * plan.items * 2)}" if per_item * plan.items * 2 >= 1 else ""
+            n = max(n + 1, math.ceil(plan.items / per - 1e-9))
+            self.echo(f"  {describe(cand, inc)}: {plan.differ}; ~{_count(plan.need)} items decide it{cost} "
+                      f"(look {looks + 1} of at most {self.rules.gate_looks}: {plan.items} items, eval.limit={n})")
         if decision != ACCEPTED:
             return Verdict(decision, f"{why} ({v.reason})", v.ratio, v.accuracy, v.cumulative), tries
         v.reason += f"; {why}" if why else ""

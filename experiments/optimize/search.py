@@ -38,7 +38,7 @@ import time
 from dataclasses import asdict, dataclass, field, replace
 from typing import Callable, Mapping, Optional, Sequence
 
-from .accuracy import FLOOR, HOLDS, UNDECIDED, WORSE, PairedAccuracy, items_needed, items_of, next_look, power_at
+from .accuracy import HOLDS, UNDECIDED, WORSE, PairedAccuracy, items_of, plan_look
 from .chain import Chain, baseline_of
 from .decide import limit_violations, loaded, pooled_of
 from .measurement import EVAL_LIMIT, Measure, Measurement, Point, Request, describe, point_key, spent
@@ -533,19 +533,12 @@ class Search:
             if looks >= rules.gate_looks:
                 return gate, f"after {looks} looks"
             seen, open_ = min(a.n for a in gate), [a for a in gate if a.verdict == UNDECIDED]
-            need = max(items_needed(a, rules.max_drop, rules.gate_alpha) for a in open_)
-            plan = f"{max(a.b + a.c for a in open_)} of {seen} items differ"
-            nxt = next_look(need, seen, max(1, round(first * per)), cap)
-            if nxt is None and cap > seen and min(power_at(a, cap, rules.max_drop, rules.gate_alpha)
-                                                 for a in open_) >= FLOOR:
-                nxt = cap  # short of the planned power, but the cap decides more often than not
-            if nxt is None:
-                need_s = f"{math.ceil(need):,}" if math.isfinite(need) else "inf"
-                return gate, (f"plan: {plan}, ~{need_s} items would decide it, more than the {cap} "
-                              f"optimize.gate.max_items (not spent)")
-            limit = max(limit + 1, math.ceil(nxt / per - 1e-9))
-            self.echo(f"accuracy of {describe(e.point, self.baseline)}: {plan}; look {looks + 1} of at most "
-                      f"{rules.gate_looks}: {nxt} items, eval.limit={limit}")
+            plan = plan_look(open_, seen, max(1, round(first * per)), cap, rules.max_drop, rules.gate_alpha)
+            if plan.items is None:
+                return gate, plan.undecided()
+            limit = max(limit + 1, math.ceil(plan.items / per - 1e-9))
+            self.echo(f"accuracy of {describe(e.point, self.baseline)}: {plan.differ}; look {looks + 1} of at most "
+                      f"{rules.gate_looks}: {plan.items} items, eval.limit={limit}")
             ref, m = self._look(e.point, limit, res)
             looks += 1
             if not (ref.ok and m.ok):
