@@ -99,7 +99,30 @@ def _more(n: int, width: float, target: float, max_n: int, budget_left_s: float,
     `target`: it narrows as 1/sqrt(n) (one repeat has none yet: what the limits allow), within `max_n` in all
     and `budget_left_s` seconds at `per_one_s` each."""
     want = math.ceil(n * (width / target) ** 2) - n if math.isfinite(width) else max_n - n
-    return min(want, max_n - n, int(budget_left_s / max(per_one_s, 1e-9)))
+    by_time = int(budget_left_s / max(per_one_s, 1e-9)) if math.isfinite(budget_left_s) else max_n - n
+    return min(want, max_n - n, by_time)
+
+
+# An interleaved group adds rounds at most this often, so the rounds a judge reads stop at one of 1 + EXTENSIONS
+# sizes (experiments/optimize counts each as a look: types.ENGINE_LOOKS)
+EXTENSIONS = 2
+
+
+def more_rounds(samples: list[dict[str, list[float]]], n: int, max_rounds: int, budget_left_s: float = math.inf,
+                per_round_s: float = 1.0) -> tuple[int, float]:
+    """The extension rule of an interleaved group, one pure function (`run_interleaved` runs it; the optimize
+    calibration's simulated machine runs the same): after `n` rounds whose per-round values each variant holds
+    in `samples` (timing -> values), how many rounds to add (0: stop) and the widest undecided paired
+    half-width that asks for them. Rounds follow while a paired comparison is undecided -- its interval holds
+    x1 and is wider than +-UNSTABLE_HALF_WIDTH (metrics.undecided_pairs) -- as many as 1/sqrt(n) narrowing
+    predicts, within `max_rounds` in all and `budget_left_s` seconds at `per_round_s` a round."""
+    if n >= max_rounds:
+        return 0, 0.0
+    worst = max((hw for i, own in enumerate(samples)
+                 for hw, _, _ in undecided_pairs(own, [o for j, o in enumerate(samples) if j != i])[0]), default=0.0)
+    if worst <= 0:
+        return 0, 0.0
+    return max(0, _more(n, worst, UNSTABLE_HALF_WIDTH, max_rounds, budget_left_s, per_round_s)), worst
 
 
 def _repeat_until_precise(trial: TrialConfig, run: Callable[[int, int], Runs], metrics_of: Callable[[Any, dict], dict],
@@ -476,19 +499,18 @@ def run_interleaved(trials: list[TrialConfig], rounds: int, progress: Optional[C
                 collected[i].append(ms[i].workload.run(0, 1))
             grown[i] = max(grown[i], mem.growth_bytes) if mem.scoped and grown[i] is not None else None
 
-    def widest_undecided() -> float:
+    def per_round() -> list[dict[str, list[float]]]:
         per = []
         for m, parts in zip(ms, collected):
             rows = [m.workload.metrics_of(t, x) for p in parts for t, x in zip(p.traces, p.extra)]
             per.append({k: [row[k] for row in rows] for k in STABILITY_KEYS if rows and k in rows[0]})
-        return max((hw for i, own in enumerate(per)
-                    for hw, _, _ in undecided_pairs(own, [o for j, o in enumerate(per) if j != i])[0]), default=0.0)
+        return per
 
     import time
 
     # `rounds` is the minimum: like a solo trial's repeats, more follow while a paired comparison is
-    # undecided (interval holds x1, wider than +-10%), as many as 1/sqrt(n) narrowing predicts, within the
-    # group's timing.max_repeats and timing.budget_s (max_repeats <= rounds pins the count)
+    # undecided (more_rounds), within the group's timing.max_repeats and timing.budget_s (max_repeats <= rounds
+    # pins the count)
     max_rounds = min(t.timing.max_repeats for t in trials)
     budget_s = min(t.timing.budget_s for t in trials)
     with NoiseMonitor(min(gpus) if gpus else None) as noise:
@@ -496,11 +518,8 @@ def run_interleaved(trials: list[TrialConfig], rounds: int, progress: Optional[C
         for r in range(rounds):
             one_round(r)
         per_round_s, spent, n = (time.perf_counter() - t0) / rounds, 0.0, rounds
-        for _ in range(2):
-            worst = widest_undecided() if max_rounds > n else 0.0
-            if worst <= 0:
-                break
-            k = _more(n, worst, UNSTABLE_HALF_WIDTH, max_rounds, budget_s - spent, per_round_s)
+        for _ in range(EXTENSIONS):
+            k, worst = more_rounds(per_round(), n, max_rounds, budget_s - spent, per_round_s)
             if k <= 0:
                 break
             (progress or log.info)(f"interleaved: a paired comparison is undecided (+-{worst:.0%}) after {n} rounds: {k} more")

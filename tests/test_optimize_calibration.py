@@ -41,9 +41,10 @@ def test_tango_interval_matches_the_exact_bound_with_no_item_lost_and_covers():
 
 
 def test_the_shipped_rules_keep_their_false_acceptance_and_false_holds():
-    # false acceptance at x1.00 and at x1.03 (10% lognormal noise, x2 stalls in 5% of rounds; with and without 20%
-    # of the measurements flagged for load and biased); false holds at a true drop of max_drop, 50 -> 100 -> 200
-    assert violations(RULES, seeds=1000, rounds=ROUNDS) == []
+    # the timing level's spending over every look, and false acceptance at x1.00 and at x1.03 (10% lognormal noise,
+    # x2 stalls in 5% of rounds, 20% of the measurements flagged for load and biased: independent, AR(1) and offset
+    # noise are tests/test_optimize_timing_calibration.py's); false holds at a true drop of max_drop
+    assert violations(RULES, seeds=1000, rounds=ROUNDS, noises=(Noise(load=0.2),)) == []
     # ... and the simulation exercised what inflated the old rule's error: pairs measured again (mean > 1
     # measurement of 2 trials) and rounds added by the engine (mean rounds above the measurements' minimum)
     r = timing_rates(1.0, RULES, Noise(), 300, ROUNDS)
@@ -56,10 +57,7 @@ def test_the_shipped_rules_keep_their_false_acceptance_and_false_holds():
 
 
 def test_power_the_docs_state():
-    # docs/optimize.md: a true +10% is accepted in >= 95% of pairs at 5% noise, >= 50% at 10% (not 80%: say so)
-    assert timing_rates(1.10, RULES, Noise(sigma=0.05), 600, ROUNDS).accepted >= 0.95
-    assert timing_rates(1.10, RULES, Noise(sigma=0.10), 600, ROUNDS).accepted >= 0.50
-    assert timing_rates(1.25, RULES, Noise(sigma=0.10), 300, ROUNDS).accepted >= 0.95
+    # (the timing rule's power: tests/test_optimize_timing_calibration.py)
     # the gate holds a candidate that loses nothing once the items can show it (200 items)
     assert gate_rates(0.0, RULES, 0.0, 200).holds >= 0.95
 

@@ -11,11 +11,12 @@ Metric names: a timing `NAME` logged as its median keeps its name; its spread is
 """
 from __future__ import annotations
 
+import functools
 import math
 import random
 import statistics
 from dataclasses import dataclass
-from typing import Optional, Sequence
+from typing import Any, Optional, Sequence
 
 CONFIDENCE = 0.95
 RESAMPLES = 2000
@@ -43,18 +44,59 @@ def spread(samples: Sequence[float], confidence: float = CONFIDENCE, resamples: 
     xs = [float(x) for x in samples]
     if not xs:
         raise ValueError("spread of no samples")
-    med = statistics.median(xs)
     mean = statistics.fmean(xs)
     cv = statistics.stdev(xs) / abs(mean) if len(xs) > 1 and mean else 0.0
+    return Spread(*_median_interval(xs, confidence, resamples, seed), cv, len(xs))
+
+
+def _median_interval(xs: list[float], confidence: float, resamples: int, seed: int) -> tuple[float, float, float]:
+    """(median, lower, upper) of `spread`'s percentile-bootstrap interval (a single sample: its value thrice)."""
+    med = statistics.median(xs)
     if len(xs) == 1:
-        return Spread(med, med, med, 0.0, 1)
-    rng = random.Random(seed)
-    n = len(xs)
-    meds = sorted(statistics.median(rng.choices(xs, k=n)) for _ in range(resamples))
+        return med, med, med
+    meds = _bootstrap_medians(xs, resamples, seed)
     alpha = (1 - confidence) / 2
-    lo = meds[int(alpha * (resamples - 1))]
-    hi = meds[int(round((1 - alpha) * (resamples - 1)))]
-    return Spread(med, lo, hi, cv, n)
+    return med, meds[int(alpha * (resamples - 1))], meds[int(round((1 - alpha) * (resamples - 1)))]
+
+
+@functools.lru_cache(maxsize=64)
+def _resample_indices(n: int, resamples: int, seed: int):
+    """The indices `random.Random(seed).choices(range(n), k=n)` draws, `resamples` times in a row, as a
+    (resamples, n) array: the same Mersenne Twister stream (its state copied into numpy's MT19937) turned into
+    floats as CPython's random() does, (a * 2**26 + b) / 2**53 of two 32-bit words shifted by 5 and 6, and into
+    an index as choices() does, floor(random() * n). Bit for bit the draws of the loop it replaces
+    (tests/test_spread.py), at a hundredth of its time: the optimize calibration runs the engine's rule
+    thousands of times."""
+    import numpy as np
+
+    state = random.Random(seed).getstate()[1]
+    bits = np.random.MT19937()
+    bits.state = {"bit_generator": "MT19937", "state": {"key": np.array(state[:624], dtype=np.uint32), "pos": state[624]}}
+    raw = bits.random_raw(2 * n * resamples).reshape(-1, 2)
+    u = ((raw[:, 0] >> 5).astype(np.float64) * 67108864.0 + (raw[:, 1] >> 6).astype(np.float64)) * (1.0 / 9007199254740992.0)
+    idx = np.floor(u * float(n)).astype(np.int32 if n < 2 ** 31 else np.int64).reshape(resamples, n)
+    idx.flags.writeable = False
+    return idx
+
+
+def _bootstrap_medians(xs: list[float], resamples: int, seed: int) -> list[float]:
+    """The sorted medians of `resamples` seeded resamples of `xs` (with replacement): a resample's median is an
+    order statistic of the resampled ranks, so one sort of `xs` serves every resample."""
+    import numpy as np
+
+    n = len(xs)
+    if n * resamples > 4_000_000:  # (no timing has this many samples) the index table would not be worth its memory
+        rng = random.Random(seed)
+        return sorted(statistics.median(rng.choices(xs, k=n)) for _ in range(resamples))
+    idx = _resample_indices(n, resamples, seed)
+    a = np.asarray(xs, dtype=float)
+    order = np.argsort(a, kind="stable")
+    srt = a[order]
+    rank = np.empty(n, dtype=np.int64)
+    rank[order] = np.arange(n)
+    r = np.sort(rank[idx], axis=1)
+    meds = srt[r[:, n // 2]] if n % 2 else (srt[r[:, n // 2 - 1]] + srt[r[:, n // 2]]) / 2
+    return np.sort(meds).tolist()
 
 
 def spread_metrics(name: str, samples: Sequence[float]) -> dict[str, float]:
@@ -137,7 +179,7 @@ def paired_ratio(base: Sequence[float], new: Sequence[float], higher_is_better: 
     if len(base) < 2 or not all(v > 0 and math.isfinite(v) for v in (*base, *new)):
         return None
     rs = [(n / b if higher_is_better else b / n) for b, n in zip(base, new)]
-    s = spread(rs, resamples=resamples, seed=seed)
+    s = Spread(*_median_interval(rs, CONFIDENCE, resamples, seed), 0.0, len(rs))  # (its cv is not read)
     # With few rounds the percentile bootstrap of the median covers too rarely (simulated, 10% noise: 75%
     # at 3 rounds, 87% at 4, 92% at 5, for 95% nominal), so a chance 20% "gain" could pass for a real one.
     # Student's t interval of the log ratios beside it brings that to 93-96%; the wider of the two is kept.
@@ -227,6 +269,103 @@ def signed_rank_bounds(x, alpha: float):
     if k <= 0:
         return centre, np.full(sims, -np.inf), np.full(sims, np.inf)
     return centre, walsh[:, k - 1], walsh[:, m - k]
+
+
+# --- rounds that may not be independent ----------------------------------------------------------------------
+# The bound above is exact when a pair's rounds are exchangeable. A shared machine's slow load is not: it can
+# favour one variant for several rounds in a row (serially correlated ratios, an AR(1) pattern), and then n
+# rounds carry less than n rounds' information -- the variance of their centre is (1 + rho) / (1 - rho) times
+# what the ranks assume (x3 at rho = 0.5), and simulated, the exact bound at 0.2% erred in 1.8-2.7% of looks.
+# Nine to thirty rounds cannot tell rho = 0.5 from 0 reliably (the lag-1 estimate's sd is 1/sqrt(n): 0.33 at
+# nine), so the bounds are widened for the correlation the rounds cannot rule out -- the bias-corrected lag-1
+# estimate plus SERIAL_MARGIN of its standard errors -- which lets that margin shrink as rounds accumulate.
+# Per-measurement offsets (a process that happens to favour one variant throughout) are not estimated apart:
+# two to four measurements give a between-measurement variance 1-3 degrees of freedom, which simulated
+# changed little at a large cost in power (experiments/optimize/calibration.py, docs/optimize.md).
+SERIAL_MARGIN = 1.0  # standard errors of the lag-1 estimate above it that the widening allows for
+SERIAL_CAP = 0.9  # the most correlation allowed for (a variance factor of 19)
+SERIAL_Z = 2.326  # a one-sided 1% test: past it, the rounds are called "not independent" in words
+
+
+@dataclass(frozen=True)
+class Serial:
+    """How the rounds of one or more measurements depend on each other, as the bounds used it (arrays, a row
+    per simulated pair, or floats for one pair)."""
+
+    lag1: Any  # bias-corrected lag-1 rank autocorrelation of the rounds within each measurement, pooled
+    z: Any  # lag1's z under independence (> SERIAL_Z: the rounds are not independent)
+    rho: Any  # the correlation the widening allowed for: lag1 + SERIAL_MARGIN standard errors, within [0, CAP]
+    widened: Any  # the factor the bounds' distances from the centre were multiplied by: sqrt((1+rho)/(1-rho))
+    rounds: int
+    measurements: int
+
+    def note(self) -> str:
+        """The widening in words, for a verdict ('' where it did not widen)."""
+        if float(self.widened) <= 1.0:
+            return ""
+        if float(self.z) > SERIAL_Z:
+            return (f"noise not independent (lag-1 r={float(self.lag1):.2f}, z={float(self.z):.1f}): interval "
+                    f"widened x{float(self.widened):.2f}")
+        return (f"interval widened x{float(self.widened):.2f} for serial correlation up to {float(self.rho):.2f} "
+                f"(lag-1 r={float(self.lag1):+.2f})")
+
+
+def _ranks(a):
+    """Average ranks (1..n) of each row of `a`: ties share theirs, so a constant row has none to order."""
+    import numpy as np
+
+    less = (a[:, None, :] < a[:, :, None]).sum(axis=2)
+    same = (a[:, None, :] == a[:, :, None]).sum(axis=2)
+    return less + (same + 1) / 2
+
+
+def serial(measurements, margin: float = SERIAL_MARGIN) -> Serial:
+    """The serial correlation of the rounds of each measurement (arrays of shape (sims, n_j) or (n_j,)): the
+    lag-1 autocorrelation of each measurement's ranks (robust to a round that met a stall; 0 for a constant
+    one), pooled weighted by rounds. Under independence its mean is exactly -J/N (J measurements, N rounds)
+    and its sd about 1/sqrt(N); with correlation rho it is about rho - (1 + 3 rho) J/N (the bias of a
+    short series about its own centre), which the estimate corrects for. Measurements of fewer than three
+    rounds carry no lag-1 information and are left out."""
+    import numpy as np
+
+    rows = [np.atleast_2d(np.asarray(m, dtype=float)) for m in measurements]
+    rows = [m for m in rows if m.shape[1] >= 3]
+    if not rows:
+        return Serial(0.0, 0.0, 0.0, 1.0, 0, 0)
+    total = n = j = 0.0  # per row: sum of n_j r_j, rounds and measurements that have an order (not constant)
+    for m in rows:
+        d = _ranks(m) - (m.shape[1] + 1) / 2
+        den = (d * d).sum(axis=1)
+        ordered = den > 0
+        r = np.where(ordered, (d[:, 1:] * d[:, :-1]).sum(axis=1) / np.where(ordered, den, 1.0), 0.0)
+        total, n, j = total + m.shape[1] * r, n + m.shape[1] * ordered, j + ordered
+    some = n > 0
+    n_ = np.where(some, n, 1.0)
+    bias = j / n_
+    z = np.where(some, (total / n_ + bias) * np.sqrt(n_), 0.0)
+    lag1 = np.where(some, (total / n_ + bias) / np.maximum(1 - 3 * bias, 0.25), 0.0)
+    rho = np.where(some, np.clip(lag1 + margin / np.sqrt(n_), 0.0, SERIAL_CAP), 0.0)
+    widened = np.sqrt((1 + rho) / (1 - rho))
+    if len(lag1) == 1:
+        lag1, z, rho, widened = (float(v[0]) for v in (lag1, z, rho, widened))
+    return Serial(lag1, z, rho, widened, int(np.max(n)), int(np.max(j)))
+
+
+def pooled_bounds(measurements, alpha: float, guard: bool = True):
+    """The sequential decision's reading of a pair measured one or more times: the Hodges-Lehmann centre of
+    every measurement's per-round log ratios pooled, with the exact one-sided signed-rank bounds at `alpha`
+    (signed_rank_bounds), each moved away from the centre by `serial(...).widened` (guard: for the serial
+    correlation the rounds cannot rule out). Vectorized like signed_rank_bounds: each measurement (sims, n_j).
+    Returns (centre, lower, upper, Serial)."""
+    import numpy as np
+
+    rows = [np.atleast_2d(np.asarray(m, dtype=float)) for m in measurements]
+    c, lo, hi = signed_rank_bounds(np.concatenate(rows, axis=1), alpha)
+    dep = serial(rows) if guard else Serial(0.0, 0.0, 0.0, 1.0, sum(m.shape[1] for m in rows), len(rows))
+    f = np.asarray(dep.widened, dtype=float)
+    with np.errstate(invalid="ignore"):  # an infinite bound stays infinite
+        lo, hi = np.where(np.isfinite(lo), c - f * (c - lo), lo), np.where(np.isfinite(hi), c + f * (hi - c), hi)
+    return c, lo, hi, dep
 
 
 def sequential_ratio(base: Sequence[float], new: Sequence[float], alpha: float,

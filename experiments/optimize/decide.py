@@ -11,9 +11,13 @@ The timing rule is sequential and keeps its stated error over the whole procedur
 engine adds rounds while its own 95% interval holds x1 -- at most `ENGINE_LOOKS` looks at the data per
 attempt. Each decision is taken at the one-sided level `false_accept / (ENGINE_LOOKS * attempts)` (Bonferroni
 over every look the procedure can make), so P(accepting a candidate whose true gain is below min_effect) <=
-`false_accept` whatever the looks saw: tests/test_optimize_calibration.py drives the chain's own pair loop
-over thousands of seeds and measures it. The bound is the exact Wilcoxon signed-rank bound of the per-round
-log ratios (engine.measure.spread.signed_rank_bounds).
+`false_accept` whatever the looks saw, where the rounds are exchangeable. The bound is the exact Wilcoxon
+signed-rank bound of the pooled per-round log ratios (engine.measure.spread.signed_rank_bounds), moved away from
+its centre by the variance factor of the serial correlation the rounds cannot rule out (spread.pooled_bounds: a
+shared machine's slow load makes successive rounds alike, and the exact bound then errs ten times as often); the
+verdict's reason says how much it widened. tests/test_optimize_timing_calibration.py drives the chain's own pair
+loop, with the engine's own extension rule, over thousands of seeds of independent, serially correlated (AR(1))
+and per-measurement-offset noise and measures it.
 """
 from __future__ import annotations
 
@@ -165,19 +169,23 @@ def judge_timing(attempts: Sequence[tuple[Measurement, Measurement]], objective:
     if broken:
         return Verdict(REJECTED, "; ".join(broken))
     clean = [(i, c) for i, c in attempts if i.ok and c.ok and not loaded(i) and not loaded(c)]
-    r = objective.sequential(clean, rules.timing_alpha)
-    if r is None:
+    reading = objective.reading(clean, rules.timing_alpha)
+    if reading is None:
         return Verdict(UNDECIDED_PAIR, f"no interval for {objective.label}", needs=REMEASURE)
+    r = reading.ratio
     code = int(timing_codes(r.lo, r.hi, rules.min_effect))
     bar = f"x{1 + rules.min_effect:.2f}"
-    rounds = f"{sum(len(next(iter(c.rounds.values()), [])) for _, c in clean)} rounds"
+    n = sum(len(next(iter(c.rounds.values()), [])) for _, c in clean)
+    # the rounds the bounds rest on, and how their serial correlation widened them (spread.Serial.note)
+    basis = (f"({n} rounds" + (f" in {len(clean)} measurements" if len(clean) > 1 else "") + ")"
+             + (f"; {reading.note}" if reading.note else ""))
     if code == T_SLOWER:
-        return Verdict(REJECTED, f"slower {r.cell()}", r)
+        return Verdict(REJECTED, f"slower {r.cell()} {basis}", r)
     if code == T_BELOW:
-        return Verdict(REJECTED, f"below min effect {r.cell()}: shown < {bar}", r)
+        return Verdict(REJECTED, f"below min effect {r.cell()}: shown < {bar} {basis}", r)
     if code == T_OPEN:
-        return Verdict(UNDECIDED_PAIR, f"not shown >= {bar} nor below it: {r.cell()} ({rounds})", r, needs=REMEASURE)
-    return Verdict(ACCEPTED, f"faster {r.cell()} >= {bar} ({rounds})", r)
+        return Verdict(UNDECIDED_PAIR, f"not shown >= {bar} nor below it: {r.cell()} {basis}", r, needs=REMEASURE)
+    return Verdict(ACCEPTED, f"faster {r.cell()} >= {bar} {basis}", r)
 
 
 def judge_accuracy(ref_pair: list[PairedAccuracy], ref_base: list[PairedAccuracy]) -> tuple[str, str, str]:

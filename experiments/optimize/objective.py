@@ -5,10 +5,11 @@ measurements compare on it -- a ratio (> 1: the candidate is better) with its 95
 `peak_memory`; `0.7*tpot+0.3*peak_memory` (weighted: the weighted geometric mean of the ratios);
 `tpot>peak_memory` (lexicographic: the first term whose ratio is not within noise decides).
 
-Two readings of a comparison: `compare` (one look, 95%: what a report shows) and `sequential` (the chain's
-decision: the per-round log ratios of every attempt of a pair pooled, each round's terms combined in that round --
-the terms of a weighted objective come from the same runs, so their errors are not independent and must not be
-added in quadrature -- with exact signed-rank bounds at the look's level, engine.measure.spread.sequential_ratio).
+Two readings of a comparison: `compare` (one look, 95%: what a report shows) and `sequential` / `reading` (the
+chain's decision: the per-round log ratios of every attempt of a pair pooled, each round's terms combined in that
+round -- the terms of a weighted objective come from the same runs, so their errors are not independent and must
+not be added in quadrature -- with exact signed-rank bounds at the look's level, widened for the serial
+correlation the rounds cannot rule out: engine.measure.spread.pooled_bounds).
 """
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ import re
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
-from engine.measure.spread import (FASTER, SLOWER, WITHIN_NOISE, Ratio, paired_ratio, ratio, signed_rank_bounds,
+from engine.measure.spread import (FASTER, SLOWER, WITHIN_NOISE, Ratio, Serial, paired_ratio, pooled_bounds, ratio,
                                   spread_of)
 
 from .measurement import Measurement
@@ -128,11 +129,11 @@ class Objective:
         return Ratio(math.exp(ln_r), lo, hi, FASTER if lo > 1 else (SLOWER if hi < 1 else WITHIN_NOISE))
 
     # --- the sequential decision's reading ---------------------------------------------------------------
-    def round_logs(self, pairs: Sequence[tuple[Measurement, Measurement]]) -> Optional[list[list[float]]]:
-        """Per term, the log ratios (> 0: the candidate better) of every round of every (incumbent, candidate)
-        pair, pooled in order; a term logged without rounds (peak memory) contributes its exact ratio to each
-        round. None where a term is missing, or no term has rounds (then `compare` is exact)."""
-        out: list[list[float]] = [[] for _ in self.terms]
+    def attempt_logs(self, pairs: Sequence[tuple[Measurement, Measurement]]) -> Optional[list[list[list[float]]]]:
+        """Per term, per (incumbent, candidate) pair in order, the log ratios (> 0: the candidate better) of its
+        rounds; a term logged without rounds (peak memory) contributes its exact ratio to each round. None where
+        a term is missing, or no term has rounds (then `compare` is exact)."""
+        out: list[list[list[float]]] = [[] for _ in self.terms]
         any_rounds = False
         for inc, cand in pairs:
             per_term: list[Optional[list[float]]] = []
@@ -152,27 +153,52 @@ class Objective:
                     logs = [math.log(r.value)] * max(n, 1)
                 if n and len(logs) != n:
                     return None
-                out[i].extend(logs)
+                out[i].append(logs)
         return out if any_rounds else None
 
+    def round_logs(self, pairs: Sequence[tuple[Measurement, Measurement]]) -> Optional[list[list[float]]]:
+        """Per term, the log ratios of every round of every pair, pooled in order (attempt_logs, concatenated)."""
+        logs = self.attempt_logs(pairs)
+        return None if logs is None else [[x for attempt in term for x in attempt] for term in logs]
+
     def sequential(self, pairs: Sequence[tuple[Measurement, Measurement]], alpha: float) -> Optional[Ratio]:
-        """The candidate's ratio over the pooled rounds of `pairs`, with exact one-sided bounds at `alpha` each."""
+        """The candidate's ratio over the pooled rounds of `pairs`, with one-sided bounds at `alpha` each."""
+        r = self.reading(pairs, alpha)
+        return r.ratio if r is not None else None
+
+    def reading(self, pairs: Sequence[tuple[Measurement, Measurement]], alpha: float) -> Optional["Reading"]:
+        """`sequential`'s ratio with how the rounds' serial correlation widened it (Reading.serial: None where
+        no term has rounds and the metrics' exact ratios are all there is)."""
         if not pairs:
             return None
-        logs = self.round_logs(pairs)
-        if logs is None:  # no rounds at all: the metrics' exact ratios (peak memory) are all there is
-            return self.compare(*pairs[-1])
+        logs = self.attempt_logs(pairs)
+        if logs is None:
+            r = self.compare(*pairs[-1])
+            return Reading(r) if r is not None else None
 
-        def of(xs: list[float]) -> Ratio:
-            c, lo, hi = (float(v[0]) for v in signed_rank_bounds(xs, alpha))
+        def of(attempts: list[list[float]]) -> Reading:
+            c, lo, hi, dep = pooled_bounds(attempts, alpha)
+            c, lo, hi = float(c[0]), float(lo[0]), float(hi[0])
             lo_r = math.exp(lo) if math.isfinite(lo) else 0.0
             hi_r = math.exp(hi) if math.isfinite(hi) else math.inf
-            return Ratio(math.exp(c), lo_r, hi_r, FASTER if lo_r > 1 else (SLOWER if hi_r < 1 else WITHIN_NOISE))
+            return Reading(Ratio(math.exp(c), lo_r, hi_r, FASTER if lo_r > 1 else (SLOWER if hi_r < 1 else WITHIN_NOISE)), dep)
 
         if self.mode == WEIGHTED:
             total = sum(self.weights)
-            return of([sum(w * x[i] for w, x in zip(self.weights, logs)) / total for i in range(len(logs[0]))])
+            return of([[sum(w * x[a][i] for w, x in zip(self.weights, logs)) / total for i in range(len(logs[0][a]))]
+                       for a in range(len(logs[0]))])
         rs = [of(x) for x in logs]
         if self.mode == LEXICOGRAPHIC:
-            return next((r for r in rs if r.verdict != WITHIN_NOISE), rs[0])
+            return next((r for r in rs if r.ratio.verdict != WITHIN_NOISE), rs[0])
         return rs[0]
+
+
+@dataclass(frozen=True)
+class Reading:
+    """A sequential reading: the ratio, and how the rounds' dependence widened its bounds."""
+    ratio: Ratio
+    serial: Optional[Serial] = None
+
+    @property
+    def note(self) -> str:
+        return self.serial.note() if self.serial is not None else ""
