@@ -85,7 +85,14 @@ def test_cpp_step_logits_match_the_eager_engine_on_every_architecture(kind, atte
             torch.testing.assert_close(out["cpp"], out["dynamic"], atol=0, rtol=0)
         else:  # sdpa's CPU kernel rounds its bf16 probabilities after an approximate exp: an ulp here and there
             assert (out["cpp"] - out["dynamic"]).abs().max() < 0.1
-            assert (out["cpp"].argmax(-1) == out["dynamic"].argmax(-1)).float().mean() >= 0.95
+            # a random tiny model's logits are flat, so an ulp may swap near-tied tokens (seen: 2 of 29 positions
+            # on an AVX2-only EPYC): every position whose greedy token differs is a near tie in the eager engine's
+            # own logits (its top and the C++ step's pick within 0.2, two ulps at these magnitudes), none a real
+            # disagreement
+            ref = out["dynamic"].float().reshape(-1, out["dynamic"].shape[-1])
+            pick = out["cpp"].float().reshape(-1, ref.shape[-1]).argmax(-1)
+            gap = ref.max(-1).values - ref.gather(-1, pick[:, None])[:, 0]
+            assert gap.max() < 0.2, f"the C++ step picks a token {gap.max():.3f} below the eager engine's top"
 
 
 def test_cpp_step_runs_speculative_decoding_with_the_same_tokens(prompts):

@@ -62,6 +62,7 @@ class SimulatedMachine:
         self.rounds, self.max_rounds, self.extend, self.correct = rounds, max_rounds, extend, correct
         self.total_rounds = 0
         self.stops = 0  # the most sizes one measurement's rounds could have stopped at (1 + the rule's looks)
+        self.first_items = 0  # the items of a trial at the configured eval.limit (0: all of `correct`)
 
     def _times(self, n: int, ratio: float, state: list) -> tuple[np.ndarray, np.ndarray]:
         """n more rounds of (incumbent, candidate) times; `state`: each variant's last log-noise (AR(1)), updated."""
@@ -100,7 +101,7 @@ class SimulatedMachine:
 
     def _items(self, p: dict) -> list[float]:
         inc, cand = self.correct
-        n = int(p.get(EVAL_LIMIT, 0)) or len(inc)
+        n = int(p.get(EVAL_LIMIT, 0)) or self.first_items or len(inc)  # no eval.limit: the configured count
         return [float(x) for x in (cand if p.get("kv_cache") == "contiguous" else inc)[:n]]
 
     def __call__(self, requests: Sequence[Request]) -> list[list[Measurement]]:
@@ -193,6 +194,7 @@ def gate_rates(drop: float, rules: Rules, discordant: float = 0.0, seeds: int = 
         # P(flip to wrong | right) and P(flip to right | wrong) that give the joint rates p10 and p01
         cand = np.where(inc == 1, (u >= p10 / base_accuracy).astype(float), (u < p01 / (1 - base_accuracy)).astype(float))
         m = SimulatedMachine(3.0, Noise(sigma=0.01, stall=0.0), rng, 9, 9, False, (inc, cand))
+        m.first_items = limit
         v, _, _ = _chain(rules, m, limit, max_items).measure_pair(BASE, CAND)
         verdict = HOLDS if v.decision == ACCEPTED else (WORSE if v.decision == REJECTED else UNDECIDED)
         out[verdict] += 1
