@@ -72,7 +72,8 @@ def test_a_memory_limit_below_every_configurations_weights_is_refused_before_any
     from experiments.optimize.run import OptimizeError, prepare
 
     need_prepared("smollm2-135m-instruct")
-    base = ["model=smollm2-135m", "kv_cache=off,contiguous", GATE_OFF]
+    # fp32 pinned: model.dtype=auto is bfloat16 on a CPU with bf16 units (half the bytes)
+    base = ["model=smollm2-135m", "model.dtype=float32", "kv_cache=off,contiguous", GATE_OFF]
     with pytest.raises(OptimizeError) as ei:
         prepare([*base, "optimize.max_memory_gb=0.01", "optimize.max_trials=0"])
     assert "optimize.max_memory_gb: 0.01 GB is below the baseline's weights alone (0.54 GB, smollm2-135m-instruct " \
