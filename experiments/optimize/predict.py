@@ -60,10 +60,25 @@ def _what(trial) -> str:
     return f"{trial.model.name} {trial.model.dtype}" + (f" {q}" if q != "none" else "")
 
 
+def _convert(model) -> bool:
+    """Convert a shipped model whose packages are installed but which was never prepared (a new machine's first
+    `optimize`: its shape is known only once converted, and its first trial would convert it anyway). True where
+    it did."""
+    from engine.models import PREPARED_MODELS, PREPARED_SCHEME, prepare_model, prepared_dir, source_installed
+
+    name = model.path[len(PREPARED_SCHEME):] if model.path.startswith(PREPARED_SCHEME) else None
+    if name not in PREPARED_MODELS or (prepared_dir(name) / "config.json").is_file() or not source_installed(name):
+        return False
+    log.info("%s: preparing it once to judge optimize.max_memory_gb against its weights", name)
+    prepare_model(name, progress=log.info)
+    return True
+
+
 def weights_floor(disp, space: Mapping[str, list[str]], baseline: Point) -> Optional[tuple[float, str]]:
     """(the fewest weight bytes any configuration of `space` holds, which configuration that is): every
     combination of the FOOTPRINT axes, the others at the baseline; combinations validation refuses never run.
-    None where a configuration's weights are unknown (the floor could be lower: nothing is refused on it)."""
+    A shipped model not converted yet is prepared first (its shape comes from the conversion). None where a
+    configuration's weights are still unknown (the floor could be lower: nothing is refused on it)."""
     keys = [k for k in space if k in FOOTPRINT]
     best: Optional[tuple[float, str]] = None
     for values in itertools.product(*(space[k] for k in keys)):
@@ -73,6 +88,8 @@ def weights_floor(disp, space: Mapping[str, list[str]], baseline: Point) -> Opti
         except SweepError:
             continue
         b = weight_bytes(trial)
+        if b is None and _convert(trial.model):
+            b = weight_bytes(trial)
         if b is None:
             return None
         if best is None or b < best[0]:
