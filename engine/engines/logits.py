@@ -27,6 +27,10 @@ class Backend(Protocol):
         """Teacher-forced logits [B, T, V] for input_ids [B, T] (no cache kept)."""
         ...
 
+    # Optional (`scores_trees` True): logits [R, V] float32 of `pack.rows` for one row of context-shared trees
+    # (engine/engines/packing.py: its tokens at their positions, attention by `pack.mask`).
+    # def score_tree(self, pack: TreePack) -> torch.Tensor: ...
+
     def weights_bytes(self) -> int: ...
 
 
@@ -124,10 +128,33 @@ class LogitsSession(TrialSession):
     def score_windows(self, windows: torch.Tensor, topk: int, say: Say) -> WindowScores:
         return self.backend
 
-    def loglikelihood(self, pairs: list[tuple[list[int], list[int]]], say: Say,
-                      batch: int = 8) -> list[tuple[float, bool]]:
-        """Teacher-forced by `Backend.score` (the trial's model as it runs here), `batch` pairs per call,
-        right-padded: a causal model's logits at a position never see the positions after it."""
+    def loglikelihood(self, pairs: list[tuple[list[int], list[int]]], say: Say) -> list[tuple[float, bool]]:
+        """Teacher-forced on the trial's model as it runs here. Where the backend scores trees
+        (`Backend.score_tree`: hf, native with eager or sdpa attention), the requests that share a context are
+        scored as one tree (engine/engines/packing.py: each context once, logits only where a target is scored);
+        otherwise, and for a request with an empty context, one by one in padded batches (`padded_loglikelihood`)."""
+        from .packing import pack_trees, tree_results
+
+        if not getattr(self.backend, "scores_trees", False):
+            return self.padded_loglikelihood(pairs, say)
+        packs, alone = pack_trees(pairs, device=self.device)
+        out: list = [None] * len(pairs)
+        done, total = 0, len(pairs)
+        for n, pack in enumerate(packs):
+            if n % 16 == 0:
+                say(f"scoring {done + 1}/{total} (context-shared rows {n + 1}/{len(packs)})")
+            for i, res in tree_results(pack, self.backend.score_tree(pack)):
+                out[i] = res
+            done += len(pack.targets)
+        if alone:
+            for i, res in zip(alone, self.padded_loglikelihood([pairs[i] for i in alone], say)):
+                out[i] = res
+        return out
+
+    def padded_loglikelihood(self, pairs: list[tuple[list[int], list[int]]], say: Say,
+                             batch: int = 8) -> list[tuple[float, bool]]:
+        """Teacher-forced by `Backend.score`, `batch` pairs per call, right-padded: a causal model's logits at a
+        position never see the positions after it."""
         out = []
         for start in range(0, len(pairs), batch):
             if start % (batch * 8) == 0:

@@ -24,6 +24,28 @@ def cache_kwarg(model) -> str:
     return "cache" if "cache" in params else "past_key_values"
 
 
+def _additive(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """[N, N] bool -> [1, 1, N, N] additive mask in the model's dtype (eager attention adds it to the scores)."""
+    zero = torch.zeros((), dtype=dtype, device=allowed.device)
+    return torch.where(allowed, zero, torch.finfo(dtype).min)[None, None]
+
+
+def tree_attention_mask(config, pack, dtype: torch.dtype):
+    """The attention mask of a tree row for a transformers model: one [1, 1, N, N] mask, or one per layer type
+    where the config has sliding-window layers (`layer_types`: Gemma 3); a model whose every layer slides
+    (Mistral's `sliding_window` without layer types) gets the window in its one mask. transformers returns a
+    custom 4-D mask as given, so the window is ours to apply."""
+    window = getattr(config, "sliding_window", None)
+    if window and pack.longest_span() <= window:
+        window = None  # no query looks back that far
+    types = set(getattr(config, "layer_types", None) or ())
+    if window and "sliding_attention" in types:
+        return {t: _additive(pack.mask(window if t == "sliding_attention" else None), dtype) for t in types}
+    if window and not types:
+        return _additive(pack.mask(window), dtype)
+    return _additive(pack.mask(None), dtype)  # no window, or layer types that are all full attention
+
+
 class HFSession:
     def __init__(self, model, batch_size: int, max_len: int, use_cache: bool):
         self._model = model
@@ -102,6 +124,21 @@ class HFBackend:
     def score(self, input_ids: torch.Tensor) -> torch.Tensor:
         with torch.inference_mode():
             return self._model(input_ids=input_ids, use_cache=False).logits.float()
+
+    @property
+    def scores_trees(self) -> bool:
+        """A custom 4-D mask reaches eager and sdpa attention as given; flash-attention kernels take none."""
+        return self._model.config._attn_implementation in ("eager", "sdpa")
+
+    def score_tree(self, pack) -> torch.Tensor:
+        """One row of context-shared trees (engine/engines/packing.py) through the model's own forward: an
+        additive 4-D mask (per layer type where the model has sliding-window layers: `sliding_window_masks`),
+        the row's positions, and logits only at `pack.rows` (transformers' logits_to_keep)."""
+        with torch.inference_mode():
+            out = self._model(input_ids=pack.ids[None], position_ids=pack.positions[None],
+                              attention_mask=tree_attention_mask(self._model.config, pack, self._model.dtype),
+                              logits_to_keep=pack.rows, use_cache=False)
+            return out.logits[0].float()
 
     def weights_bytes(self) -> int:
         return weights_bytes(self._model)

@@ -39,6 +39,18 @@ def window_start(start: int, window: int | None) -> int:
     return 0 if window is None else max(0, start - window + 1)
 
 
+class TreeRow:
+    """A row of context-shared trees (engine/engines/packing.py) passed where a static batch passes its cache:
+    B = 1, T = N tokens at their own positions; every layer attends by the row's mask (under its window)."""
+
+    def __init__(self, pack):
+        self.pack = pack
+        self.positions = pack.positions  # [N], read by Transformer.forward_varlen for RoPE
+
+    def attend(self, kernel, layer: int, q, k, v, window: int | None = None, scale: float | None = None):
+        return kernel.attend_masked(q, k, v, self.pack.mask(window), scale)
+
+
 class AttentionKernel:
     name = "base"
 
@@ -59,11 +71,13 @@ class AttentionKernel:
         """q [B,Hq,T,D] and the new k, v [B,Hkv,T,D]; `cache` (or None when caching is off) stores the new
         keys/values and returns all S of them. Returns [B, Hq, T, D]. A `VarlenBatch` in place of the cache
         (B = 1, T = N flattened tokens of sequences at different positions) attends per sequence."""
-        if isinstance(cache, VarlenBatch):
+        if isinstance(cache, (VarlenBatch, TreeRow)):
             return cache.attend(self, layer, q, k, v, window, scale)
         if cache is not None:
             k, v = cache.update(layer, k, v)
         return self.attend(q, k, v, start, window=window, scale=scale)
+
+    attend_masked = None  # (q [1, Hq, N, D], k, v [1, Hkv, N, D], mask [N, N] bool, scale) -> [1, Hq, N, D]
 
     def attend(self, q, k, v, start: int, key_mask: torch.Tensor | None = None, window: int | None = None,
                scale: float | None = None) -> torch.Tensor:
@@ -103,6 +117,18 @@ class EagerAttention(AttentionKernel):
         return out.view(b, hq, t, d)
 
 
+    def attend_masked(self, q, k, v, mask, scale=None):
+        b, hq, t, d = q.shape
+        hkv = k.shape[1]
+        g = hq // hkv
+        scores = torch.matmul(q.reshape(b, hkv, g * t, d), k.transpose(-1, -2))  # [B, Hkv, g*T, N]
+        scores.mul_(1.0 / math.sqrt(d) if scale is None else scale)
+        scores.view(b, hkv, g, t, -1).masked_fill_(~mask, float("-inf"))
+        probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+        self._record(scores.numel() * scores.element_size() + probs.numel() * probs.element_size() + 2 * mask.numel())
+        return torch.matmul(probs, v).view(b, hq, t, d)
+
+
 class SdpaAttention(AttentionKernel):
     """torch.nn.functional.scaled_dot_product_attention (fused; on CPU the flash-style tiled kernel)."""
 
@@ -131,6 +157,12 @@ class SdpaAttention(AttentionKernel):
             mask_bytes = mask.numel()
         if not torch.compiler.is_compiling():
             self._record(sdpa_transient_bytes(b, hq, t, s, d, q.element_size(), q.device) + mask_bytes)
+        return out
+
+    def attend_masked(self, q, k, v, mask, scale=None):
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True, scale=scale)
+        self._record(sdpa_transient_bytes(q.shape[0], q.shape[1], q.shape[2], k.shape[2], q.shape[3],
+                                          q.element_size(), q.device) + mask.numel())
         return out
 
 

@@ -121,6 +121,19 @@ class NativeBackend:
         with torch.inference_mode():
             return self.model(input_ids, 0, self.kernel, None)
 
+    @property
+    def scores_trees(self) -> bool:
+        return self.kernel.attend_masked is not None  # eager, sdpa (the flash kernel takes no mask)
+
+    def score_tree(self, pack) -> torch.Tensor:
+        """One row of context-shared trees (engine/engines/packing.py): its tokens flattened at their own
+        positions (forward_varlen), attention by the row's mask, logits only at `pack.rows`."""
+        from .attention import TreeRow
+
+        self._check_len(pack.longest_span())
+        with torch.inference_mode():
+            return self.model.forward_varlen(pack.ids, TreeRow(pack), self.kernel, pack.rows)
+
     def weights_bytes(self) -> int:
         return weights_bytes(self.model)
 
