@@ -10,7 +10,8 @@ only where a target is scored: the context's last token (it predicts every conti
 continuation's own tokens but its last (`TreePack.rows`).
 
 On ARC-Easy + SciQ + PIQA (300 pooled items, SmolLM2's tokenizer) the 890 requests are 55,409 tokens scored one
-by one and 20,783 as trees (x2.67 fewer), and 8,003 of those need logits.
+by one and 20,783 as trees (x2.67 fewer), and 8,003 of those need logits: scoring is x2.7 (fp32) to x3.3 (bf16)
+faster on SmolLM2 (benchmarks/bench_task_scoring.py, BENCHMARKS.md).
 
 Shapes: N = a row's tokens, R = the positions whose logits are needed, V = vocabulary.
 """
