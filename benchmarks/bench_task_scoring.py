@@ -11,7 +11,7 @@ and the per-round ratios' median [min, max]. It also checks that both give the s
 Needs `infersweep prepare --data`.
 
     .venv/bin/python benchmarks/bench_task_scoring.py [--tasks arc_easy,sciq,piqa] [--limit 50] [--rounds 3]
-        [--dtype float32|bfloat16|auto] [--engine hf|native]
+        [--dtype float32|bfloat16|auto] [--engine hf|native] [--quant none|int8-dynamic|...]
 """
 from __future__ import annotations
 
@@ -34,6 +34,7 @@ def main() -> None:
     p.add_argument("--limit", type=int, default=50, help="documents per task")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--engine", default="hf", choices=["hf", "native"])
+    p.add_argument("--quant", default="none", help="quant.level (int8-dynamic: W8A8 on our integer kernel)")
     p.add_argument("--dtype", default="float32", help="model.dtype (auto: bfloat16 where the CPU has bf16 units)")
     args = p.parse_args()
     tasks = args.tasks.split(",")
@@ -43,7 +44,7 @@ def main() -> None:
     dtype = preferred_cpu_dtype() if args.dtype == "auto" else args.dtype
     trial = TrialConfig(model=ModelConfig(name="smollm2-135m-instruct", path="prepared://smollm2-135m-instruct",
                                           dtype=dtype), eval=EvalConfig(tasks=tasks, limit=args.limit))
-    trial = replace(trial, "engine.backend", args.engine)
+    trial = replace(replace(trial, "engine.backend", args.engine), "quant.level", args.quant)
     eng = engines.get(args.engine)
     session = eng.open(trial, eng.load(trial, lambda m: None), lambda m: None)
 
@@ -65,7 +66,7 @@ def main() -> None:
     from engine.engines.packing import pack_trees
 
     packs, alone = pack_trees(doc)
-    print(f"SmolLM2-135M-Instruct {dtype}, engine={args.engine} {trial.attention.impl}, {torch.get_num_threads()} "
+    print(f"SmolLM2-135M-Instruct {dtype} quant={args.quant}, engine={args.engine} {trial.attention.impl}, {torch.get_num_threads()} "
           f"threads: {len(doc)} requests of {', '.join(tasks)} (limit {args.limit}), {min(lens)}-{max(lens)} tokens "
           f"(median {statistics.median(lens):.0f}); {sum(lens)} tokens one by one, "
           f"{sum(p.num_tokens for p in packs)} as {len(packs)} context-shared rows ({len(alone)} requests alone)")

@@ -300,11 +300,11 @@ def _references(i: int, o: int, rows: int):
 
 
 @pytest.mark.parametrize("i,o", [(37, 101), (577, 1539), (130, 65)])
-@pytest.mark.parametrize("rows", [1, 3, 8])
+@pytest.mark.parametrize("rows", [1, 3, 8, 37])
 def test_every_isa_tier_of_this_cpu_computes_the_kernels(i, o, rows, monkeypatch):
     """Each tier this CPU runs (avx512-vnni: vpdpbusd, avx2: vpmaddubsw, scalar) built apart (its own build key) and
     checked against references on odd shapes and row counts: W8A8 exactly (integer products, the same float
-    scaling), INT4 x Q8_0 to fp32 rounding of the block sums, the float kernels to fp32 rounding."""
+    scaling; from 4 rows avx512-vnni takes its tiled kernel, 37 rows and 101 outputs leave remainders of both), INT4 x Q8_0 to fp32 rounding of the block sums, the float kernels to fp32 rounding."""
     w, x, q, s, p4, s4, w8a8, w4a8 = _references(i, o, rows)
     keys = set()
     for tier in qk.cpu_tiers():
