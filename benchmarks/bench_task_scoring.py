@@ -11,7 +11,7 @@ and the per-round ratios' median [min, max]. It also checks that both give the s
 Needs `infersweep prepare --data`.
 
     .venv/bin/python benchmarks/bench_task_scoring.py [--tasks arc_easy,sciq,piqa] [--limit 50] [--rounds 3]
-        [--dtype float32|bfloat16|auto] [--engine hf|native] [--quant none|int8-dynamic|...]
+        [--dtype float32|bfloat16|auto] [--engine hf|native] [--quant none|int8-dynamic|...] [--attention sdpa|eager]
 """
 from __future__ import annotations
 
@@ -34,6 +34,7 @@ def main() -> None:
     p.add_argument("--limit", type=int, default=50, help="documents per task")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--engine", default="hf", choices=["hf", "native"])
+    p.add_argument("--attention", default="sdpa", choices=["eager", "sdpa"])
     p.add_argument("--quant", default="none", help="quant.level (int8-dynamic: W8A8 on our integer kernel)")
     p.add_argument("--dtype", default="float32", help="model.dtype (auto: bfloat16 where the CPU has bf16 units)")
     args = p.parse_args()
@@ -44,7 +45,8 @@ def main() -> None:
     dtype = preferred_cpu_dtype() if args.dtype == "auto" else args.dtype
     trial = TrialConfig(model=ModelConfig(name="smollm2-135m-instruct", path="prepared://smollm2-135m-instruct",
                                           dtype=dtype), eval=EvalConfig(tasks=tasks, limit=args.limit))
-    trial = replace(replace(trial, "engine.backend", args.engine), "quant.level", args.quant)
+    trial = replace(replace(replace(trial, "engine.backend", args.engine), "quant.level", args.quant),
+                    "attention.impl", args.attention)
     eng = engines.get(args.engine)
     session = eng.open(trial, eng.load(trial, lambda m: None), lambda m: None)
 
