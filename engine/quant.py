@@ -157,7 +157,7 @@ class WeightOnlyInt4Linear(WeightOnlyInt8Linear):
             return qk.int4_gemv(x2, self.weight, self.scales, self.in_features)
         if kernel == "gemv-q8" and x2.shape[0] <= GEMV_MAX_ROWS:
             return qk.int4_q8_gemv(x2, self.weight, self.scales, self.in_features).to(x2.dtype)
-        return F.linear(x2, self.dequantized().to(x2.dtype))
+        return F.linear(x2, qk.dequantize_int4_as(self.weight, self.scales, self.in_features, x2.dtype))
 
 
 class DenseGemvLinear(nn.Module):

@@ -331,6 +331,21 @@ def dequantize_int4(packed: torch.Tensor, scales: torch.Tensor, in_features: int
     return (q * scales[..., None]).reshape(out, g * 32)[:, :in_features]
 
 
+def dequantize_int4_as(packed: torch.Tensor, scales: torch.Tensor, in_features: int, dtype: torch.dtype) -> torch.Tensor:
+    """`dequantize_int4(...).to(dtype)` -- the weight a many-row INT4 call multiplies by -- in one pass of our kernel
+    where it runs (CPU, fp32 / bf16, not while torch.compile traces): the same values (bf16 rounded to nearest even),
+    without torch's five [out, in] temporaries (as long as the matmul itself at 256 rows)."""
+    lib = load() if (packed.device.type == "cpu" and dtype in (torch.float32, torch.bfloat16)
+                     and not torch.compiler.is_compiling()) else None
+    if lib is None:
+        return dequantize_int4(packed, scales, in_features).to(dtype)
+    out = torch.empty((scales.shape[0], in_features), dtype=dtype)
+    lib.isw_int4_dequant(packed.contiguous().data_ptr(), scales.contiguous().data_ptr(), scales.shape[0],
+                         scales.shape[1], in_features, out.data_ptr(), 0 if dtype == torch.float32 else 1,
+                         MIN_BYTES_PER_THREAD, torch.get_num_threads())
+    return out
+
+
 def int4_gemv(x2: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, in_features: int) -> torch.Tensor:
     """x2 [rows, in] @ dequantize_int4(...)^T -> [rows, out] in x2's dtype."""
     fn = _entry(1, x2.device)

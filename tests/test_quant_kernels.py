@@ -317,6 +317,8 @@ def test_every_isa_tier_of_this_cpu_computes_the_kernels(i, o, rows, monkeypatch
         torch.testing.assert_close(qk.int4_q8_gemv(x, p4, s4, i), w4a8, atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(qk.int8_gemv(x, q, s), F.linear(x, q.float() * s[:, None]), **FP32_TOL)
         torch.testing.assert_close(qk.int4_gemv(x, p4, s4, i), F.linear(x, qk.dequantize_int4(p4, s4, i)), **FP32_TOL)
+        for dtype in (torch.float32, torch.bfloat16):  # the many-row path's weight: the same values, bit for bit
+            assert torch.equal(qk.dequantize_int4_as(p4, s4, i, dtype), qk.dequantize_int4(p4, s4, i).to(dtype)), tier
         torch.testing.assert_close(qk.dense_gemv(x, w.bfloat16()), F.linear(x, w.bfloat16().float()), **FP32_TOL)
     assert len(keys) == len(qk.cpu_tiers())  # the target ISA is part of the build key
 
@@ -369,7 +371,8 @@ def test_a_tier_the_cpu_lacks_is_refused(monkeypatch):
 
 def test_the_exported_signatures_are_read_from_the_source():
     sigs = qk.exported((qk.KERNEL_DIR / "gemv.cpp").read_text())
-    assert set(sigs) == {"isw_isa", "isw_dense_gemv", "isw_int4_gemv", "isw_w8a8_gemv", "isw_w4a8_gemv"}
+    assert set(sigs) == {"isw_isa", "isw_dense_gemv", "isw_int4_gemv", "isw_w8a8_gemv", "isw_w4a8_gemv",
+                         "isw_int4_dequant"}
     assert len(sigs["isw_w8a8_gemv"][1]) == 11
 
 

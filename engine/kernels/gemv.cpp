@@ -3,6 +3,7 @@
 // runs the row kernels of gemv.h. Arguments are raw pointers to contiguous tensors the caller owns.
 #include "gemv.h"
 #include <omp.h>
+#include <cstring>
 #include <vector>
 
 namespace {
@@ -69,6 +70,38 @@ void isw_w8a8_gemv(const float* x, int64_t R, int64_t K, int8_t* xq, float* xs, 
 #endif
   split_rows(N, threads_for(N * K, min_bytes, threads), [&](int64_t n0, int64_t n1) {
     isw::rows_w8a8(xq, xs, R, K, w, ws, y, N, n0, n1);
+  });
+}
+
+// INT4 -> a float weight for many-row calls (prefill, task scoring: one matmul instead of a GEMV per row): w uint8
+// [N, G*16], s fp32 [N, G] -> out [N, K] (the first K of each row's G*32), fp32 (otype 0) or bf16 (otype 1, rounded
+// to nearest even as torch rounds): (nibble - 8) * scale in fp32, as quant_kernels.dequantize_int4, in one pass
+void isw_int4_dequant(const uint8_t* w, const float* s, int64_t N, int64_t G, int64_t K, void* out, int otype,
+                      int64_t min_bytes, int threads) {
+  split_rows(N, threads_for(N * G * 16, min_bytes, threads), [&](int64_t n0, int64_t n1) {
+    for (int64_t n = n0; n < n1; ++n) {
+      float row[64];
+      for (int64_t g = 0; g < G; ++g) {
+        const uint8_t* b = w + (n * G + g) * 16;
+        const float sc = s[n * G + g];
+        for (int j = 0; j < 16; ++j) {
+          row[j] = (float)((int)(b[j] & 15) - 8) * sc;
+          row[16 + j] = (float)((int)(b[j] >> 4) - 8) * sc;
+        }
+        const int64_t k0 = g * 32, m = std::min<int64_t>(32, K - k0);
+        if (otype == 0) {
+          float* o = (float*)out + n * K + k0;
+          for (int64_t j = 0; j < m; ++j) o[j] = row[j];
+        } else {
+          uint16_t* o = (uint16_t*)out + n * K + k0;
+          for (int64_t j = 0; j < m; ++j) {
+            uint32_t u;
+            std::memcpy(&u, &row[j], 4);
+            o[j] = (uint16_t)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+          }
+        }
+      }
+    }
   });
 }
 
