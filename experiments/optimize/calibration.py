@@ -319,9 +319,10 @@ def main() -> None:
     ap.add_argument("--seeds", type=int, default=2000)
     ap.add_argument("--rounds", type=int, default=0, help="interleaved rounds of a measurement (0: the shipped minimum)")
     ap.add_argument("--only", choices=(TIMING, GATE), help="one rule's rows (default: both)")
+    ap.add_argument("--limit", type=int, default=150, help="the gate's first look (optimize-cpu's eval.limit: 150)")
     args = ap.parse_args()
     o = OptimizeConf()
-    rules = rules_of(o, True, 50)
+    rules = rules_of(o, True, args.limit)
     from .decide import min_rounds
 
     rounds = args.rounds or max(o.rounds, min_rounds(rules))
@@ -330,7 +331,8 @@ def main() -> None:
           f"+ {rules.retries} retry "
           f"(look level {rules.timing_alpha:.4f}), max_drop {rules.max_drop}, false_holds {rules.false_holds} over "
           f"{rules.gate_looks} looks (look level {rules.gate_alpha:.4f}); {args.seeds} seeds\n")
-    print("\n".join(table(rules, args.seeds, rounds, checks=(args.only,) if args.only else (TIMING, GATE))))
+    print("\n".join(table(rules, args.seeds, rounds, limit=args.limit, max_items=o.gate.max_items,
+                           checks=(args.only,) if args.only else (TIMING, GATE))))
     print(f"\n({time.perf_counter() - t0:.0f} s)")
 
 
