@@ -63,7 +63,7 @@ void isw_w8a8_gemv(const float* x, int64_t R, int64_t K, int8_t* xq, float* xs, 
     std::vector<uint8_t> xu(R * K);
     for (int64_t i = 0; i < R * K; ++i) xu[i] = (uint8_t)(xq[i] + 128);
     split_rows(N, threads_for(R * N * K, min_bytes, threads), [&](int64_t n0, int64_t n1) {  // work ~ R x weight
-      isw::rows_w8a8_tiled(xu.data(), xs, R, K, w, ws, y, N, n0, n1);
+      isw::rows_w8a8_tiled(xq, xu.data(), xs, R, K, w, ws, y, N, n0, n1);
     });
     return;
   }

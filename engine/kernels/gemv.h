@@ -327,37 +327,9 @@ static inline void rows_w8a8(const int8_t* xq, const float* xs, int64_t R, int64
 
 #if defined(ISW_VNNI)
 // W8A8 for many rows (prefill, task scoring): the activations offset to unsigned once (u = x + 128, so vpdpbusd
-// multiplies them by the signed weights directly: sum u.w = sum x.w + 128 sum w), then RT rows x NT weight rows per
-// tile, RT x NT accumulators, each loaded vector used NT or RT times. The same integers as dot_i8, the same float
-// scaling: the result is bit-identical to rows_w8a8. xu: [R, K] the offset activations; wsum: scratch [NT].
-template <int RT, int NT>
-static inline void w8a8_tile(const uint8_t* xu, const float* xs, int64_t K, const int8_t* w, const float* ws,
-                             float* y, int64_t ys, int64_t r0, int64_t n0) {
-  __m512i acc[RT][NT];
-  __m512i sw[NT];
-  const __m512i ones = _mm512_set1_epi8(1);
-  for (int i = 0; i < RT; ++i)
-    for (int j = 0; j < NT; ++j) acc[i][j] = _mm512_setzero_si512();
-  for (int j = 0; j < NT; ++j) sw[j] = _mm512_setzero_si512();
-  for (int64_t k = 0; k < K; k += 64) {
-    const __mmask64 m = (K - k) >= 64 ? ~0ULL : ((1ULL << (K - k)) - 1);
-    __m512i vw[NT];
-    for (int j = 0; j < NT; ++j) {
-      vw[j] = _mm512_maskz_loadu_epi8(m, w + (n0 + j) * K + k);
-      sw[j] = _mm512_dpbusd_epi32(sw[j], ones, vw[j]);
-    }
-    for (int i = 0; i < RT; ++i) {
-      const __m512i vx = _mm512_maskz_loadu_epi8(m, xu + (r0 + i) * K + k);
-      for (int j = 0; j < NT; ++j) acc[i][j] = _mm512_dpbusd_epi32(acc[i][j], vx, vw[j]);
-    }
-  }
-  for (int j = 0; j < NT; ++j) {
-    const int32_t off = 128 * _mm512_reduce_add_epi32(sw[j]);
-    for (int i = 0; i < RT; ++i)
-      y[(r0 + i) * ys + n0 + j] = (float)(_mm512_reduce_add_epi32(acc[i][j]) - off) * xs[r0 + i] * ws[n0 + j];
-  }
-}
-
+// multiplies them by the signed weights directly: sum u.w = sum x.w + 128 sum w), then 4 rows x 4 weight rows per
+// tile, 16 accumulators, each loaded vector used 4 times. The same integers as dot_i8, the same float scaling: the
+// result is bit-identical to rows_w8a8. xu: [R, K] the offset activations.
 // The 4 x 4 tile with its 16 accumulators as named variables: held in an array, GCC stores each one to the stack
 // after every vpdpbusd (2x slower)
 static inline void w8a8_tile44(const uint8_t* xu, const float* xs, int64_t K, const int8_t* w, const float* ws,
@@ -395,19 +367,14 @@ static inline void w8a8_tile44(const uint8_t* xu, const float* xs, int64_t K, co
       y[(r0 + i) * ys + n0 + j] = (float)(_mm512_reduce_add_epi32(acc[i][j]) - o[j]) * xs[r0 + i] * ws[n0 + j];
 }
 
-static inline void rows_w8a8_tiled(const uint8_t* xu, const float* xs, int64_t R, int64_t K, const int8_t* w,
-                                   const float* ws, float* y, int64_t ys, int64_t n0, int64_t n1) {
-  int64_t n = n0;
-  for (; n + 4 <= n1; n += 4) {
-    int64_t r = 0;
-    for (; r + 4 <= R; r += 4) w8a8_tile44(xu, xs, K, w, ws, y, ys, r, n);
-    for (; r < R; ++r) w8a8_tile<1, 4>(xu, xs, K, w, ws, y, ys, r, n);
-  }
-  for (; n < n1; ++n) {
-    int64_t r = 0;
-    for (; r + 4 <= R; r += 4) w8a8_tile<4, 1>(xu, xs, K, w, ws, y, ys, r, n);
-    for (; r < R; ++r) w8a8_tile<1, 1>(xu, xs, K, w, ws, y, ys, r, n);
-  }
+// The whole 4 x 4 tiles here; the rows and outputs left over (fewer than 4 of each) by rows_w8a8
+static inline void rows_w8a8_tiled(const int8_t* xq, const uint8_t* xu, const float* xs, int64_t R, int64_t K,
+                                   const int8_t* w, const float* ws, float* y, int64_t ys, int64_t n0, int64_t n1) {
+  const int64_t r4 = R - R % 4, n4 = n0 + (n1 - n0) / 4 * 4;
+  for (int64_t n = n0; n < n4; n += 4)
+    for (int64_t r = 0; r < r4; r += 4) w8a8_tile44(xu, xs, K, w, ws, y, ys, r, n);
+  rows_w8a8(xq, xs, r4, K, w, ws, y, ys, n4, n1);
+  rows_w8a8(xq + r4 * K, xs + r4, R - r4, K, w, ws, y + r4 * ys, ys, n0, n1);
 }
 #endif
 
