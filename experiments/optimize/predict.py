@@ -64,9 +64,10 @@ def _convert(model) -> bool:
     """Convert a shipped model whose packages are installed but which was never prepared (a new machine's first
     `optimize`: its shape is known only once converted, and its first trial would convert it anyway). True where
     it did."""
-    from engine.models import PREPARED_MODELS, PREPARED_SCHEME, prepare_model, prepared_dir, source_installed
+    from engine.model_facts import prepared_name
+    from engine.models import PREPARED_MODELS, prepare_model, prepared_dir, source_installed
 
-    name = model.path[len(PREPARED_SCHEME):] if model.path.startswith(PREPARED_SCHEME) else None
+    name = prepared_name(model)
     if name not in PREPARED_MODELS or (prepared_dir(name) / "config.json").is_file() or not source_installed(name):
         return False
     log.info("%s: preparing it once to judge optimize.max_memory_gb against its weights", name)
