@@ -366,3 +366,34 @@ def test_tracker_sets_mlflow_http_settings_only_during_its_own_calls(tmp_path):
         t.client.search_experiments()
     assert seen == {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "0", "MLFLOW_HTTP_REQUEST_TIMEOUT": "3"}
     assert {k: os.environ.get(k) for k in keys} == before
+
+
+@pytest.mark.parametrize("nth", [1, 2], ids=["sweep-run", "trial-run"])
+def test_an_interrupt_as_the_store_creates_a_run_leaves_nothing_running(tmp_path, monkeypatch, nth):
+    """Ctrl-C landing just after the store inserted a run, before its id came back (CI once saw a trial run left
+    RUNNING by `kill` at that instant): the sweep still ends KILLED and no run stays RUNNING."""
+    import signal
+
+    from mlflow.tracking import MlflowClient
+
+    real, calls = MlflowClient.create_run, []
+
+    def create_then_interrupt(self, *a, **kw):
+        run = real(self, *a, **kw)
+        calls.append(run.info.run_id)
+        if len(calls) == nth:  # the signal arrives inside the call, after the insert: where the race was
+            os.kill(os.getpid(), signal.SIGINT)
+        return run
+
+    monkeypatch.setattr(MlflowClient, "create_run", create_then_interrupt)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    with pytest.raises(KeyboardInterrupt):
+        run_sweep(TINY + [f"tracking.uri={uri}", f"tracking.spool_dir={tmp_path}/spool", "sweep_name=t-int",
+                          "seed=0,1"], in_process=True, echo=lambda *_: None)
+    monkeypatch.undo()
+    assert len(calls) >= nth  # (a trial running at the interrupt gets its own KILLED run as well)
+    runs = {r.info.run_id: r for r in _trials(_client(uri), "t-int")[0] + _trials(_client(uri), "t-int")[1]}
+    assert set(runs) == set(calls)  # every run made is found, and none is left RUNNING
+    assert {r.info.status for r in runs.values()} == {"KILLED"}
+    assert "incomplete" in runs[calls[nth - 1]].data.tags  # the interrupted write is marked as such

@@ -126,7 +126,7 @@ def _study_name(experiment: str, space: Space, o: OptimizeConf) -> str:
 
 
 def run_optimize(overrides: list[str], in_process: bool = False, echo=print) -> OptimizeResult:
-    from ..tracking.store import Tracker, driver_id
+    from ..tracking.store import Tracker, driver_id, held_interrupts
 
     t0 = time.perf_counter()
     space, o, disp = prepare(overrides)
@@ -137,20 +137,21 @@ def run_optimize(overrides: list[str], in_process: bool = False, echo=print) -> 
     tracker = Tracker(space.config["tracking"])
     tracker.reap_stale_sweeps(experiment)
     exp_id = tracker.experiment_id(experiment)
-    run = tracker.client.create_run(exp_id, run_name=f"optimize ({o.strategy})", tags={
-        "kind": KIND, "optimize.strategy": o.strategy, "optimize.objective": o.objective,
-        "driver": driver_id(), "command": disp.command[:4000]})
-    rid = run.info.run_id
-    tracker.client.log_text(rid, yaml.safe_dump({"space": space.axes, "fixed": space.fixed, "optimize": o.__dict__ | {
-        "gate": o.gate.__dict__, "search": o.search.__dict__}}, sort_keys=False, default_flow_style=None), "optimize/settings.yaml")
-    disp.parent_run_id, disp.in_process, disp.echo = rid, in_process, echo
-    if disp.rounds > o.rounds:
-        echo(f"optimize.rounds={o.rounds} raised to {disp.rounds}: fewer rounds cannot show a gain at the timing rule's "
-             f"per-look level ({rules_of(o, False).timing_alpha:.4f})")
-    echo(f"optimize ({o.strategy}, objective {objective.label}) over {len(space.axes)} axes: "
-         + ", ".join(f"{k}={','.join(v)}" for k, v in space.axes.items()) + f"; experiment '{experiment}', run {rid}")
+    with held_interrupts():  # the run's id is in hand before an interrupt can land: the `finally` ends it
+        rid = tracker.client.create_run(exp_id, run_name=f"optimize ({o.strategy})", tags={
+            "kind": KIND, "optimize.strategy": o.strategy, "optimize.objective": o.objective,
+            "driver": driver_id(), "command": disp.command[:4000]}).info.run_id
     status = "FAILED"
     try:
+        tracker.client.log_text(rid, yaml.safe_dump({"space": space.axes, "fixed": space.fixed, "optimize": o.__dict__ | {
+            "gate": o.gate.__dict__, "search": o.search.__dict__}}, sort_keys=False, default_flow_style=None),
+            "optimize/settings.yaml")
+        disp.parent_run_id, disp.in_process, disp.echo = rid, in_process, echo
+        if disp.rounds > o.rounds:
+            echo(f"optimize.rounds={o.rounds} raised to {disp.rounds}: fewer rounds cannot show a gain at the timing "
+                 f"rule's per-look level ({rules_of(o, False).timing_alpha:.4f})")
+        echo(f"optimize ({o.strategy}, objective {objective.label}) over {len(space.axes)} axes: "
+             + ", ".join(f"{k}={','.join(v)}" for k, v in space.axes.items()) + f"; experiment '{experiment}', run {rid}")
         if o.strategy == "chain":
             decided = _chain(space, o, objective, gate, disp, echo)
         else:

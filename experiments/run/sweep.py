@@ -206,8 +206,7 @@ def run_specs(
         todo = _left_to_run(rec, specs, sweep_name, recorder, echo) if skip_finished else specs
         result.skipped = len(specs) - len(todo)
         sweep_rec = sweep_record(sweep_name, sweep_id, specs, command)
-        parent = (rec.start_sweep(sweep_rec) if len(specs) > 1 and todo else None) if own else parent_run_id
-        result.parent_run_id = recorder.parent_run_id = parent
+        parent = None if own else parent_run_id
         status = FINISHED
 
         def started(spec: TrialSpec, meta: dict[str, Any]) -> None:  # noted, for a SIGKILLed driver's successor
@@ -215,7 +214,10 @@ def run_specs(
             if on_start is not None:
                 on_start(spec, meta)
 
-        try:
+        try:  # the parent run is made inside: an interrupt while it is written still ends it KILLED below
+            if own and len(specs) > 1 and todo:
+                parent = rec.start_sweep(sweep_rec)
+            result.parent_run_id = recorder.parent_run_id = parent
             if todo:
                 _dispatch(todo, specs[0].cluster, in_process, recorder, sweep_name, started)
         except KeyboardInterrupt:

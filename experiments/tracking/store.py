@@ -13,6 +13,7 @@ import json
 import os
 import platform
 import re
+import signal
 import socket
 import subprocess
 import tempfile
@@ -32,6 +33,35 @@ from ..config.spec import TrialSpec
 from ..run.trial import TrialOutcome, identified_correct
 
 PARENT_TAG = "mlflow.parentRunId"
+
+
+@contextlib.contextmanager
+def held_interrupts():
+    """Ctrl-C / `kill` arriving inside the block are delivered when it ends (a second one at once), so a run the
+    block creates always has its id in the caller's hands when the interrupt lands: the store inserts the run,
+    then builds the returned entity, and an interrupt between the two left a run RUNNING that no one could end.
+    Only signals with a Python handler are held (an ignored SIGINT stays ignored); off the main thread, a no-op."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    old = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+    old = {s: h for s, h in old.items() if callable(h)}
+    pending: list[int] = []
+
+    def hold(signum, frame):
+        if pending:  # pressed twice: the user means it now
+            old[signum](signum, frame)
+        pending.append(signum)
+
+    for s in old:
+        signal.signal(s, hold)
+    try:
+        yield
+    finally:
+        for s, h in old.items():
+            signal.signal(s, h)
+        if pending:
+            old[pending[0]](pending[0], None)
 CONFIG_ARTIFACT = "config.yaml"
 TOKENS_ARTIFACT = "token_ids.json"
 REPEAT_PREFIX = "repeat."  # metric history of each timed repeat's value: repeat.output_tok_s at steps 0..n-1
@@ -226,12 +256,20 @@ class Tracker:
 
     def log_sweep(self, rec: dict[str, Any]) -> str:
         exp_id = self.experiment_id(rec["exp_name"], rec.get("tasks", ()))
-        run = self.client.create_run(
-            exp_id, run_name=f"sweep-{rec['sweep_id']}", start_time=rec.get("start_ms"), tags=rec["tags"]
-        )
-        rid = run.info.run_id
-        self.client.log_batch(rid, params=_params(rec["params"]))
-        self.client.log_text(rid, rec["trials_txt"], "trials.txt")
+        rid = None
+        try:
+            with held_interrupts():
+                rid = self.client.create_run(
+                    exp_id, run_name=f"sweep-{rec['sweep_id']}", start_time=rec.get("start_ms"), tags=rec["tags"]
+                ).info.run_id
+            self.client.log_batch(rid, params=_params(rec["params"]))
+            self.client.log_text(rid, rec["trials_txt"], "trials.txt")
+        except KeyboardInterrupt as e:
+            if rid is not None:  # the caller never learns the id: end the run here
+                with contextlib.suppress(Exception):
+                    self.client.set_tag(rid, "incomplete", f"{type(e).__name__}: {str(e)[:200]}")
+                    self.client.set_terminated(rid, status="KILLED")
+            raise
         return rid
 
     def find_sweep_run(self, exp_name: str, sweep_id: str) -> Optional[str]:
@@ -363,10 +401,11 @@ class Tracker:
             tags["sweep_id"] = sweep_id
         if outcome.error:
             tags["error"] = outcome.error.splitlines()[0][:4000]
-        run = self.client.create_run(exp_id, start_time=outcome.start_ms or None, tags=tags,
-                                     run_name=(run_name or short_name(spec.swept) or spec.label)[:250])
-        rid = run.info.run_id
+        rid = None
         try:
+            with held_interrupts():  # an interrupt lands once `rid` is known, so the run is ended below
+                rid = self.client.create_run(exp_id, start_time=outcome.start_ms or None, tags=tags,
+                                             run_name=(run_name or short_name(spec.swept) or spec.label)[:250]).info.run_id
             params = flatten({k: v for k, v in spec.config.items() if k != "tracking"})
             # the runs table's rounded copies first (dashboard.py; a failed trial has none): a run's page lists its
             # metrics in the order they were logged, so the headline figures lead the 100-odd full-precision ones
@@ -397,6 +436,8 @@ class Tracker:
                 self.client.log_text(rid, "\n\n".join(outcome.attempt_errors), "attempt_errors.txt")
             self.client.set_terminated(rid, status=outcome.status, end_time=outcome.end_ms or None)
         except BaseException as e:
+            if rid is None:
+                raise
             try:
                 self.client.set_tag(rid, "incomplete", f"{type(e).__name__}: {str(e)[:200]}")
                 self.client.set_terminated(rid, status="KILLED" if isinstance(e, KeyboardInterrupt) else "FAILED")
