@@ -13,8 +13,9 @@ VERSION=0.3.36
 PY=${1:-python3}
 WHEELS=${INFERSWEEP_WHEELS:-$HOME/.cache/infersweep/wheels}
 
-if "$PY" -c "import sys, llama_cpp; sys.exit(llama_cpp.__version__ != '$VERSION')" 2>/dev/null; then
-    echo "llama-cpp-python $VERSION is already installed"
+# with its [server] extras: engine=llamacpp-server runs `python -m llama_cpp.server` (uvicorn, fastapi, sse-starlette, ...)
+if "$PY" -c "import sys, llama_cpp, uvicorn, fastapi, sse_starlette, starlette_context, pydantic_settings; sys.exit(llama_cpp.__version__ != '$VERSION')" 2>/dev/null; then
+    echo "llama-cpp-python $VERSION (with its server) is already installed"
     exit 0
 fi
 mkdir -p "$WHEELS"
@@ -50,5 +51,5 @@ if [ -z "$wheel" ]; then
     exit 1
 fi
 echo "installing $(basename "$wheel")"
-"$PY" -m pip install -q "$wheel"
+"$PY" -m pip install -q "$wheel[server]"
 "$PY" -c "import llama_cpp; print('llama-cpp-python', llama_cpp.__version__, 'ready')"

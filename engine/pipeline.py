@@ -42,6 +42,7 @@ class EngineResult:
     # eval.tasks: task -> each example's identity (`<doc_id>:<document digest>`, in the order of `correct`): what
     # pairs two trials' examples (optimize's paired gate) and tells when the documents behind an index differ
     items: dict[str, list] = field(default_factory=dict)
+    artifacts: dict[str, str] = field(default_factory=dict)  # file name -> text for the run's record (a server's log)
 
 
 def seed_everything(seed: int) -> None:
@@ -399,7 +400,7 @@ class Measurement:
         samples = {k: [float(r[k]) for r in per_run] for k in TIMINGS if k in per_run[0]}
         return EngineResult(metrics=metrics, token_ids=token_ids, sample_text=session.tokenizer.decode(token_ids[0]),
                             info=info, labels=labels, samples=samples, answers=answers,
-                            correct=correct, items=items)
+                            correct=correct, items=items, artifacts=session.artifacts())
 
 
 def close_session(session: TrialSession) -> None:

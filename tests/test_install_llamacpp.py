@@ -74,7 +74,7 @@ def test_empty_cache_builds_the_wheel_then_installs_it(tmp_path):
     assert f"no llama-cpp-python {VERSION} wheel in {wheels}: building it from source" in p.stdout
     pip = [c for c in calls if c.startswith("-m pip")]
     assert pip == [f"-m pip wheel --no-deps llama-cpp-python=={VERSION} -w {wheels}",
-                   f"-m pip install -q {wheels / WHEEL}"]
+                   f"-m pip install -q {wheels / WHEEL}[server]"]
     nproc = subprocess.run(["nproc"], capture_output=True, text=True, check=True).stdout.strip()
     assert f"env CMAKE_ARGS=-DGGML_NATIVE=ON CMAKE_BUILD_PARALLEL_LEVEL={nproc}" in calls  # tuned to this CPU
     assert f"installing {WHEEL}" in p.stdout and p.stdout.rstrip().endswith(f"llama-cpp-python {VERSION} ready")
@@ -91,7 +91,7 @@ def test_cached_wheel_is_installed_without_a_build(tmp_path):
     p, calls = run_installer(tmp_path, "fail", wheels)  # a build would fail: it must not run
     assert p.returncode == 0, p.stdout + p.stderr
     assert "building" not in p.stdout
-    assert [c for c in calls if c.startswith("-m pip")] == [f"-m pip install -q {wheels / WHEEL}"]
+    assert [c for c in calls if c.startswith("-m pip")] == [f"-m pip install -q {wheels / WHEEL}[server]"]
 
 
 def test_build_without_a_wheel_fails_with_a_message(tmp_path):
@@ -114,7 +114,7 @@ def test_already_installed_does_nothing(tmp_path):
     (tmp_path / "state").mkdir()
     (tmp_path / "state" / "installed").write_bytes(b"")
     p, calls = run_installer(tmp_path, "fail")
-    assert p.returncode == 0 and f"llama-cpp-python {VERSION} is already installed" in p.stdout
+    assert p.returncode == 0 and f"llama-cpp-python {VERSION} (with its server) is already installed" in p.stdout
     assert len(calls) == 1 and calls[0].startswith("-c ") and not (tmp_path / "wheels").exists()
 
 

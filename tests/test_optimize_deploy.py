@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+import sys
 
 from engine.config import (BatchingConfig, EngineConfig, KVCacheConfig, ModelConfig, SpeculativeConfig, TrialConfig,
                            WorkloadConfig)
@@ -29,10 +30,13 @@ def test_llama_server_and_llama_cpp_python_arguments():
     t = dataclasses.replace(t, attention=dataclasses.replace(t.attention, impl="flash"))
     d = deployment(t, gguf=lambda trial: "/cache/gguf/abc/model-q4_0.gguf")
     server, py = d.commands
-    assert server.startswith("llama-server -m /cache/gguf/abc/model-q4_0.gguf -c 160 -np 1")
+    # a serving context (2,048 at least), not the benchmark's 160 tokens
+    assert server.startswith("llama-server -m /cache/gguf/abc/model-q4_0.gguf -c 2048 -np 1")
     assert "-t 2 -tb 2" in server and "-fa on" in server and "-ctk q8_0 -ctv q8_0" in server
-    assert py.startswith("python -m llama_cpp.server --model /cache/gguf/abc/model-q4_0.gguf")
-    assert "--n_threads 2" in py and "--flash_attn true" in py
+    # this venv's interpreter (a bare `python` is the system's, without llama_cpp), the server's own K/V type numbers
+    assert py.startswith(f"{sys.executable} -m llama_cpp.server --model /cache/gguf/abc/model-q4_0.gguf")
+    assert "--n_threads 2" in py and "--flash_attn true" in py and "--type_k 8 --type_v 8" in py
+    assert "--n_ctx 2048" in py and "--interrupt_requests false" in py
 
 
 def test_an_in_process_engine_says_it_has_no_server():

@@ -16,7 +16,7 @@ from ..config import EngineConfig
 from .base import Engine, Problems, Support
 
 # the engines, in the order tables list them; each is the package engine.engines.<name>
-NAMES: tuple[str, ...] = ("hf", "native", "llamacpp", "vllm")
+NAMES: tuple[str, ...] = ("hf", "native", "llamacpp", "llamacpp-server", "vllm")
 # the unoptimized reference every fidelity metric compares against runs on the default engine
 REFERENCE: str = EngineConfig.backend
 
@@ -26,7 +26,7 @@ def get(name: str) -> Engine:
         from ..config import EngineError
 
         raise EngineError(f"engine.backend: unknown engine {name!r}; choose one of {', '.join(NAMES)}")
-    return importlib.import_module(f"{__name__}.{name}").ENGINE
+    return importlib.import_module(f"{__name__}.{name.replace('-', '_')}").ENGINE
 
 
 def all_engines() -> list[Engine]:

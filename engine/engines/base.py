@@ -127,6 +127,10 @@ class TrialSession:
         """Where and how it ran, for the run's tags (versions, thread binding)."""
         return {}
 
+    def artifacts(self) -> dict[str, str]:
+        """Files for the run's record, name -> text (a served trial: its server's command and log). Default: none."""
+        return {}
+
     def close(self) -> None:
         """End what the session holds outside this process (vLLM's server); the pipeline calls it once the trial
         is measured and evaluated (engine/pipeline.py `close_session`). Default: nothing to end."""

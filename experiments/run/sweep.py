@@ -187,10 +187,13 @@ def run_specs(
     """Run and record `specs`. `skip_finished`: leave out hashes already FINISHED in the experiment
     (resume). `on_start(spec, meta)` is called as each trial is handed to a worker. `parent_run_id`: nest the
     trials under that run (an `optimize` run, which owns its lifetime) instead of a sweep run of their own."""
+    from engine.served.process import reap_orphans
+
     from ..tracking.spool import Recorder
     from ..tracking.store import sweep_record
     from ..tracking.server import redact, serving
 
+    reap_orphans(echo)  # servers a SIGKILLed sweep's trials left running (engine/served/process.py)
     first = specs[0].config
     sweep_name = first["sweep_name"]
     sweep_id = time.strftime("%Y%m%d-%H%M%S-") + uuid.uuid4().hex[:6]

@@ -39,6 +39,7 @@ class TrialOutcome:
     attempts: int = 1  # set by the driver: 1 + retries after worker/node crashes
     attempt_errors: list[str] = field(default_factory=list)  # why earlier attempts died
     samples: dict[str, list[float]] = field(default_factory=dict)  # each timed repeat's whole-run timings
+    artifacts: dict[str, str] = field(default_factory=dict)  # file name -> text, logged with the run (a server's log)
 
 
 def _quiet_libraries() -> None:
@@ -160,6 +161,7 @@ def _finished(base: dict[str, Any], result, metrics: dict[str, float], info: dic
         items=dict(getattr(result, "items", {})),
         end_ms=int(time.time() * 1000),
         samples=dict(result.samples),
+        artifacts=dict(getattr(result, "artifacts", {})),
         **base,
     )
 

@@ -430,6 +430,8 @@ class Tracker:
             if getattr(outcome, "correct", None):  # keyed by item identity: a resumed optimize pairs by it
                 self.client.log_text(rid, json.dumps(identified_correct(outcome.correct, getattr(outcome, "items", {}))),
                                      CORRECT_ARTIFACT)
+            for name, text in sorted(getattr(outcome, "artifacts", {}).items()):
+                self.client.log_text(rid, text, name)
             if outcome.error:
                 self.client.log_text(rid, outcome.error, "error.txt")
             if outcome.attempt_errors:

@@ -136,32 +136,74 @@ class LlamaCppEngine(LogitsEngine):
 
     def deploy_commands(self, trial: TrialConfig, weights_file: Optional[WeightsFile] = None) -> DeployCommands:
         """`llama-server` and llama-cpp-python server arguments. `weights_file`: the path of the GGUF the trials
-        loaded (None: named by what it holds)."""
+        loaded (None: named by what it holds). The second is the command a served trial (engine=llamacpp-server)
+        launches, with this project's interpreter (which has the server's extras after `make setup-llamacpp`)."""
         path = weights_file(trial) if weights_file else f"<GGUF of {trial.model.name}, weights {trial.quant.level}>"
         threads = trial.engine.threads
-        batch = trial.batching.max_batch_size if trial.workload.serving else trial.workload.batch_size
-        ctx = trial.workload.context_len + trial.workload.max_new_tokens
+        batch = max(1, trial.batching.max_batch_size if trial.workload.serving else trial.workload.batch_size)
         kv = trial.kv_cache.dtype if trial.kv_cache.dtype != "auto" else ""
-        server = ["llama-server", "-m", shlex.quote(path), "-c", str(ctx * max(1, batch)), "-np", str(max(1, batch)),
+        server = ["llama-server", "-m", shlex.quote(path), "-c", str(serving_context(trial) * batch), "-np", str(batch),
                   "-b", str(trial.batching.max_batch_tokens)]
-        py = ["python", "-m", "llama_cpp.server", "--model", shlex.quote(path), "--n_ctx", str(ctx * max(1, batch)),
-              "--n_batch", str(trial.batching.max_batch_tokens)]
         if threads:
             server += ["-t", str(threads), "-tb", str(threads)]
-            py += ["--n_threads", str(threads), "--n_threads_batch", str(threads)]
         if trial.attention.impl == "flash":
             server += ["-fa", "on"]
-            py += ["--flash_attn", "true"]
         if kv:
             server += ["-ctk", kv, "-ctv", kv]
-            py += ["--type_k", kv, "--type_v", kv]
+        py = shlex.join(python_server_argv(trial, path, 8000, "127.0.0.1"))
         notes = []
         if trial.speculative.method != "off":
             notes.append(f"speculative={trial.speculative.method} (k={trial.speculative.k}) was measured with infersweep's "
-                         f"own drafter on llama.cpp's logits: set your server's matching speculative option")
+                         f"own drafter on llama.cpp's logits; llama-cpp-python's server runs its own prompt-lookup drafter "
+                         f"(--draft_model prompt-lookup-decoding)")
         if not threads:
             notes.append("engine.threads=0: the trials used every CPU they were given; the server's default does too")
-        return DeployCommands((" ".join(server), " ".join(py)), tuple(notes))
+        if batch > 1:
+            notes.append(f"llama-cpp-python's server runs one request at a time; llama-server's -np {batch} gives "
+                         f"{batch} parallel slots")
+        return DeployCommands((" ".join(server), py), tuple(notes))
+
+
+def serving_context(trial: TrialConfig) -> int:
+    """The context a server is launched with: the longest request the trial's workload sends (static: prompt +
+    new tokens), rounded up to 256, and at least 2,048 (llama-cpp-python's own default), so the deployed server
+    takes requests longer than the benchmark's."""
+    from ...serving.requests import max_request_tokens
+
+    wl = trial.workload
+    need = max_request_tokens(wl) if wl.serving else wl.context_len + wl.max_new_tokens
+    return max(2048, -(-need // 256) * 256)
+
+
+def python_server_argv(trial: TrialConfig, weights: str, port: int, host: str,
+                       python: Optional[str] = None) -> list[str]:
+    """llama-cpp-python's OpenAI-compatible server (`python -m llama_cpp.server`) with the trial's settings, as a
+    served trial launches it and as the deploy command prints it. `python`: this interpreter by default (the
+    project's venv, where `make setup-llamacpp` installs the server's extras)."""
+    import sys
+
+    from .kv_types import KV_GGML_IDS
+
+    argv = [python or sys.executable, "-m", "llama_cpp.server", "--model", weights, "--model_alias", trial.model.name,
+            "--host", host, "--port", str(port), "--n_ctx", str(serving_context(trial)),
+            "--n_batch", str(trial.batching.max_batch_tokens),
+            # the server's default computes the logits of every prompt token (for prompt log-probs, which no
+            # request here asks for): prefill then writes n_ctx x vocab floats
+            "--logits_all", "false", "--verbose", "false",
+            # the server's default cancels the request being generated whenever a new one arrives (an interactive
+            # chat's "stop, I typed again"): under a serving load every overlapped request would end after a token
+            "--interrupt_requests", "false"]
+    if trial.engine.threads:
+        argv += ["--n_threads", str(trial.engine.threads), "--n_threads_batch", str(trial.engine.threads)]
+    if trial.attention.impl == "flash":
+        argv += ["--flash_attn", "true"]
+    if trial.kv_cache.dtype != "auto":  # the server takes ggml's type numbers, not names
+        argv += ["--type_k", str(KV_GGML_IDS[trial.kv_cache.dtype]), "--type_v", str(KV_GGML_IDS[trial.kv_cache.dtype])]
+    if trial.kv_cache.prefix_caching:
+        argv += ["--cache", "true"]
+    if trial.speculative.method == "prompt-lookup":
+        argv += ["--draft_model", "prompt-lookup-decoding", "--draft_model_num_pred_tokens", str(trial.speculative.k)]
+    return argv
 
 
 def _conversion_problems(trial: TrialConfig, facts) -> list[str]:

@@ -11,3 +11,5 @@ KV_CACHE_DTYPES = ("auto",) + tuple(KV_TYPE_BYTES)  # the kv_cache.dtype values 
 def kv_type(dtype: str) -> str:
     """The llama.cpp type that `kv_cache.dtype` names (auto: llama.cpp's default)."""
     return DEFAULT_KV_TYPE if dtype == "auto" else dtype
+# the ggml type numbers llama-cpp-python's server takes for --type_k / --type_v (ggml's enum: part of its ABI)
+KV_GGML_IDS = {"f32": 0, "f16": 1, "q4_0": 2, "q8_0": 8}

@@ -1,0 +1,412 @@
+"""Served trials (engine/served/, engine=llamacpp-server): a server process started per trial, driven over its
+OpenAI-compatible HTTP API, ended on every exit path.
+
+Fast tier, no engine needed: the process lifecycle on a real HTTP server (Python's own `http.server`: ready,
+early exit with its log, not ready in time, port in use, a SIGKILLed owner's server ended by the next run, a
+live owner's left alone); the streaming request driver's timing rules against a small SSE server written here
+whose delays are known (arrivals, the concurrency cap, follow-ups, the output count); the engine's refusals.
+Engine tier (llama-cpp-python with its server extras, `make setup-llamacpp`, and SmolLM2 prepared): a served
+trial through the sweep, its greedy text against the in-process llama.cpp engine on the same GGUF, SIGTERM and
+SIGKILL of a driver mid-trial, and the deploy command launched as printed."""
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+import pytest
+
+from conftest import need_prepared, require_installed
+from engine.config import EngineError, SLOConfig
+from engine.measure.metrics import request_metrics
+from engine.served.client import Api, drive
+from engine.served.process import ServerProcess, alive, free_port, records_dir, reap_orphans
+from engine.serving.requests import Request
+from engine.tokenizer import ByteTokenizer
+from experiments.config.compose import SweepError, expand
+
+ROOT = Path(__file__).resolve().parents[1]
+needs_server = require_installed("llamacpp-server")
+SMOL = "smollm2-135m-instruct"
+
+
+@pytest.fixture(autouse=True)
+def own_records(tmp_path, monkeypatch):
+    """Server records in this test's own cache (another test's or a user's servers are never touched)."""
+    monkeypatch.setenv("INFERSWEEP_CACHE", str(tmp_path / "cache"))
+
+
+def http_server(port: int) -> list[str]:
+    return [sys.executable, "-m", "http.server", str(port), "--bind", "127.0.0.1"]
+
+
+# --- the process ------------------------------------------------------------------------------------------
+
+def test_a_server_is_ready_when_it_answers_and_stop_ends_it(tmp_path):
+    port = free_port()
+    with ServerProcess(http_server(port), port, tmp_path / "log", ready_path="/") as s:
+        pid = s.pid
+        assert s.running() and alive(pid, None)
+        assert [p.name for p in records_dir().glob("*.json")] == [f"{pid}.json"]
+        assert s.peak_rss_bytes() > 1_000_000
+    assert not s.running() and not list(records_dir().glob("*.json"))
+    s.stop()  # idempotent
+
+
+def test_a_server_that_exits_before_ready_fails_with_its_log(tmp_path):
+    argv = [sys.executable, "-c", "import sys; print('cannot load the model file'); sys.exit(3)"]
+    with pytest.raises(EngineError, match="exited with code 3 before it was ready") as ei:
+        ServerProcess(argv, free_port(), tmp_path / "log")
+    assert "cannot load the model file" in str(ei.value)
+    assert not list(records_dir().glob("*.json"))
+
+
+def test_a_server_not_ready_in_time_is_ended(tmp_path):
+    argv = [sys.executable, "-c", "import time; print('loading...', flush=True); time.sleep(600)"]
+    t0 = time.monotonic()
+    with pytest.raises(EngineError, match="not ready after 1 s") as ei:
+        ServerProcess(argv, free_port(), tmp_path / "log", timeout_s=1.0)
+    assert "loading..." in str(ei.value) and time.monotonic() - t0 < 30
+    assert not list(records_dir().glob("*.json"))
+    pids = subprocess.run(["pgrep", "-f", "time.sleep\\(600\\)"], capture_output=True, text=True).stdout.split()
+    assert not [p for p in pids if alive(int(p), None)], "the server that never got ready still runs"
+
+
+def test_a_port_in_use_is_refused_before_anything_starts(tmp_path):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        with pytest.raises(EngineError, match=f"port {port} on 127.0.0.1 is in use"):
+            ServerProcess(http_server(port), port, tmp_path / "log", ready_path="/")
+    assert not (tmp_path / "log").exists()
+
+
+def test_an_interrupt_ends_the_server(tmp_path):
+    port = free_port()
+    with pytest.raises(KeyboardInterrupt):
+        with ServerProcess(http_server(port), port, tmp_path / "log", ready_path="/") as s:
+            pid = s.pid
+            raise KeyboardInterrupt
+    assert not alive(pid, None) or _zombie_or_gone(pid)
+    assert not list(records_dir().glob("*.json"))
+
+
+def _zombie_or_gone(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0] == "Z"
+    except OSError:
+        return True
+
+
+OWNER = """
+import sys, time
+from pathlib import Path
+from engine.served.process import ServerProcess, free_port
+port = free_port()
+s = ServerProcess([sys.executable, "-m", "http.server", str(port), "--bind", "127.0.0.1"], port,
+                  Path(sys.argv[1]), ready_path="/")
+print(s.pid, flush=True)
+time.sleep(600)
+"""
+
+
+def test_a_sigkilled_owners_server_is_ended_by_the_next_run_and_a_live_owners_is_not(tmp_path):
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    owners = [subprocess.Popen([sys.executable, "-c", OWNER, str(tmp_path / f"log{i}")], env=env, cwd=ROOT,
+                               stdout=subprocess.PIPE, text=True) for i in range(2)]
+    try:
+        servers = [int(o.stdout.readline()) for o in owners]
+        owners[0].send_signal(signal.SIGKILL)  # no `finally` runs: its server outlives it
+        owners[0].wait(timeout=30)
+        assert alive(servers[0], None) and not _zombie_or_gone(servers[0])
+        lines = []
+        assert len(reap_orphans(lines.append)) == 1
+        assert f"ended server pid {servers[0]}" in lines[0] and f"left by process {owners[0].pid}, which is gone" in lines[0]
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and not _zombie_or_gone(servers[0]):
+            time.sleep(0.05)
+        assert _zombie_or_gone(servers[0])
+        assert alive(servers[1], None) and not _zombie_or_gone(servers[1])  # its owner lives: not ours to end
+        assert [p.name for p in records_dir().glob("*.json")] == [f"{servers[1]}.json"]
+    finally:
+        for o in owners:
+            o.kill()
+            o.wait()
+        reap_orphans()  # the second owner is gone now: its server goes too
+    assert not list(records_dir().glob("*.json"))
+
+
+# --- the request driver -------------------------------------------------------------------------------------
+
+class SSE(BaseHTTPRequestHandler):
+    """An OpenAI-style streaming completions endpoint with known delays: the first chunk `ttft_s` after the request,
+    then one chunk per token every `itl_s`; "usage" in the last chunk when the server is told to."""
+
+    ttft_s, itl_s, usage, fail, bodies = 0.15, 0.03, True, False, []
+
+    def log_message(self, *a):
+        pass
+
+    def do_GET(self):
+        self.send_response(200)
+        self.end_headers()
+        self.wfile.write(b'{"data": []}')
+
+    def do_POST(self):
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        type(self).bodies.append(body)
+        if self.fail:
+            self.send_response(500)
+            self.end_headers()
+            self.wfile.write(b"model exploded")
+            return
+        self.send_response(200)
+        self.send_header("Content-Type", "text/event-stream")
+        self.end_headers()
+        time.sleep(self.ttft_s)
+        n = body["max_tokens"]
+        for i in range(n):
+            if i:
+                time.sleep(self.itl_s)
+            chunk = {"choices": [{"text": "a", "finish_reason": None}]}
+            self.wfile.write(f"data: {json.dumps(chunk)}\n\n".encode())
+            self.wfile.flush()
+        last = {"choices": [{"text": "", "finish_reason": "length"}]}
+        if self.usage:
+            last["usage"] = {"completion_tokens": n}
+        self.wfile.write(f"data: {json.dumps(last)}\n\ndata: [DONE]\n\n".encode())
+
+
+@pytest.fixture
+def sse():
+    SSE.bodies, SSE.usage, SSE.fail = [], True, False
+    srv = ThreadingHTTPServer(("127.0.0.1", 0), SSE)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    yield f"http://127.0.0.1:{srv.server_address[1]}"
+    srv.shutdown()
+
+
+def _api(url: str, **kw) -> Api:
+    return Api(url, "m", {"temperature": 0.0}, ByteTokenizer(), **kw)
+
+
+def _req(i: int, arrival: float, n: int = 5) -> Request:
+    return Request(i, tuple(ByteTokenizer().encode(f"hello {i}")), n, arrival)
+
+
+def test_streamed_timings_follow_the_servers_delays_and_arrivals(sse):
+    recs, duration = drive(_api(sse, exact_length_key="min_tokens"), [_req(0, 0.0), _req(1, 0.4, 8)])
+    assert [r.id for r in recs] == [0, 1] and [len(r.output) for r in recs] == [5, 8]
+    assert recs[0].sent_s < 0.1 and 0.4 <= recs[1].sent_s < 0.6  # sent at its arrival time
+    for r in recs:
+        assert r.ttft_s >= SSE.ttft_s and len(r.token_times_s) == len(r.output)
+        gaps = [b - a for a, b in zip(r.token_times_s, r.token_times_s[1:])]
+        assert min(gaps) >= SSE.itl_s * 0.9
+    assert duration == max(r.token_times_s[-1] for r in recs)
+    m = request_metrics(recs, duration, SLOConfig())
+    assert m["tpot_ms_p50"] >= SSE.itl_s * 1e3 * 0.9 and m["ttft_ms_p50"] >= SSE.ttft_s * 1e3
+    # what was sent: the prompt as text, the exact-length option at max_tokens, streaming
+    assert SSE.bodies[0]["prompt"] == "hello 0" and SSE.bodies[0]["min_tokens"] == 5 and SSE.bodies[0]["stream"] is True
+
+
+def test_the_concurrency_cap_holds_requests_back_and_follow_ups_join(sse):
+    follow = lambda req, out, t: _req(10 + req.id, t + 0.05, 3) if req.id < 10 else None  # noqa: E731
+    recs, _ = drive(_api(sse, exact_length_key="ignore_eos"), [_req(0, 0.0), _req(1, 0.0)], follow_up=follow,
+                    max_concurrency=1)
+    by_id = {r.id: r for r in recs}
+    assert sorted(by_id) == [0, 1, 10, 11]
+    first, second = sorted((by_id[0], by_id[1]), key=lambda r: r.sent_s)
+    assert second.sent_s >= first.token_times_s[-1] - 0.01  # one in flight at a time: sent when the slot freed
+    assert by_id[10].sent_s >= by_id[0].token_times_s[-1] + 0.05
+    assert all(b.get("ignore_eos") is True for b in SSE.bodies)
+
+
+def test_without_usage_the_output_is_counted_by_the_tokenizer(sse):
+    SSE.usage = False
+    recs, _ = drive(_api(sse), [_req(0, 0.0, 6)])
+    assert len(recs[0].output) == 6  # six "a" -> six byte tokens
+
+
+def test_a_server_error_fails_the_run_with_what_it_said(sse):
+    SSE.fail = True
+    with pytest.raises(EngineError, match="HTTP 500: model exploded"):
+        drive(_api(sse), [_req(0, 0.0)])
+
+
+# --- the engine's refusals (no llama.cpp needed) -----------------------------------------------------------
+
+def _problems(overrides: list[str]) -> str:
+    from conftest import expand_with_engines_absent
+
+    with pytest.raises(SweepError) as ei:
+        expand_with_engines_absent(overrides, gpu_available=False)
+    return str(ei.value)
+
+
+def test_llamacpp_server_refuses_what_its_server_cannot_run():
+    msg = _problems(["model=tiny-llama", "server=llamacpp", "workload=serving-mixed", "batching.max_batch_size=4",
+                     "speculative=self-draft"])
+    assert "batching.max_batch_size: engine=llamacpp-server: llama-cpp-python's server answers one request at a time" in msg
+    assert "model.path: engine=llamacpp-server: the server tokenizes text with the GGUF's own vocabulary" in msg
+    assert "speculative.method: engine=llamacpp-server cannot honour speculative.method=self-draft" in msg
+    msg = _problems(["model=tiny-llama", "engine=llamacpp-server"])
+    assert "workload.kind: engine=llamacpp-server serves requests over HTTP: give it a serving workload" in msg
+
+
+def test_llamacpp_server_missing_names_its_setup(monkeypatch):
+    import importlib.util
+
+    from engine import engines
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda n, *a: None if n == "sse_starlette" else real(n, *a))
+    why = engines.get("llamacpp-server").missing()
+    if engines.get("llamacpp").missing() is None:
+        assert why == ("engine=llamacpp-server needs llama-cpp-python's server extras (sse_starlette not installed): "
+                       "run `make setup-llamacpp`")
+    else:
+        assert "make setup-llamacpp" in why
+
+
+def test_the_server_command_speaks_the_servers_language():
+    import dataclasses
+
+    from engine.config import KVCacheConfig, ModelConfig, SpeculativeConfig, WorkloadConfig
+    from engine.engines.llamacpp import python_server_argv
+    from support import make_trial
+
+    trial = make_trial(ModelConfig(name="smollm2-135m-instruct", path="prepared://smollm2-135m-instruct"), backend="llamacpp-server", attention="flash",
+                       threads=1, workload=WorkloadConfig(kind="serving"), speculative=SpeculativeConfig(method="prompt-lookup"))
+    trial = dataclasses.replace(trial, kv_cache=KVCacheConfig(dtype="q8_0", prefix_caching=True))
+    argv = python_server_argv(trial, "/m.gguf", 8123, "127.0.0.1")
+    cmd = " ".join(argv)
+    assert argv[0] == sys.executable  # this venv's interpreter, not whatever `python` the shell finds
+    assert "--type_k 8 --type_v 8" in cmd  # ggml's type number, which is what the server's argparse takes
+    assert "--n_ctx 2048" in cmd and "--interrupt_requests false" in cmd and "--flash_attn true" in cmd
+    assert "--cache true" in cmd and "--draft_model prompt-lookup-decoding" in cmd and "--n_threads 1" in cmd
+    assert "--model_alias smollm2-135m-instruct" in cmd and "--port 8123" in cmd
+
+
+# --- the real server (llama-cpp-python's, on SmolLM2) -----------------------------------------------------
+
+SERVED = ["model=smollm2-135m", "server=llamacpp", "quant=gguf-shipped", "workload=serving-mixed",
+          "workload.num_requests=3", "workload.output_len.min=4", "workload.output_len.max=8", "eval=none",
+          "engine.threads=1"]
+
+
+@needs_server
+def test_a_served_trial_is_recorded_like_any_serving_trial_and_leaves_no_server(tmp_path):
+    need_prepared(SMOL)
+    from mlflow.tracking import MlflowClient
+
+    from experiments.run.sweep import run_sweep
+
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    over = SERVED + ["workload.arrival=all-at-once", f"tracking.uri={uri}", f"tracking.spool_dir={tmp_path}/spool",
+                     "sweep_name=t-served"]
+    res = run_sweep(over, in_process=True, echo=lambda *_: None)
+    assert [r["status"] for r in res.rows] == ["FINISHED"], res.rows
+    client = MlflowClient(uri)
+    run = client.search_runs([client.get_experiment_by_name("t-served").experiment_id])[0]
+    for k in ("ttft_ms_p50", "ttft_ms_p99", "tpot_ms_p50", "itl_ms_p50", "e2e_s_p99", "goodput", "request_s",
+              "output_tok_s", "slo_attainment", "peak_mem_bytes", "model_load_s"):
+        assert k in run.data.metrics, k
+    assert run.data.metrics["model_load_s"] > 0  # the server's start-up
+    assert "llama_cpp.server" in run.data.tags["env.server_command"]
+    arts = {a.path for a in client.list_artifacts(run.info.run_id, "server")}
+    assert arts == {"server/command.txt", "server/server.log"}
+    log = Path(client.download_artifacts(run.info.run_id, "server/server.log", str(tmp_path))).read_text()
+    assert "POST /v1/completions" in log
+    assert not list(records_dir().glob("*.json"))  # ended with the trial
+    # every request, overlapping the others at the server, ran its whole length (the server's default cancels the
+    # request in progress when another arrives)
+    from engine.serving.requests import lengths
+
+    trial = expand(over, gpu_available=False)[0].trial
+    outputs = json.loads(Path(client.download_artifacts(run.info.run_id, "token_ids.json", str(tmp_path))).read_text())
+    assert [len(o) for o in outputs] == [n for _, n in lengths(trial.workload, trial.seed)]
+
+
+@needs_server
+def test_greedy_text_through_the_server_equals_the_in_process_engine_on_the_same_gguf():
+    need_prepared(SMOL)
+    from engine.pipeline import close_session, open_trial
+
+    trial = expand(SERVED, gpu_available=False)[0].trial
+    m = open_trial(trial, progress=lambda *_: None)
+    try:
+        tok = m.session.tokenizer
+        prompt = tok.encode("The capital of France is Paris. The capital of Italy is")
+        recs, _ = drive(m.session.api(lambda *_: None), [Request(0, tuple(prompt), 12, 0.0)])
+        local = m.session.generate_greedy(prompt, 12, [], lambda *_: None)
+        assert len(local) == 12  # no EOS within 12 tokens here: both ran the full length
+        assert tok.decode(list(recs[0].output)) == tok.decode(local)
+    finally:
+        close_session(m.session)
+    assert not list(records_dir().glob("*.json"))
+
+
+def _driver_with_a_server(tmp_path, sig: int) -> tuple[subprocess.Popen, dict]:
+    """`infersweep run` of a served trial with slow requests; `sig` once its server is recorded."""
+    args = [sys.executable, "-m", "experiments.cli", "run", *SERVED, "workload.output_len.min=400",
+            "workload.output_len.max=400", f"tracking.uri=sqlite:///{tmp_path}/mlflow.db", f"tracking.spool_dir={tmp_path}/s"]
+    proc = subprocess.Popen(args, cwd=ROOT, env=dict(os.environ, PYTHONPATH=str(ROOT)), stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    deadline = time.monotonic() + 180
+    while time.monotonic() < deadline and not list(records_dir().glob("*.json")):
+        assert proc.poll() is None, "the driver ended before its server started"
+        time.sleep(0.1)
+    rec = json.loads(next(records_dir().glob("*.json")).read_text())
+    time.sleep(1.0)  # requests in flight
+    proc.send_signal(sig)
+    proc.wait(timeout=120)
+    return proc, rec
+
+
+@needs_server
+def test_sigterm_of_a_driver_mid_trial_ends_its_server(tmp_path):
+    need_prepared(SMOL)
+    proc, rec = _driver_with_a_server(tmp_path, signal.SIGTERM)
+    assert proc.returncode == 130
+    assert not alive(rec["pid"], rec["started"]) or _zombie_or_gone(rec["pid"])
+    assert not list(records_dir().glob("*.json"))
+
+
+@needs_server
+def test_sigkill_of_a_driver_mid_trial_leaves_a_server_the_next_run_ends(tmp_path):
+    need_prepared(SMOL)
+    proc, rec = _driver_with_a_server(tmp_path, signal.SIGKILL)
+    assert alive(rec["pid"], rec["started"])  # nothing could end it...
+    assert len(reap_orphans()) == 1  # ...until the next run
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and alive(rec["pid"], rec["started"]) and not _zombie_or_gone(rec["pid"]):
+        time.sleep(0.05)
+    assert _zombie_or_gone(rec["pid"])
+
+
+@needs_server
+def test_the_printed_deploy_command_starts_and_serves(tmp_path):
+    need_prepared(SMOL)
+    import httpx
+
+    from engine import engines
+
+    trial = expand(SERVED, gpu_available=False)[0].trial
+    eng = engines.get("llamacpp-server")
+    py = eng.deploy_commands(trial, eng.weights_file).commands[1]
+    argv = shlex.split(py)
+    port = free_port()
+    argv[argv.index("--port") + 1] = str(port)
+    with ServerProcess(argv, port, tmp_path / "log") as s:
+        r = httpx.post(s.url + "/v1/completions", json={"prompt": "The capital of France is", "max_tokens": 3,
+                                                         "temperature": 0}, timeout=60, trust_env=False)
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3
