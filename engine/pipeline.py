@@ -470,74 +470,84 @@ def run_interleaved(trials: list[TrialConfig], rounds: int, progress: Optional[C
         raise EngineError(f"rounds must be >= 1, got {rounds}")
     if any(t.workload.serving and t.capacity.search for t in trials):
         raise EngineError("a capacity search runs its own probes; it cannot be interleaved with other trials")
-    apart = sorted({t.engine.backend for t in trials if not engines.get(t.engine.backend).in_process})
+    apart = sorted({t.engine.backend for t in trials
+                    if not (engines.get(t.engine.backend).in_process or engines.get(t.engine.backend).interleaves)})
     if apart:  # each call would start the engine's process again: one repeat per call measures the start-up
         raise EngineError(f"interleaving needs engines that run in this process; {', '.join(apart)} runs in its own")
     from .measure.memory import PeakMemory
 
-    ms = [open_trial(t, progress=progress) for t in trials]
-    collected: list[list[Runs]] = [[] for _ in ms]
-    grown: list[Optional[int]] = [0 for _ in ms]  # the most each variant's own calls grew the process
-    for m in ms:
-        m.workload.run(m.trial.workload.warmup, 0)
-    if any(m.trial.workload.warmup for m in ms):
-        # One untimed round in the timed rounds' order: each variant's own warm-up ran before the others'
-        # (which evict its caches and reshape the allocator's free lists), so its first round was still
-        # warming (hf's first-round TTFT at twice its median, a TTFT CV of 102%). Its results are discarded.
-        (progress or log.info)("interleaved: one untimed warm-up round")
+    ms: list[Measurement] = []
+    try:  # every session opened is closed (a served variant's server ends), whatever happens
+        for t in trials:
+            ms.append(open_trial(t, progress=progress))
+        collected: list[list[Runs]] = [[] for _ in ms]
+        grown: list[Optional[int]] = [0 for _ in ms]  # the most each variant's own calls grew the process
         for m in ms:
-            m.workload.run(0, 1)
-    gpus = {m.gpu for m in ms} - {None}
+            m.workload.run(m.trial.workload.warmup, 0)
+        if any(m.trial.workload.warmup for m in ms):
+            # One untimed round in the timed rounds' order: each variant's own warm-up ran before the others'
+            # (which evict its caches and reshape the allocator's free lists), so its first round was still
+            # warming (hf's first-round TTFT at twice its median, a TTFT CV of 102%). Its results are discarded.
+            (progress or log.info)("interleaved: one untimed warm-up round")
+            for m in ms:
+                m.workload.run(0, 1)
+        gpus = {m.gpu for m in ms} - {None}
 
-    def one_round(r: int) -> None:
-        if on_round is not None:  # round r is about to start (progress, or a benchmark's own events)
-            on_round(r)
-        order = list(range(len(ms))) if r % 2 == 0 else list(reversed(range(len(ms))))
-        for i in order:
-            # the process holds every variant's model, so its peak is the group's: each variant's own
-            # footprint is its weights plus what its own calls allocate on top (KV cache, scratch)
-            with PeakMemory(ms[i].session.device, release=True) as mem:
-                collected[i].append(ms[i].workload.run(0, 1))
-            grown[i] = max(grown[i], mem.growth_bytes) if mem.scoped and grown[i] is not None else None
+        def one_round(r: int) -> None:
+            if on_round is not None:  # round r is about to start (progress, or a benchmark's own events)
+                on_round(r)
+            order = list(range(len(ms))) if r % 2 == 0 else list(reversed(range(len(ms))))
+            for i in order:
+                # the process holds every variant's model, so its peak is the group's: each variant's own
+                # footprint is its weights plus what its own calls allocate on top (KV cache, scratch)
+                with PeakMemory(ms[i].session.device, release=True) as mem:
+                    collected[i].append(ms[i].workload.run(0, 1))
+                grown[i] = max(grown[i], mem.growth_bytes) if mem.scoped and grown[i] is not None else None
 
-    def per_round() -> list[dict[str, list[float]]]:
-        per = []
-        for m, parts in zip(ms, collected):
-            rows = [m.workload.metrics_of(t, x) for p in parts for t, x in zip(p.traces, p.extra)]
-            per.append({k: [row[k] for row in rows] for k in STABILITY_KEYS if rows and k in rows[0]})
-        return per
+        def per_round() -> list[dict[str, list[float]]]:
+            per = []
+            for m, parts in zip(ms, collected):
+                rows = [m.workload.metrics_of(t, x) for p in parts for t, x in zip(p.traces, p.extra)]
+                per.append({k: [row[k] for row in rows] for k in STABILITY_KEYS if rows and k in rows[0]})
+            return per
 
-    import time
+        import time
 
-    # `rounds` is the minimum: like a solo trial's repeats, more follow while a paired comparison is
-    # undecided (more_rounds), within the group's timing.max_repeats and timing.budget_s (max_repeats <= rounds
-    # pins the count)
-    max_rounds = min(t.timing.max_repeats for t in trials)
-    budget_s = min(t.timing.budget_s for t in trials)
-    with NoiseMonitor(min(gpus) if gpus else None) as noise:
-        t0 = time.perf_counter()
-        for r in range(rounds):
-            one_round(r)
-        per_round_s, spent, n = (time.perf_counter() - t0) / rounds, 0.0, rounds
-        for _ in range(EXTENSIONS):
-            k, worst = more_rounds(per_round(), n, max_rounds, budget_s - spent, per_round_s)
-            if k <= 0:
-                break
-            (progress or log.info)(f"interleaved: a paired comparison is undecided (+-{worst:.0%}) after {n} rounds: {k} more")
-            t1 = time.perf_counter()
-            for r in range(n, n + k):
+        # `rounds` is the minimum: like a solo trial's repeats, more follow while a paired comparison is
+        # undecided (more_rounds), within the group's timing.max_repeats and timing.budget_s (max_repeats <= rounds
+        # pins the count)
+        max_rounds = min(t.timing.max_repeats for t in trials)
+        budget_s = min(t.timing.budget_s for t in trials)
+        with NoiseMonitor(min(gpus) if gpus else None) as noise:
+            t0 = time.perf_counter()
+            for r in range(rounds):
                 one_round(r)
-            spent += time.perf_counter() - t1
-            n += k
-    rounds = n
-    out = []
-    group_peak = max(p.peak_mem_bytes for parts in collected for p in parts)
-    for m, parts, grew in zip(ms, collected, grown):
-        runs = Runs([t for p in parts for t in p.traces], [x for p in parts for x in p.extra], group_peak)
-        own = None if grew is None else int(m.session.weights_bytes()) + grew
-        out.append(m.finish(runs, f"interleaved: {rounds} round(s)", noise.result, grouped=True, own_mem_bytes=own))
-    for i, res in enumerate(out):  # spread of a group's variant: judged on the paired ratios its verdicts read
-        why = paired_instability(res.samples, [o.samples for j, o in enumerate(out) if j != i])
-        if why:
-            res.labels[UNSTABLE] = "; ".join(filter(None, (res.labels.get(UNSTABLE), why)))
-    return out
+            per_round_s, spent, n = (time.perf_counter() - t0) / rounds, 0.0, rounds
+            for _ in range(EXTENSIONS):
+                k, worst = more_rounds(per_round(), n, max_rounds, budget_s - spent, per_round_s)
+                if k <= 0:
+                    break
+                (progress or log.info)(f"interleaved: a paired comparison is undecided (+-{worst:.0%}) after {n} rounds: {k} more")
+                t1 = time.perf_counter()
+                for r in range(n, n + k):
+                    one_round(r)
+                spent += time.perf_counter() - t1
+                n += k
+        rounds = n
+        out = []
+        group_peak = max(p.peak_mem_bytes for parts in collected for p in parts)
+        for m, parts, grew in zip(ms, collected, grown):
+            runs = Runs([t for p in parts for t in p.traces], [x for p in parts for x in p.extra], group_peak)
+            if not m.engine.in_process:  # its own process (a server): that process's peak is the variant's own
+                own = max(p.peak_mem_bytes for p in parts)
+            else:
+                own = None if grew is None else int(m.session.weights_bytes()) + grew
+            out.append(m.finish(runs, f"interleaved: {rounds} round(s)", noise.result, grouped=True, own_mem_bytes=own))
+        for i, res in enumerate(out):  # spread of a group's variant: judged on the paired ratios its verdicts read
+            why = paired_instability(res.samples, [o.samples for j, o in enumerate(out) if j != i])
+            if why:
+                res.labels[UNSTABLE] = "; ".join(filter(None, (res.labels.get(UNSTABLE), why)))
+        return out
+    finally:
+        for m in ms:
+            close_session(m.session)

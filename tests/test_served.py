@@ -40,8 +40,10 @@ SMOL = "smollm2-135m-instruct"
 
 @pytest.fixture(autouse=True)
 def own_records(tmp_path, monkeypatch):
-    """Server records in this test's own cache (another test's or a user's servers are never touched)."""
-    monkeypatch.setenv("INFERSWEEP_CACHE", str(tmp_path / "cache"))
+    """Server records in this test's own folder (another test's or a user's servers are never touched)."""
+    from engine.served.process import RECORDS_ENV
+
+    monkeypatch.setenv(RECORDS_ENV, str(tmp_path / "servers"))
 
 
 def http_server(port: int) -> list[str]:
@@ -402,7 +404,7 @@ def test_the_printed_deploy_command_starts_and_serves(tmp_path):
 
     trial = expand(SERVED, gpu_available=False)[0].trial
     eng = engines.get("llamacpp-server")
-    py = eng.deploy_commands(trial, eng.weights_file).commands[1]
+    py = eng.deploy_commands(trial, eng.weights_file).commands[0]  # the one its trials launch
     argv = shlex.split(py)
     port = free_port()
     argv[argv.index("--port") + 1] = str(port)
@@ -410,3 +412,93 @@ def test_the_printed_deploy_command_starts_and_serves(tmp_path):
         r = httpx.post(s.url + "/v1/completions", json={"prompt": "The capital of France is", "max_tokens": 3,
                                                          "temperature": 0}, timeout=60, trust_env=False)
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3
+
+
+# --- requests cut short, interleaving, the objective ------------------------------------------------------
+
+def test_a_request_the_server_ended_early_never_counts_toward_goodput(sse):
+    class Stops(SSE):
+        def do_POST(self):  # streams two tokens of the five asked, then says "stop"
+            body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+            self.send_response(200)
+            self.end_headers()
+            for i in range(2):
+                self.wfile.write(f'data: {json.dumps({"choices": [{"text": "a", "finish_reason": None}]})}\n\n'.encode())
+            self.wfile.write(f'data: {json.dumps({"choices": [{"text": "", "finish_reason": "stop"}]})}\n\n'.encode())
+
+    srv = ThreadingHTTPServer(("127.0.0.1", 0), Stops)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    try:
+        recs, duration = drive(_api(f"http://127.0.0.1:{srv.server_address[1]}"), [_req(0, 0.0, 5)])
+    finally:
+        srv.shutdown()
+    assert not recs[0].complete and len(recs[0].output) == 2
+    m = request_metrics(recs, duration, SLOConfig(ttft_ms=1e9, tpot_ms=1e9))  # an SLO nothing misses...
+    assert m["goodput"] == 0 and m["incomplete_requests"] == 1  # ...but the request did not get its answer
+    ok, d2 = drive(_api(sse), [_req(0, 0.0, 5)])
+    assert ok[0].complete and request_metrics(ok, d2, SLOConfig(ttft_ms=1e9, tpot_ms=1e9))["incomplete_requests"] == 0
+
+
+def test_served_trials_interleave_and_in_process_only_engines_still_refuse():
+    from conftest import expand_with_engines_absent
+
+    specs, _ = expand_with_engines_absent(["model=smollm2-135m", "server=llamacpp", "workload=serving-mixed",
+                                           "eval=none", "cluster.interleave=3"], gpu_available=False)
+    assert specs[0].trial.engine.backend == "llamacpp-server"
+    msg = _problems(["model=tiny-llama", "server=vllm", "workload=serving-mixed", "cluster.interleave=3"])
+    assert "cluster.interleave: engine=vllm runs in its own process" in msg and "llamacpp-server" in msg
+
+
+def test_goodput_is_an_objective_higher_is_better():
+    from experiments.optimize.objective import Objective
+
+    o = Objective.parse("goodput")
+    assert [(t.metric, t.higher_is_better) for t in o.terms] == [("goodput", True)]
+
+
+@needs_server
+def test_two_servers_interleave_one_driven_at_a_time_and_both_end():
+    need_prepared(SMOL)
+    from engine.pipeline import run_interleaved
+
+    a = expand(SERVED + ["engine.threads=1"], gpu_available=False)[0].trial
+    b = expand(SERVED + ["engine.threads=2"], gpu_available=False)[0].trial
+    res = run_interleaved([a, b], 3, progress=lambda *_: None)
+    assert not list(records_dir().glob("*.json"))  # both servers ended
+    for r in res:
+        assert len(r.samples["goodput"]) == len(r.samples["ttft_ms_p50"]) >= 3  # one value per round: paired
+        assert r.metrics["peak_mem_bytes"] > r.metrics["weights_bytes"]  # its own server's peak, not this process's
+        assert r.info["server_command"].count(" --n_threads ") == 1
+    assert res[0].info["server_command"] != res[1].info["server_command"]
+
+
+@needs_server
+def test_the_deploy_check_launches_the_printed_command_beside_the_defaults():
+    need_prepared(SMOL)
+    from experiments.optimize.verify import verify_deploy
+
+    trial = expand(SERVED + ["workload.arrival=all-at-once"], gpu_available=False)[0].trial
+    lines: list[str] = []
+    note, metrics = verify_deploy(trial, 2, lines.append)
+    assert note.startswith("verified by launching the printed command: goodput at the SLO")
+    assert f"vs the defaults (`{sys.executable} -m llama_cpp.server --model " in note
+    launched = [ln for ln in lines if ln.startswith("launching ")]
+    assert len(launched) == 2 and "--interrupt_requests false" in launched[0] and "--n_threads" not in launched[1]
+    assert metrics["deploy_verified"] == 1.0 and not list(records_dir().glob("*.json"))
+
+
+@needs_server
+@pytest.mark.slow  # two chain pairs, the total and the deploy check on real servers (~4 min)
+def test_optimize_a_served_space_ends_with_a_verified_deploy_command(tmp_path):
+    need_prepared(SMOL)
+    from experiments.optimize.run import run_optimize
+
+    res = run_optimize(SERVED + ["workload.arrival=all-at-once", "engine.threads=2,1", "optimize.objective=goodput",
+                                 "optimize.gate.enabled=false", "optimize.rounds=3", "optimize.remeasure=0",
+                                 "optimize.retries=0", "optimize.verify_rounds=2", f"tracking.uri=sqlite:///{tmp_path}/m.db",
+                                 f"tracking.spool_dir={tmp_path}/s", "sweep_name=t-serve-opt"],
+                       in_process=True, echo=lambda *_: None)
+    assert res.deploy.splitlines()[1].startswith(f"{sys.executable} -m llama_cpp.server ")
+    assert "# verified by launching the printed command: goodput at the SLO" in res.deploy
+    assert res.verified["deploy_verified"] == 1.0
+    assert not list(records_dir().glob("*.json"))

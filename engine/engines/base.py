@@ -181,6 +181,9 @@ class Engine:
     # its timed work runs in this process (and threads), so /proc can tell other processes' CPU time from its
     # own (engine/measure/noise.py); an engine that runs in other processes cannot be told apart that way
     in_process: bool = True
+    # runs in its own process that the session keeps between runs (a server started once per trial), so its runs
+    # can be interleaved round-robin with other trials' (both servers up, one driven at a time)
+    interleaves: bool = False
     # the lm-evaluation-harness request types its sessions serve (engine/tasks): "loglikelihood" (also
     # multiple choice and rolling), "generate_until" (greedy); task_why: why the others are not (for messages)
     task_requests: tuple[str, ...] = ()

@@ -27,6 +27,8 @@ METRICS: dict[str, str] = {
     "decode_tok_s": "tokens generated after the first / decode wall time (excludes prefill)",
     "prefill_tok_s": "prompt tokens (all sequences) / prefill wall time",
     "request_s": "requests completed per second",
+    "incomplete_requests": "serving: requests that ended before the length asked (a served request the server "
+                           "cancelled or stopped early); they never count toward goodput",
     "peak_mem_bytes": "process RSS high-water mark on CPU, torch.cuda.max_memory_allocated on GPU, over the timed "
                       "runs; in an interleaved group (env.interleave_group), whose process holds every variant's model, "
                       "the variant's own footprint instead: weights_bytes + the most its own calls grew the process "
@@ -257,7 +259,7 @@ def request_metrics(reqs, duration_s: float, slo: SLOConfig) -> dict[str, float]
     ttft = [r.ttft_s * 1e3 for r in reqs]
     tpot = [(r.e2e_s - r.ttft_s) / (len(r.output) - 1) * 1e3 for r in reqs if len(r.output) > 1]
     itl = [(b - a) * 1e3 for r in reqs for a, b in zip(r.token_times_s, r.token_times_s[1:])]
-    met = sum(1 for r in reqs if r.ttft_s * 1e3 <= slo.ttft_ms
+    met = sum(1 for r in reqs if r.complete and r.ttft_s * 1e3 <= slo.ttft_ms
               and (len(r.output) < 2 or (r.e2e_s - r.ttft_s) / (len(r.output) - 1) * 1e3 <= slo.tpot_ms))
     m: dict[str, float] = {}
     m.update(distribution("ttft_ms", ttft))
@@ -269,6 +271,7 @@ def request_metrics(reqs, duration_s: float, slo: SLOConfig) -> dict[str, float]
     m["goodput"] = met / duration_s
     m["slo_attainment"] = met / len(reqs)
     m["duration_s"] = duration_s
+    m["incomplete_requests"] = float(sum(not r.complete for r in reqs))  # ended before their length (served)
     m.update(prefill_metrics(reqs))
     return m
 

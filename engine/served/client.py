@@ -88,11 +88,12 @@ async def _stream(client, api: Api, req: Request, t0: float) -> tuple[float, Str
 
 def record_of(req: Request, sent: float, s: Streamed, tokenizer) -> RequestRecord:
     """The request's `RequestRecord`: output = the generated text's token ids, of the server's count where it
-    gave one (vLLM bench serve's output length); token times = the chunk times."""
+    gave one (vLLM bench serve's output length); token times = the chunk times; complete when the server says it
+    stopped at the length asked (finish_reason "length": a request it cancelled or ended at EOS is not)."""
     ids = list(tokenizer.encode(s.text))
     n = s.usage_tokens if s.usage_tokens else len(ids)
     out = tuple(ids[:n]) + (0,) * max(0, n - len(ids))  # the count is the server's; the ids are for comparing
-    return RequestRecord(req.id, req.prompt_len, out, sent, s.times, 0, None)
+    return RequestRecord(req.id, req.prompt_len, out, sent, s.times, 0, None, complete=s.finish_reason == "length")
 
 
 async def _drive(api: Api, requests: list[Request], follow_up, max_concurrency: int) -> tuple[list[RequestRecord], float]:

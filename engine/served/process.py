@@ -33,8 +33,11 @@ HOST = "127.0.0.1"
 LOG_TAIL = 3000
 
 
+RECORDS_ENV = "INFERSWEEP_SERVER_RECORDS"  # where the records live (default <cache>/servers; tests use their own)
+
+
 def records_dir() -> Path:
-    return cache_root() / "servers"
+    return Path(os.environ.get(RECORDS_ENV) or cache_root() / "servers")
 
 
 def start_time(pid: int) -> Optional[str]:

@@ -55,6 +55,7 @@ class ServedEngine(Engine):
     searches_capacity = True
     serves_conversations = True
     in_process = False  # the server's CPU time is another process's: /proc cannot tell it from other load
+    interleaves = True  # the session's server stays up between runs: pairs interleave, one server driven at a time
     exact_length_key = ""  # the request option that makes it generate exactly max_tokens (ignore_eos, min_tokens)
     ready_timeout_s = 180.0
 
@@ -65,6 +66,17 @@ class ServedEngine(Engine):
         """The fixed part of every request (sampling as the trial's workload asks)."""
         s = trial.workload.sampling
         return {"temperature": s.temperature, "top_p": s.top_p, "seed": trial.seed}
+
+    def deploy_launch(self, trial: TrialConfig, weights: str):
+        """The printed deploy command (`deploy_commands(...).commands[0]`, the one its trials launch) as a `Launch`."""
+        from .verify import Launch
+
+        return Launch("the printed command", self.deploy_commands(trial, lambda t: weights).commands[0], trial.model.name)
+
+    def default_launch(self, trial: TrialConfig, weights: str):
+        """The engine's server launched with the weights and nothing else (`vllm serve MODEL`,
+        `python -m llama_cpp.server --model M`): what the tuned launch is verified against."""
+        raise NotImplementedError
 
     def local_engine(self) -> Engine:
         """The in-process engine that scores accuracy on the same weights file."""

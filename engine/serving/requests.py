@@ -146,6 +146,9 @@ class RequestRecord:
     token_times_s: tuple[float, ...]
     preemptions: int
     cached_tokens: Optional[int] = None  # prompt tokens found in the prefix cache at admission (None: not known)
+    # it ran its whole length (a served request the server ended early -- cancelled, stopped at EOS where the
+    # server ignored the exact-length option -- is False: it never counts as meeting the SLO)
+    complete: bool = True
 
     @property
     def ttft_s(self) -> float:

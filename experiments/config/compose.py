@@ -757,12 +757,13 @@ def _validated(config: dict[str, Any], gpu_available: bool | None = None) -> lis
 
 def _interleave_engine_problems(backend: str) -> list[Problem]:
     """Interleaving calls each variant's engine once per round in the worker's process: an engine that runs
-    in its own process would be started again for every timed repeat (the registry's `in_process`)."""
+    in its own process would be started again for every timed repeat (the registry's `in_process`), unless its
+    session keeps that process between runs (`interleaves`: a served engine's server)."""
     from engine import engines
 
-    if backend not in engines.NAMES or engines.get(backend).in_process:
+    if backend not in engines.NAMES or engines.get(backend).in_process or engines.get(backend).interleaves:
         return []
-    able = [e.name for e in engines.all_engines() if e.in_process]
+    able = [e.name for e in engines.all_engines() if e.in_process or e.interleaves]
     return [Problem("cluster.interleave", f"engine={backend} runs in its own process, and interleaving measures its "
                     f"variants round-robin inside one worker process; drop cluster.interleave (cluster.interleave=0) "
                     f"or use an engine that runs in-process: {', '.join(able)}")]

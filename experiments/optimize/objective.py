@@ -2,7 +2,7 @@
 measurements compare on it -- a ratio (> 1: the candidate is better) with its 95% interval.
 
 `optimize.objective` spells it: `tpot` (default), `ttft`, `output_tok_s`, `max_rate` (capacity at the SLO),
-`peak_memory`; `0.7*tpot+0.3*peak_memory` (weighted: the weighted geometric mean of the ratios);
+`goodput` (requests/s meeting the SLO at the workload's arrival rate, `vllm bench serve --goodput`), `peak_memory`; `0.7*tpot+0.3*peak_memory` (weighted: the weighted geometric mean of the ratios);
 `tpot>peak_memory` (lexicographic: the first term whose ratio is not within noise decides).
 
 Two readings of a comparison: `compare` (one look, 95%: what a report shows) and `sequential` / `reading` (the
@@ -37,6 +37,7 @@ TERMS: dict[str, Term] = {t.name: t for t in (
     Term("ttft", "ttft_ms_p50", False, "TTFT"),
     Term("output_tok_s", "output_tok_s", True, "output tok/s"),
     Term("max_rate", "max_rate_at_slo", True, "max rate at SLO"),
+    Term("goodput", "goodput", True, "goodput at the SLO"),  # requests/s meeting every SLO at the workload's rate
     Term("peak_memory", "peak_mem_bytes", False, "peak memory"),
 )}
 WEIGHTED, LEXICOGRAPHIC, SINGLE = "weighted", "lexicographic", "single"

@@ -58,6 +58,7 @@ class OptimizeResult(Decided):
     wall_s: float = 0.0
     final_hash: str = ""  # the config hash of the final configuration's trial (`infersweep reproduce` finds it)
     deploy: str = ""  # the final configuration as the command that deploys it (deploy.py)
+    verified: dict[str, float] = field(default_factory=dict)  # the printed command launched and measured (verify.py)
 
 
 def prepare(overrides: list[str]) -> tuple[Space, OptimizeConf, TrialMeasure]:
@@ -163,6 +164,12 @@ def run_optimize(overrides: list[str], in_process: bool = False, echo=print) -> 
                              final_hash=spec.config_hash if spec else "", deploy=_deployment(spec.trial) if spec else "")
         if problem:
             res = replace(res, notes=res.notes + (problem,))
+        if o.verify and spec is not None:
+            from .verify import verify_deploy
+
+            note, verified = verify_deploy(spec.trial, max(2, o.verify_rounds or disp.rounds), echo)
+            if note:
+                res = replace(res, notes=res.notes + (note,), verified=verified, deploy=res.deploy + f"# {note}\n")
         _log(tracker.client, rid, res, spec)
         status = "FINISHED"
         return res
@@ -302,7 +309,8 @@ def _log(client, rid: str, res: OptimizeResult, spec) -> None:
 
     now = int(time.time() * 1000)
     client.log_batch(rid, metrics=[Metric(k, float(v), now, 0) for k, v in (
-        ("optimize_trials", res.trials), ("optimize_reused", res.reused), ("optimize_wall_s", res.wall_s))])
+        ("optimize_trials", res.trials), ("optimize_reused", res.reused), ("optimize_wall_s", res.wall_s),
+        *res.verified.items())])
     if res.strategy == "chain":
         client.log_text(rid, res.table + "\n\n" + "\n".join(f"- {n}" for n in res.notes) + "\n", TABLE_ARTIFACT)
         client.log_text(rid, json.dumps([row.as_dict() for row in res.rows], indent=1), ROWS_ARTIFACT)

@@ -30,7 +30,7 @@ class SearchConf:
 @dataclass
 class OptimizeConf:
     strategy: str = "chain"
-    objective: str = "tpot"  # tpot | ttft | output_tok_s | max_rate | peak_memory | 0.7*tpot+0.3*peak_memory | tpot>peak_memory
+    objective: str = "tpot"  # tpot | ttft | output_tok_s | max_rate | goodput | peak_memory | 0.7*tpot+0.3*peak_memory | tpot>peak_memory
     min_effect: float = 0.03  # the smallest gain a step must clear (3%), by the lower bound of its interval
     false_accept: float = 0.025  # P(a pair is accepted | its true gain < min_effect), over the whole procedure
     max_trials: int = 24  # trials run now (FINISHED ones reused by hash are free)
@@ -41,6 +41,10 @@ class OptimizeConf:
     trust_regime: bool = True  # skip chain steps the measured regime says cannot pay off
     slo: dict[str, float] = field(default_factory=dict)  # metric -> limit, e.g. {ttft_ms_p99: 500}
     max_memory_gb: Optional[float] = None  # None: no limit; judged on the candidate measured alone
+    # a final configuration on a served engine: launch the printed deploy command beside the engine's defaults and
+    # report their paired goodput (experiments/optimize/verify.py); rounds 0: optimize.rounds as raised for a pair
+    verify: bool = True
+    verify_rounds: int = 0
     gate: GateConf = field(default_factory=GateConf)
     search: SearchConf = field(default_factory=SearchConf)
 

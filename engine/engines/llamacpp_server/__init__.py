@@ -84,6 +84,23 @@ class LlamaCppServerEngine(ServedEngine, LlamaCppEngine):
         return dict(ServedEngine.request_body(self, trial), top_k=s.top_k, min_p=0.0, repeat_penalty=1.0,
                     presence_penalty=0.0, frequency_penalty=0.0)
 
+    def deploy_commands(self, trial: TrialConfig, weights_file=None):
+        """The server its trials launch first (llama-cpp-python's, with this venv's python), llama-server's
+        equivalent second."""
+        from ..base import DeployCommands
+
+        d = LlamaCppEngine.deploy_commands(self, trial, weights_file)
+        return DeployCommands((d.commands[1], d.commands[0]), d.notes)
+
+    def default_launch(self, trial: TrialConfig, weights: str):
+        import shlex
+        import sys
+
+        from ...served.verify import Launch
+
+        # llama-cpp-python's server names the model by its path unless --model_alias says otherwise
+        return Launch("the defaults", shlex.join([sys.executable, "-m", "llama_cpp.server", "--model", weights]), weights)
+
     def local_engine(self) -> LlamaCppEngine:
         return LLAMACPP
 
