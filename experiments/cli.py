@@ -473,6 +473,14 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+# what an interrupted command kept, and how to go on (its finished trials are in the store, its runs KILLED)
+RESUME_HINT = {
+    "cmd_sweep": ": the trials that finished are recorded (the rest KILLED); the same command again resumes, skipping "
+                 "them (--force runs everything again)",
+    "cmd_optimize": ": the trials that finished are recorded; the same command again resumes, reusing them by config hash",
+}
+
+
 def _terminated(signum, _frame):
     raise KeyboardInterrupt  # `kill` (SIGTERM) ends a sweep as Ctrl-C does: runs marked KILLED, results flushed
 
@@ -488,7 +496,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
-        print("\ninterrupted", file=sys.stderr)
+        print("\ninterrupted" + RESUME_HINT.get(getattr(args, "fn", None).__name__ if getattr(args, "fn", None) else "", ""),
+              file=sys.stderr)
         return 130
 
 

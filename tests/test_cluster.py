@@ -277,6 +277,7 @@ def test_sigterm_ends_a_sweep_like_ctrl_c(two_node, tmp_path):
             "sweep_name=t-sigterm", "seed=range(0,6)", "workload.repeats=8"]
     rc, out = _signal_sweep_after(args, 1, signal.SIGTERM)
     assert rc == 130, out
+    assert "interrupted: the trials that finished are recorded" in out and "the same command again resumes" in out
     runs = _runs(MlflowClient(uri), "t-sigterm")
     assert runs and not [r for r in runs if r.info.status == "RUNNING"], "a run was left RUNNING"
     assert [r.info.status for r in runs if r.data.tags.get("kind") == "sweep"] == ["KILLED"]
