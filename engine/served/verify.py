@@ -95,11 +95,6 @@ def measure_launches(launches: list[Launch], trial: TrialConfig, tokenizer, body
     return results
 
 
-def default_model_name(path: str) -> str:
-    """The model name a server launched with only `--model PATH` answers to (llama-cpp-python: the path)."""
-    return path
-
-
 def describe_rounds(res: LaunchResult, metric: str) -> Optional[str]:
     """Why a launch's `metric` gives no ratio (a round at 0), or None."""
     zeros = sum(1 for v in res.series(metric) if not v > 0)
