@@ -129,7 +129,7 @@ def _trial_metrics(client, res) -> dict[str, dict[str, float]]:
 
 
 # what a reader scans on the first screen, without scrolling or widening a column
-FIRST_SCREEN = ("tok/s", "TPOT ms", "TTFT ms", UNSTABLE_FLAG, "PPL", "mem MB")
+FIRST_SCREEN = ("tok per s", "TPOT ms", "TTFT ms", UNSTABLE_FLAG, "PPL", "mem MB")
 MAX_CELL_CHARS = 6  # 4 significant digits and a point: `0.9083`, `1040`, `130.7`
 
 
@@ -137,7 +137,7 @@ def test_printed_url_opens_the_runs_table_readable_on_the_first_screen(ui, dashb
     """A fresh browser (no local storage: MLflow 3.x would default to its GenAI pages, and opens its Assistant
     panel on a local server's first load) opens the URL that `infersweep ui` printed, in a 1440x900 window:
     the trial runs of the latest sweep's experiment, fastest first, and on the first screen, without clicking,
-    scrolling or widening anything, the columns tok/s, TPOT, TTFT, the unstable flag, perplexity and memory
+    scrolling or widening anything, the columns tok per s, TPOT, TTFT, the unstable flag, perplexity and memory
     in MB, each cell a short rounded value that fits its column."""
     from selenium.webdriver.common.by import By
     from selenium.webdriver.support.ui import WebDriverWait
@@ -209,7 +209,7 @@ def test_printed_url_opens_the_runs_table_readable_on_the_first_screen(ui, dashb
             assert len(c.text) <= MAX_CELL_CHARS and "…" not in c.text, f"{m}: {c.text!r} is not short"
             assert d.execute_script(fits, c), f"{m}: {c.text!r} is cut"
             assert float(c.text) == trials[rid][m]
-        assert float(cell(rid, column_id("tok/s")).text) == pytest.approx(trials[rid]["output_tok_s"], rel=1e-3)
+        assert float(cell(rid, column_id("tok per s")).text) == pytest.approx(trials[rid]["output_tok_s"], rel=1e-3)
         assert float(cell(rid, column_id("mem MB")).text) == round(trials[rid]["peak_mem_bytes"] / 1e6)
         # the flag is the tag's (a loaded machine may flag more trials than the one labelled here)
         assert cell(rid, column_id(UNSTABLE_FLAG)).text == ("1" if mlflow_client.get_run(rid).data.tags.get("unstable") else "0")

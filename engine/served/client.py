@@ -150,3 +150,92 @@ def drive(api: Api, requests: list[Request], follow_up: Optional[Callable] = Non
     if not requests:
         raise EngineError("no requests to send")
     return asyncio.run(_drive(api, requests, follow_up, max_concurrency))
+
+
+# --- accuracy through the API: what the server itself answers -------------------------------------------------
+
+async def _post_all(api: Api, bodies: list[dict[str, Any]], concurrency: int) -> list[dict[str, Any]]:
+    import httpx
+
+    gate = asyncio.Semaphore(concurrency)
+    timeout = httpx.Timeout(api.timeout_s, connect=30.0)
+    async with httpx.AsyncClient(timeout=timeout, trust_env=False) as client:
+        async def one(i: int, body: dict[str, Any]) -> dict[str, Any]:
+            async with gate:
+                r = await client.post(api.url + "/v1/completions", json=dict(body, model=api.model))
+            if r.status_code != 200:
+                raise EngineError(f"the server answered scoring request {i} with HTTP {r.status_code}: {r.text[:500]}")
+            return r.json()["choices"][0]
+
+        return list(await asyncio.gather(*(one(i, b) for i, b in enumerate(bodies))))
+
+
+def post_all(api: Api, bodies: list[dict[str, Any]], concurrency: int = 8) -> list[dict[str, Any]]:
+    """POST every body to /v1/completions (not streamed, `concurrency` in flight); each answer's first choice."""
+    return asyncio.run(_post_all(api, bodies, concurrency)) if bodies else []
+
+
+def _logprob(entry: dict[str, Any], token: int) -> dict[str, Any]:
+    got = entry.get(str(int(token)))
+    if got is None:
+        raise EngineError(f"the server's prompt log-probs leave out the prompt's own token {token}")
+    return got
+
+
+def api_loglikelihood(api: Api, pairs) -> list[tuple[float, bool]]:
+    """(log P(continuation | context), whether every continuation token is the greedy one) for each (context ids,
+    continuation ids), from the server's prompt log-probabilities of context + continuation (vLLM's
+    `prompt_logprobs`: each prompt token's own log-prob and rank)."""
+    bodies = [{"prompt": [int(t) for t in list(ctx) + list(cont)], "max_tokens": 1, "temperature": 0.0,
+               "prompt_logprobs": 1} for ctx, cont in pairs]
+    out = []
+    for (ctx, cont), ch in zip(pairs, post_all(api, bodies)):
+        plp = ch.get("prompt_logprobs")
+        if not plp:
+            raise EngineError("the server returned no prompt log-probs (it must support `prompt_logprobs`)")
+        got = [_logprob(plp[len(ctx) + j], tok) for j, tok in enumerate(cont)]
+        out.append((float(sum(g["logprob"] for g in got)), all(g.get("rank") == 1 for g in got)))
+    return out
+
+
+def api_greedy(api: Api, requests) -> list[list[int]]:
+    """The server's greedy answer to each (prompt ids, max_new_tokens), as the token ids it generated (vLLM's
+    `return_token_ids`), EOS included where it stopped there."""
+    bodies = [{"prompt": [int(t) for t in p], "max_tokens": int(n), "temperature": 0.0, "return_token_ids": True}
+              for p, n in requests]
+    out = []
+    for ch in post_all(api, bodies):
+        if ch.get("token_ids") is None:
+            raise EngineError("the server returned no token ids (it must support `return_token_ids`)")
+        out.append([int(t) for t in ch["token_ids"]])
+    return out
+
+
+def api_topk_windows(api: Api, windows: list[list[int]], topk: int):
+    """Each window's top-k next-token log-probs at every position and the actual next token's, from the server's
+    prompt log-probabilities: a `TopkScores` (engine/measure/fidelity.py), as engine=vllm's worker gives."""
+    import torch
+
+    from ..measure.fidelity import TopkScores
+
+    bodies = [{"prompt": [int(t) for t in w], "max_tokens": 1, "temperature": 0.0, "prompt_logprobs": topk}
+              for w in windows]
+    all_idx, all_logp, all_target = [], [], []
+    for w, ch in zip(windows, post_all(api, bodies)):
+        plp = ch.get("prompt_logprobs")
+        if not plp:
+            raise EngineError("the server returned no prompt log-probs (it must support `prompt_logprobs`)")
+        idx = torch.zeros(len(w) - 1, topk, dtype=torch.int32)
+        logp = torch.full((len(w) - 1, topk), float("-inf"), dtype=torch.float32)
+        target = torch.zeros(len(w) - 1, dtype=torch.float32)
+        for t in range(1, len(w)):
+            d = plp[t]
+            target[t - 1] = _logprob(d, w[t])["logprob"]
+            ranked = sorted((v["rank"], int(tok), v["logprob"]) for tok, v in d.items()
+                            if v.get("rank") is not None and v["rank"] <= topk)
+            for j, (_, tok, lp) in enumerate(ranked[:topk]):
+                idx[t - 1, j], logp[t - 1, j] = tok, lp
+        all_idx.append(idx)
+        all_logp.append(logp)
+        all_target.append(target)
+    return TopkScores(torch.stack(all_idx), torch.stack(all_logp), torch.stack(all_target))

@@ -78,26 +78,57 @@ def log_tail(path: Path, n: int = LOG_TAIL) -> str:
     return text[-n:].strip()
 
 
+def group_members(pgid: int, started: Optional[str] = None) -> list[int]:
+    """The live (not zombie) processes of the process group a server led (its leader `pgid`, started at
+    `started`), the leader included while it lives: [] when none is left, or when the group id now belongs to
+    another process's group (a process `pgid` with another start time leads it)."""
+    if started is not None and start_time(pgid) not in (None, started):
+        return []
+    out = []
+    try:
+        entries = os.listdir("/proc")
+    except OSError:
+        return out
+    for name in entries:
+        if not name.isdigit():
+            continue
+        try:
+            fields = Path(f"/proc/{name}/stat").read_text().rpartition(")")[2].split()
+        except OSError:
+            continue
+        if int(fields[2]) == pgid and fields[0] != "Z":
+            out.append(int(name))
+    return out
+
+
 def _kill_group(pgid: int, pid: int, started: Optional[str], grace_s: float) -> None:
-    """SIGTERM to the group, SIGKILL to what is left after `grace_s` (only while `pid` is still the process
-    recorded: a reused pid is never signalled)."""
+    """SIGTERM to the group, SIGKILL to what is left after `grace_s`: the leader and every other member, since a
+    server's children (vLLM's engine core and worker) can outlive their leader. A group id is never reused while
+    any member lives, and a leader's pid that now names another process is never signalled."""
     for sig, wait_s in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 5.0)):
-        if not alive(pid, started):
+        if not group_members(pgid, started):
             return
         try:
             os.killpg(pgid, sig)
         except ProcessLookupError:
             return
         deadline = time.monotonic() + wait_s
-        while time.monotonic() < deadline and alive(pid, started) and not _zombie(pid):
+        while time.monotonic() < deadline and group_members(pgid, started):
             time.sleep(0.05)
 
 
-def _zombie(pid: int) -> bool:
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0] == "Z"
-    except OSError:
-        return True
+SESSION_DIR_PREFIX = "infersweep-server-"  # a served trial's own temporary folder (engine/served/session.py)
+
+
+def _remove_session_dir(log: Optional[str]) -> None:
+    """The folder a dead owner's served trial kept its server log in (its `finally` never ran)."""
+    if not log:
+        return
+    d = Path(log).parent
+    if d.name.startswith(SESSION_DIR_PREFIX):
+        import shutil
+
+        shutil.rmtree(d, ignore_errors=True)
 
 
 def reap_orphans(say: Optional[Callable[[str], None]] = None) -> list[str]:
@@ -114,26 +145,39 @@ def reap_orphans(say: Optional[Callable[[str], None]] = None) -> list[str]:
             continue
         if alive(rec["owner_pid"], rec.get("owner_started")):
             continue  # its owner still runs (another sweep): its server is its own to end
-        if alive(rec["pid"], rec.get("started")):
+        if group_members(rec["pgid"], rec.get("started")):  # the server, or children that outlived it
             _kill_group(rec["pgid"], rec["pid"], rec.get("started"), grace_s=5.0)
             line = (f"ended server pid {rec['pid']} (port {rec['port']}) left by process {rec['owner_pid']}, which is gone: "
                     f"{rec['command'][:200]}")
             out.append(line)
             if say:
                 say(line)
+        _remove_session_dir(rec.get("log"))
         path.unlink(missing_ok=True)
     return out
 
 
+def _vmhwm(pid: int) -> int:
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError):
+        pass
+    return 0
+
+
 class ServerProcess:
     """A server launched from `argv` on `port` (its log in `log_path`), ready when `GET http://127.0.0.1:port
-    <ready_path>` answers 200 within `timeout_s`. `env`: the process environment (None: this one)."""
+    <ready_path>` answers 200 within `timeout_s`. `env`: variables added to this process's environment for the
+    server (its `command` shows them as a shell line would: `VAR=value cmd ...`)."""
 
     def __init__(self, argv: Sequence[str], port: int, log_path: Path, ready_path: str = "/v1/models",
                  timeout_s: float = 180.0, env: Optional[dict[str, str]] = None,
                  say: Optional[Callable[[str], None]] = None):
         self.argv, self.port, self.log_path = list(argv), port, Path(log_path)
-        self.command = shlex.join(self.argv)
+        self.env = dict(env or {})
+        self.command = " ".join([f"{k}={shlex.quote(v)}" for k, v in self.env.items()] + [shlex.join(self.argv)])
         self.url = f"http://{HOST}:{port}"
         self.proc: Optional[subprocess.Popen] = None
         self._record: Optional[Path] = None
@@ -147,9 +191,10 @@ class ServerProcess:
         with open(self.log_path, "ab") as log:
             try:
                 self.proc = subprocess.Popen(self.argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                             start_new_session=True, env=env)
+                                             start_new_session=True, env={**os.environ, **self.env} if self.env else None)
             except OSError as e:
                 raise EngineError(f"could not start the server ({self.command}): {e}") from e
+        self._started = start_time(self.proc.pid)
         try:
             self._write_record()
             self._wait_ready(ready_path, timeout_s)
@@ -166,7 +211,7 @@ class ServerProcess:
     def _write_record(self) -> None:
         d = records_dir()
         d.mkdir(parents=True, exist_ok=True)
-        rec = {"pid": self.pid, "pgid": self.pid, "started": start_time(self.pid), "owner_pid": os.getpid(),
+        rec = {"pid": self.pid, "pgid": self.pid, "started": self._started, "owner_pid": os.getpid(),
                "owner_started": start_time(os.getpid()), "port": self.port, "command": self.command,
                "log": str(self.log_path)}
         path = d / f"{self.pid}.json"
@@ -199,21 +244,18 @@ class ServerProcess:
         return self.proc is not None and self.proc.poll() is None
 
     def peak_rss_bytes(self) -> int:
-        """The server process's peak resident memory so far (VmHWM; 0 where it cannot be read)."""
-        try:
-            for line in Path(f"/proc/{self.pid}/status").read_text().splitlines():
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1]) * 1024
-        except (OSError, ValueError, AssertionError):
-            pass
-        return 0
+        """The server's peak resident memory so far: VmHWM summed over its process group (vLLM serves from an API
+        process and an engine-core process; each one's own peak, so an upper bound on the group's at any one time;
+        0 where it cannot be read)."""
+        if self.proc is None:
+            return 0
+        return sum(_vmhwm(pid) for pid in group_members(self.pid) or [self.pid])
 
     def stop(self, grace_s: float = 10.0) -> None:
         """End the server's process group (SIGTERM, then SIGKILL after `grace_s`) and forget its record.
         Idempotent."""
-        if self.proc is not None and self.proc.poll() is None:
-            started = start_time(self.proc.pid)
-            _kill_group(self.proc.pid, self.proc.pid, started, grace_s)
+        if self.proc is not None:  # its children too, where the server itself has already exited
+            _kill_group(self.proc.pid, self.proc.pid, self._started, grace_s)
         if self.proc is not None:
             try:
                 self.proc.wait(timeout=5)

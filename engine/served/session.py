@@ -24,8 +24,8 @@ import torch
 
 from ..config import EngineError, TrialConfig
 from ..engines.base import Engine, Runs, TrialSession
-from .client import Api, drive
-from .process import ServerProcess, free_port, log_tail
+from .client import Api, api_greedy, api_loglikelihood, api_topk_windows, drive
+from .process import SESSION_DIR_PREFIX, ServerProcess, free_port, log_tail
 
 LOG_ARTIFACT_CHARS = 20000
 
@@ -56,11 +56,16 @@ class ServedEngine(Engine):
     serves_conversations = True
     in_process = False  # the server's CPU time is another process's: /proc cannot tell it from other load
     interleaves = True  # the session's server stays up between runs: pairs interleave, one server driven at a time
+    api_scores = False  # accuracy through the server's API (prompt log-probs, greedy token ids); else `local_engine`
     exact_length_key = ""  # the request option that makes it generate exactly max_tokens (ignore_eos, min_tokens)
     ready_timeout_s = 180.0
 
     def server_argv(self, trial: TrialConfig, weights: str, port: int, host: str) -> list[str]:
         raise NotImplementedError
+
+    def server_env(self, trial: TrialConfig) -> dict[str, str]:
+        """Variables the server's environment adds to this one's (vLLM's CPU thread binding)."""
+        return {}
 
     def request_body(self, trial: TrialConfig) -> dict[str, Any]:
         """The fixed part of every request (sampling as the trial's workload asks)."""
@@ -93,7 +98,7 @@ class ServedSession(TrialSession):
         self.device = torch.device("cpu")
         self.load_s = 0.0
         self._server: Optional[ServerProcess] = None
-        self._dir = Path(tempfile.mkdtemp(prefix="infersweep-server-"))
+        self._dir = Path(tempfile.mkdtemp(prefix=SESSION_DIR_PREFIX))
         self._local: Optional[TrialSession] = None
         self._log_text = ""
 
@@ -103,8 +108,9 @@ class ServedSession(TrialSession):
             port = free_port()
             argv = self.engine.server_argv(self.trial, str(self.loaded.path), port, "127.0.0.1")
             say(f"starting {self.engine.name}'s server on port {port}")
+            extra = self.engine.server_env(self.trial)
             self._server = ServerProcess(argv, port, self._dir / "server.log", timeout_s=self.engine.ready_timeout_s,
-                                         say=say)
+                                         env=extra, say=say)
             self.load_s = self._server.startup_s
         return self._server
 
@@ -147,15 +153,29 @@ class ServedSession(TrialSession):
         return self._local
 
     def score_windows(self, windows, topk: int, say):
+        if self.engine.api_scores:
+            return api_topk_windows(self.api(say), windows.tolist(), topk)
         return self.local(say).score_windows(windows, topk, say)
 
     def loglikelihood(self, pairs, say):
+        if self.engine.api_scores:
+            if any(not ctx for ctx, _ in pairs):
+                raise EngineError(f"engine={self.engine.name} scores a continuation after at least one context token "
+                                  "(a server has no log-prob for a prompt's first position)")
+            say(f"scoring {len(pairs)} continuations through the server's prompt log-probs")
+            return api_loglikelihood(self.api(say), pairs)
         return self.local(say).loglikelihood(pairs, say)
 
     def generate_greedy(self, prompt, max_new_tokens, stop, say):
-        return self.local(say).generate_greedy(prompt, max_new_tokens, stop, say)
+        return self.generate_greedy_many([(prompt, max_new_tokens, stop)], say)[0]
 
     def generate_greedy_many(self, requests, say):
+        if self.engine.api_scores:
+            from ..engines.base import cut_generation
+
+            say(f"generating {len(requests)} greedy answers through the server")
+            got = api_greedy(self.api(say), [(p, n) for p, n, _ in requests])
+            return [cut_generation(ids, self.tokenizer, list(stop)) for ids, (_, _, stop) in zip(got, requests)]
         return self.local(say).generate_greedy_many(requests, say)
 
     # --- facts --------------------------------------------------------------------------------------

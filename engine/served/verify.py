@@ -41,6 +41,16 @@ class LaunchResult:
         return [r[metric] for r in self.rounds]
 
 
+def split_command(command: str) -> tuple[dict[str, str], list[str]]:
+    """A shell line as (the `VAR=value` assignments before the program, argv)."""
+    words = shlex.split(command)
+    env = {}
+    while words and "=" in words[0] and words[0].split("=", 1)[0].isidentifier():
+        k, v = words.pop(0).split("=", 1)
+        env[k] = v
+    return env, words
+
+
 def _with_free_port(argv: list[str]) -> tuple[list[str], int, str]:
     """The command's own --port where it is free, else a free one (and a note saying so)."""
     if "--port" in argv:
@@ -55,7 +65,7 @@ def _with_free_port(argv: list[str]) -> tuple[list[str], int, str]:
 
 
 def measure_launches(launches: list[Launch], trial: TrialConfig, tokenizer, body: dict, exact_length_key: str,
-                     rounds: int, say: Callable[[str], None]) -> list[LaunchResult]:
+                     rounds: int, say: Callable[[str], None], ready_timeout_s: float = 180.0) -> list[LaunchResult]:
     """Start every launch, warm each up with the workload's warm-up requests, then `rounds` rounds of the trial's
     serving workload on each, one server at a time. Returns one result per launch, in order."""
     from ..pipeline import serving_plan
@@ -71,9 +81,10 @@ def measure_launches(launches: list[Launch], trial: TrialConfig, tokenizer, body
     with tempfile.TemporaryDirectory(prefix="infersweep-launch-") as d:
         try:
             for i, ln in enumerate(launches):
-                argv, port, note = _with_free_port(shlex.split(ln.command))
-                say(f"launching {ln.label}: {shlex.join(argv)}")
-                srv = ServerProcess(argv, port, Path(d) / f"server{i}.log", say=say)
+                env, words = split_command(ln.command)
+                argv, port, note = _with_free_port(words)
+                say(f"launching {ln.label}: {ln.command}")
+                srv = ServerProcess(argv, port, Path(d) / f"server{i}.log", env=env, timeout_s=ready_timeout_s, say=say)
                 servers.append(srv)
                 results.append(LaunchResult(ln.label, srv.command, srv.startup_s, port_note=note))
                 apis.append(Api(srv.url, ln.model, dict(body), tokenizer, exact_length_key=exact_length_key))

@@ -31,7 +31,7 @@ def verify_deploy(trial: TrialConfig, rounds: int, echo: Callable[[str], None]) 
         launches = [eng.deploy_launch(trial, weights), eng.default_launch(trial, weights)]
         echo(f"verifying the deploy command: it and the defaults launched fresh, {rounds} interleaved rounds")
         tuned, default = measure_launches(launches, trial, tokenizer, eng.request_body(trial), eng.exact_length_key,
-                                          rounds, echo)
+                                          rounds, echo, ready_timeout_s=eng.ready_timeout_s)
     except (EngineError, OSError) as e:
         return f"the deploy command could not be verified: {e}", {"deploy_verified": 0.0}
     parts, metrics = [], {"deploy_verified": 1.0}

