@@ -353,10 +353,23 @@ class Dispatcher:
 
 
 def _show(bar, d: Dispatcher) -> None:
+    """The counts as the bar's postfix; in a terminal the bar is redrawn at every call (each second while trials
+    run), so its elapsed time moves during a trial of minutes instead of a bare `0/1` (a log file gets a line per
+    change only)."""
     p = d.progress()
     bar.set_postfix(done=p.done, failed=p.failed, running=p.running, queued=p.queued, refresh=False)
     if p.done + p.failed > bar.n:
         bar.update(p.done + p.failed - bar.n)
+    elif p.running and _is_terminal(bar):
+        bar.refresh()
+
+
+def _is_terminal(bar) -> bool:
+    fp = getattr(bar, "fp", None)
+    try:
+        return bool(fp is not None and fp.isatty())
+    except (AttributeError, ValueError):
+        return False
 
 
 def _no_key(item: Any) -> Any:

@@ -223,7 +223,7 @@ def _print_optimize(ref: str, tracking: dict, out: str | None) -> bool:
 def cmd_ui(args) -> int:
     from mlflow.tracking import MlflowClient
 
-    from .tracking.dashboard import latest_experiment, logged_tasks, runs_url, tag_experiment
+    from .tracking.dashboard import latest_experiment, latest_optimize_run, logged_tasks, run_url, runs_url, tag_experiment
     from .tracking.store import is_http, redact, resolve_uri
     from .tracking.server import MlflowServer
 
@@ -259,8 +259,16 @@ def cmd_ui(args) -> int:
     exp = latest_experiment(client)
     if exp is not None:
         tag_experiment(client, exp, logged_tasks(client, exp))  # the saved view the URL opens lives on the experiment
+    opt = latest_optimize_run(client, exp.experiment_id) if exp is not None else None
+
+    def optimize_page(base: str) -> None:
+        if opt is not None:  # the saved view lists trial runs only: the optimize run's own page, by its URL
+            print(f"  its latest optimize run (chain table, deploy command, plot): "
+                  f"{run_url(base, exp.experiment_id, opt.info.run_id)}", flush=True)
+
     if server is None:  # a tracking server already serves the UI
         print(runs_url(uri, exp.experiment_id) if exp is not None else uri)
+        optimize_page(uri)
         return 0
     print(f"starting mlflow server on {args.host}:{server.port} for {redact(uri)} (log {server.log_path})", flush=True)
     # SIGTERM/SIGHUP end the server too: it runs in its own session, out of reach of the terminal's signals
@@ -279,6 +287,7 @@ def cmd_ui(args) -> int:
             print(f"MLflow UI: {runs_url(shown, exp.experiment_id)}", flush=True)
             print(f"  the runs table of '{exp.name}' (the experiment of the latest sweep or optimize run): trial runs, fastest first,"
                   " with the metric columns of the saved view 'infersweep'; Ctrl-C to stop", flush=True)
+            optimize_page(shown)
         rc = server.proc.wait()
     except KeyboardInterrupt:
         return 0

@@ -487,3 +487,27 @@ def test_an_interrupt_while_the_next_item_is_handed_out_still_records_the_finish
         s.finish("x")
     s.d.cancel_running()
     assert [(it, getattr(res, "kind", res)) for it, res, _ in s.results] == [("x", ("ok", "x")), ("y", CANCELLED)]
+
+
+def test_a_long_trial_keeps_the_bar_moving_in_a_terminal_and_quiet_in_a_log():
+    """While a trial runs, each call redraws the bar in a terminal (its elapsed time moves: not a bare `0/1` for
+    minutes); written to a log file, nothing is added until a count changes."""
+    import io
+    import types
+
+    from tqdm.auto import tqdm
+
+    from cluster.dispatcher import Progress, _show
+
+    class Terminal(io.StringIO):
+        def isatty(self) -> bool:
+            return True
+
+    running = types.SimpleNamespace(progress=lambda: Progress(0, 0, 1, 0))
+    for stream, redrawn in ((Terminal(), True), (io.StringIO(), False)):
+        bar = tqdm(total=1, file=stream, mininterval=0, ascii=True)
+        _show(bar, running)
+        before = len(stream.getvalue())
+        _show(bar, running)
+        assert (len(stream.getvalue()) > before) == redrawn
+        bar.close()

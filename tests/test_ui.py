@@ -161,3 +161,11 @@ def test_ui_against_a_running_tracking_server_prints_its_runs_url(mlflow_server,
     assert main(["ui", f"tracking.uri={mlflow_server}"]) == 0
     assert capsys.readouterr().out.strip() == dashboard.runs_url(mlflow_server, eid)
     assert c.get_experiment(eid).tags[dashboard.KIND_TAG] == "custom_model_development"
+    # an optimize run is not in the saved view (trial runs only): its own page is printed by its URL
+    opt = c.create_run(eid, tags={"kind": "optimize"}).info.run_id
+    c.set_terminated(opt)
+    capsys.readouterr()
+    assert main(["ui", f"tracking.uri={mlflow_server}"]) == 0
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert lines[0] == dashboard.runs_url(mlflow_server, eid)
+    assert lines[1].endswith(dashboard.run_url(mlflow_server, eid, opt)) and "optimize run" in lines[1]

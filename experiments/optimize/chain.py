@@ -47,6 +47,9 @@ MODEL_KEYS = ("model", "model.name")  # the model axis (right-size); `model.dtyp
 Predict = Callable[[Point], Optional[tuple[float, float]]]
 
 
+BASELINE_FAILED = "baseline failed"  # the stop when the baseline's own trial failed: nothing was decided
+
+
 @dataclass(frozen=True)
 class Step:
     key: str  # the space's axis key (`kv_cache`, `quant`, `model.dtype`)
@@ -361,7 +364,7 @@ class Chain:
                     regime_before=m0.regime, regime_after=m0.regime, hashes=(m0.config_hash,))]
         path = [dict(inc)]
         if not m0.ok:
-            return ChainResult(rows, inc, None, "baseline failed", self.trials, self.reused, path)
+            return ChainResult(rows, inc, None, BASELINE_FAILED, self.trials, self.reused, path)
         if self.eval_baseline and m0.correct:
             self._reference[self.eval_limit] = m0
         inc_m = m0

@@ -16,7 +16,7 @@ import yaml
 
 from ..config.compose import Problem, SweepError
 from ..errors import UserError
-from .chain import MODEL_KEYS, Chain, ChainResult, baseline_of
+from .chain import BASELINE_FAILED, MODEL_KEYS, Chain, ChainResult, baseline_of
 from .dispatch import TrialMeasure
 from .measurement import describe
 from .objective import Objective
@@ -164,7 +164,10 @@ def run_optimize(overrides: list[str], in_process: bool = False, echo=print) -> 
                              final_hash=spec.config_hash if spec else "", deploy=_deployment(spec.trial) if spec else "")
         if problem:
             res = replace(res, notes=res.notes + (problem,))
-        if o.verify and spec is not None:
+        if o.verify and spec is not None and decided.stop == BASELINE_FAILED:
+            res = replace(res, notes=res.notes + ("the deploy command was not verified: the baseline's trial failed "
+                                                  "(its reason is in the table), so no configuration was measured",))
+        elif o.verify and spec is not None:
             from .verify import verify_deploy
 
             note, verified = verify_deploy(spec.trial, max(2, o.verify_rounds or disp.rounds), echo)
@@ -356,4 +359,5 @@ def print_result(res: OptimizeResult, echo=print) -> None:
          + (f"  (infersweep reproduce {res.final_hash[:12]})" if res.final_hash else ""))
     if res.deploy:
         echo("\n" + res.deploy.rstrip())
-    echo(f"MLflow: experiment '{res.experiment}', optimize run {res.run_id} (artifacts optimize/)")
+    echo(f"MLflow: experiment '{res.experiment}', optimize run {res.run_id} (artifacts optimize/); `infersweep ui` "
+         "prints the URL of its page")

@@ -194,6 +194,18 @@ def runs_url(base_url: str, experiment_id: str) -> str:
     return f"{base_url.rstrip('/')}/#/experiments/{experiment_id}/runs?{query}"
 
 
+def run_url(base_url: str, experiment_id: str, run_id: str) -> str:
+    """A run's own page (its artifacts: an optimize run's chain table, deploy command and plot)."""
+    return f"{base_url.rstrip('/')}/#/experiments/{experiment_id}/runs/{run_id}"
+
+
+def latest_optimize_run(client, experiment_id: str):
+    """The experiment's most recent `optimize` run, or None (the saved view lists trial runs only)."""
+    runs = client.search_runs([experiment_id], filter_string="tags.kind = 'optimize'",
+                              order_by=["attributes.start_time DESC"], max_results=1)
+    return runs[0] if runs else None
+
+
 def latest_experiment(client):
     """The experiment of the most recently started sweep or `optimize` run; else the newest experiment with any
     run; None for a store without runs."""
