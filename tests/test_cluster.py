@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -278,6 +279,8 @@ def test_sigterm_ends_a_sweep_like_ctrl_c(two_node, tmp_path):
     rc, out = _signal_sweep_after(args, 1, signal.SIGTERM)
     assert rc == 130, out
     assert "interrupted: the trials that finished are recorded" in out and "the same command again resumes" in out
+    # the table of what was recorded, as a finished sweep prints it (not a bare "interrupted")
+    assert re.search(r"^hash\s.*status\s*$", out, re.M) and re.search(r"^[0-9a-f]{12}\s.*FINISHED\s*$", out, re.M), out
     runs = _runs(MlflowClient(uri), "t-sigterm")
     assert runs and not [r for r in runs if r.info.status == "RUNNING"], "a run was left RUNNING"
     assert [r.info.status for r in runs if r.data.tags.get("kind") == "sweep"] == ["KILLED"]

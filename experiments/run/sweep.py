@@ -183,10 +183,12 @@ def run_specs(
     skip_finished: bool = False,
     on_start=None,
     parent_run_id: Optional[str] = None,
+    on_interrupt=None,
 ) -> SweepResult:
     """Run and record `specs`. `skip_finished`: leave out hashes already FINISHED in the experiment
     (resume). `on_start(spec, meta)` is called as each trial is handed to a worker. `parent_run_id`: nest the
-    trials under that run (an `optimize` run, which owns its lifetime) instead of a sweep run of their own."""
+    trials under that run (an `optimize` run, which owns its lifetime) instead of a sweep run of their own.
+    `on_interrupt(result)`: called with what was recorded when Ctrl-C / `kill` ends the run (then it re-raises)."""
     from engine.served.process import reap_orphans
 
     from ..tracking.spool import Recorder
@@ -237,6 +239,8 @@ def run_specs(
             rec.close()
             result.spooled = rec.spooled
             result.wall_s = time.perf_counter() - t0
+            if status == KILLED and on_interrupt is not None:
+                on_interrupt(result)
     return result
 
 
@@ -244,7 +248,12 @@ def run_sweep(overrides: list[str], in_process: bool = False, echo=print, force:
     specs = expand(overrides)
     command = "infersweep sweep " + " ".join(overrides)
     echo(f"{len(specs)} trial(s) validated; sweep '{specs[0].config['sweep_name']}'")
-    res = run_specs(specs, command, in_process=in_process, echo=echo, skip_finished=not force)
+    def interrupted(res: SweepResult) -> None:  # what finished before Ctrl-C, as the table a finished sweep prints
+        if res.rows:
+            echo("\n" + table(res.rows))
+
+    res = run_specs(specs, command, in_process=in_process, echo=echo, skip_finished=not force,
+                    on_interrupt=interrupted)
     echo("")
     echo(table(res.rows))
     for r in res.failed:
