@@ -170,12 +170,17 @@ class Workload:
     run: Callable[[int, int], Runs]
     metrics_of: Callable[[Any, dict], dict]
     outputs_of: Callable[[Any], list[list[int]]]
+    batch_variant: bool = False  # Engine.batch_variant_outputs: differing repeats are counted, not refused
 
     def outcome(self, runs: Runs) -> tuple[list[dict], list[list[int]]]:
         outputs = [self.outputs_of(t) for t in runs.traces]
-        if any(o != outputs[0] for o in outputs[1:]):  # sampling is seeded per run / per request
+        per_run = [self.metrics_of(t, x) for t, x in zip(runs.traces, runs.extra)]
+        if self.batch_variant:
+            for m, out in zip(per_run, outputs):
+                m["outputs_changed"] = sum(a != b for a, b in zip(out, outputs[0])) / max(1, len(out))
+        elif any(o != outputs[0] for o in outputs[1:]):  # sampling is seeded per run / per request
             raise EngineError("generation is not deterministic: repeats produced different tokens")
-        return [self.metrics_of(t, x) for t, x in zip(runs.traces, runs.extra)], outputs[0]
+        return per_run, outputs[0]
 
 
 def _static(trial: TrialConfig, session: TrialSession, say) -> Workload:
@@ -215,7 +220,8 @@ def _serving_workload(trial: TrialConfig, session: TrialSession, wl, corpus: tor
         return m
 
     return Workload(lambda warmup, repeats: session.run_serving(serving_plan(wl, corpus, trial.seed, warmup, repeats), say),
-                    metrics_of, lambda t: [list(r.output) for r in t.requests])
+                    metrics_of, lambda t: [list(r.output) for r in t.requests],
+                    engines.get(trial.engine.backend).batch_variant_outputs)
 
 
 def _serving(trial: TrialConfig, session: TrialSession, say) -> Workload:

@@ -170,3 +170,18 @@ def test_the_printed_vllm_command_starts_and_serves(tmp_path):
     with pytest.raises(EngineError, match="at least 2 rounds"):
         measure_launches([launch], trial, None, {}, "", 1, lambda *_: None)
     assert shlex.split(launch.command)[0].startswith("VLLM_CPU_OMP_THREADS_BIND=")
+
+
+def test_repeats_that_differ_are_counted_on_a_batch_variant_engine_and_refused_elsewhere():
+    from engine import engines
+    from engine.engines.base import Runs
+    from engine.pipeline import Workload
+
+    assert engines.get("vllm-server").batch_variant_outputs and not engines.get("llamacpp-server").batch_variant_outputs
+    traces = [[[1, 2], [3, 4], [5]], [[1, 2], [3, 9], [5]]]  # the second request's tokens changed in repeat 2
+    runs = Runs(traces, [{}, {}], 0)
+    w = Workload(lambda *_: runs, lambda t, x: {"n": len(t)}, lambda t: t, batch_variant=True)
+    per_run, first = w.outcome(runs)
+    assert first == traces[0] and [m["outputs_changed"] for m in per_run] == [0.0, pytest.approx(1 / 3)]
+    with pytest.raises(EngineError, match="not deterministic"):
+        Workload(lambda *_: runs, lambda t, x: {}, lambda t: t).outcome(runs)

@@ -184,6 +184,10 @@ class Engine:
     # runs in its own process that the session keeps between runs (a server started once per trial), so its runs
     # can be interleaved round-robin with other trials' (both servers up, one driven at a time)
     interleaves: bool = False
+    # its greedy outputs may change with the batch a request shares (continuous batching over floating-point kernels
+    # whose reduction order follows the batch's shape): repeats that differ are counted (metric
+    # `outputs_changed`, the share of requests whose tokens differ from the first repeat's), not a failure
+    batch_variant_outputs: bool = False
     # the lm-evaluation-harness request types its sessions serve (engine/tasks): "loglikelihood" (also
     # multiple choice and rolling), "generate_until" (greedy); task_why: why the others are not (for messages)
     task_requests: tuple[str, ...] = ()

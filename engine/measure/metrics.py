@@ -29,6 +29,8 @@ METRICS: dict[str, str] = {
     "request_s": "requests completed per second",
     "incomplete_requests": "serving: requests that ended before the length asked (a served request the server "
                            "cancelled or stopped early); they never count toward goodput",
+    "outputs_changed": "served on a batch-variant engine (vLLM's server): the share of requests whose greedy tokens "
+                       "differ from the first repeat's (the batch a request shares changes its floating-point sums)",
     "peak_mem_bytes": "process RSS high-water mark on CPU, torch.cuda.max_memory_allocated on GPU, over the timed "
                       "runs; in an interleaved group (env.interleave_group), whose process holds every variant's model, "
                       "the variant's own footprint instead: weights_bytes + the most its own calls grew the process "
