@@ -383,9 +383,9 @@ def test_greedy_text_through_the_server_equals_the_in_process_engine_on_the_same
     assert not list(records_dir().glob("*.json"))
 
 
-def _driver_with_a_server(tmp_path, sig: int) -> tuple[subprocess.Popen, dict]:
-    """`infersweep run` of a served trial with slow requests; `sig` once its server is recorded."""
-    args = [sys.executable, "-m", "experiments.cli", "run", *SERVED, "workload.output_len.min=400",
+def _driver_with_a_server(tmp_path, sig: int, command: str = "run") -> tuple[subprocess.Popen, dict]:
+    """`infersweep run` (or `sweep`: on Ray) of a served trial with slow requests; `sig` once its server is recorded."""
+    args = [sys.executable, "-m", "experiments.cli", command, *SERVED, "workload.output_len.min=400",
             "workload.output_len.max=400", f"tracking.uri=sqlite:///{tmp_path}/mlflow.db", f"tracking.spool_dir={tmp_path}/s"]
     proc = subprocess.Popen(args, cwd=ROOT, env=dict(os.environ, PYTHONPATH=str(ROOT)), stdout=subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
@@ -404,6 +404,18 @@ def _driver_with_a_server(tmp_path, sig: int) -> tuple[subprocess.Popen, dict]:
 def test_sigterm_of_a_driver_mid_trial_ends_its_server(tmp_path):
     need_prepared(SMOL)
     proc, rec = _driver_with_a_server(tmp_path, signal.SIGTERM)
+    assert proc.returncode == 130
+    assert not alive(rec["pid"], rec["started"]) or _zombie_or_gone(rec["pid"])
+    assert not list(records_dir().glob("*.json"))
+
+
+@needs_server
+@pytest.mark.slow  # a local Ray cluster
+def test_sigterm_of_a_sweep_on_ray_mid_trial_ends_its_server(tmp_path):
+    """On Ray the interrupted driver kills its actors outright (the trial's `finally` never runs there): the
+    driver then ends the servers they leave before it exits."""
+    need_prepared(SMOL)
+    proc, rec = _driver_with_a_server(tmp_path, signal.SIGTERM, "sweep")
     assert proc.returncode == 130
     assert not alive(rec["pid"], rec["started"]) or _zombie_or_gone(rec["pid"])
     assert not list(records_dir().glob("*.json"))

@@ -167,6 +167,23 @@ def _vmhwm(pid: int) -> int:
     return 0
 
 
+def reap_after_interrupt(say: Optional[Callable[[str], None]] = None, wait_s: float = 15.0) -> list[str]:
+    """After an interrupted run retired its workers (Ray kills an actor outright: the trial's `finally` never
+    runs), end the servers they left as their processes go: the records there now are reaped as their owners
+    die, for up to `wait_s` (a record whose owner outlives that -- another run's -- is left to it)."""
+    d = records_dir()
+    pending = {p.name for p in d.glob("*.json")} if d.is_dir() else set()
+    out: list[str] = []
+    deadline = time.monotonic() + wait_s
+    while pending:
+        out += reap_orphans(say)
+        pending &= {p.name for p in d.glob("*.json")}
+        if not pending or time.monotonic() > deadline:
+            break
+        time.sleep(0.25)
+    return out
+
+
 class ServerProcess:
     """A server launched from `argv` on `port` (its log in `log_path`), ready when `GET http://127.0.0.1:port
     <ready_path>` answers 200 within `timeout_s`. `env`: variables added to this process's environment for the

@@ -227,6 +227,9 @@ def run_specs(
                 _dispatch(todo, specs[0].cluster, in_process, recorder, sweep_name, started)
         except KeyboardInterrupt:
             status = KILLED
+            from engine.served.process import reap_after_interrupt
+
+            reap_after_interrupt(echo)  # servers of trials whose workers were killed mid-trial (served engines)
             raise
         finally:
             rec.flush()  # writer threads: every result is in the store or the spool from here on
