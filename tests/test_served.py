@@ -496,6 +496,9 @@ def test_goodput_is_an_objective_higher_is_better():
 
     o = Objective.parse("goodput")
     assert [(t.metric, t.higher_is_better) for t in o.terms] == [("goodput_cc", True)]
+    from engine.measure.metrics import TIMINGS
+
+    assert "goodput_cc" in TIMINGS  # recorded round by round: what a pair's verdict is computed from
 
 
 def test_a_candidate_that_breaks_the_slo_in_most_rounds_still_gets_a_paired_ratio():

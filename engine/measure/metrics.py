@@ -182,7 +182,7 @@ METRICS: dict[str, str] = {
 # Each timing below also carries its spread (engine/measure/spread.py): NAME_ci_lo, NAME_ci_hi (95% interval
 # of the median, percentile bootstrap), NAME_cv (stdev / mean), NAME_n (samples). NAME itself stays the median.
 TIMINGS = ("ttft_ms_p50", "tpot_ms_p50", "itl_ms_p50", "e2e_s_p50", "output_tok_s", "decode_tok_s", "prefill_tok_s",
-           "request_s", "goodput")
+           "request_s", "goodput", "goodput_cc")
 # A trial is `unstable` when the machine's load or a timing's spread says its medians cannot decide a
 # comparison. Spread is judged on what the verdicts read -- the 95% interval of the median, relative to it --
 # against the smallest effect they judge (spread.MIN_EFFECT, 10%): a median known no better than +-10% cannot
