@@ -257,7 +257,7 @@ def test_validation_refuses_a_request_type_the_engine_does_not_serve(cache, monk
     problems = task_problems(trial, 2048)
     msgs = [v for k, v in problems if k == "eval.tasks"]
     assert msgs == ["niah_single need generate_until, which engine=native does not serve: no decode loop here; "
-                    "engines that do: hf, llamacpp, llamacpp-server, vllm"], problems
+                    "engines that do: hf, llamacpp, llamacpp-server, vllm, vllm-server"], problems
 
 
 def _all_runs(client) -> int:
