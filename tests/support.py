@@ -34,3 +34,19 @@ def make_trial(model: ModelConfig, backend: str = "hf", attention: str = "sdpa",
         workload=wl,
         **sections,
     )
+
+
+def served_trial_run(tmp_path, overrides: list[str], sweep_name: str):
+    """One served trial swept in this process into a store under `tmp_path`, all its requests at once: (the
+    MLflow client, the trial's run), after checking it FINISHED."""
+    from mlflow.tracking import MlflowClient
+
+    from experiments.run.sweep import run_sweep
+
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    over = overrides + ["workload.arrival=all-at-once", f"tracking.uri={uri}", f"tracking.spool_dir={tmp_path}/spool",
+                        f"sweep_name={sweep_name}"]
+    res = run_sweep(over, in_process=True, echo=lambda *_: None)
+    assert [r["status"] for r in res.rows] == ["FINISHED"], res.rows
+    client = MlflowClient(uri)
+    return client, client.search_runs([client.get_experiment_by_name(sweep_name).experiment_id])[0]

@@ -334,17 +334,9 @@ SERVED = ["model=smollm2-135m", "server=llamacpp", "quant=gguf-shipped", "worklo
 @needs_server
 def test_a_served_trial_is_recorded_like_any_serving_trial_and_leaves_no_server(tmp_path):
     need_prepared(SMOL)
-    from mlflow.tracking import MlflowClient
+    from support import served_trial_run
 
-    from experiments.run.sweep import run_sweep
-
-    uri = f"sqlite:///{tmp_path}/mlflow.db"
-    over = SERVED + ["workload.arrival=all-at-once", f"tracking.uri={uri}", f"tracking.spool_dir={tmp_path}/spool",
-                     "sweep_name=t-served"]
-    res = run_sweep(over, in_process=True, echo=lambda *_: None)
-    assert [r["status"] for r in res.rows] == ["FINISHED"], res.rows
-    client = MlflowClient(uri)
-    run = client.search_runs([client.get_experiment_by_name("t-served").experiment_id])[0]
+    client, run = served_trial_run(tmp_path, SERVED, "t-served")
     for k in ("ttft_ms_p50", "ttft_ms_p99", "tpot_ms_p50", "itl_ms_p50", "e2e_s_p99", "goodput", "request_s",
               "output_tok_s", "slo_attainment", "peak_mem_bytes", "model_load_s"):
         assert k in run.data.metrics, k
@@ -359,7 +351,7 @@ def test_a_served_trial_is_recorded_like_any_serving_trial_and_leaves_no_server(
     # request in progress when another arrives)
     from engine.serving.requests import lengths
 
-    trial = expand(over, gpu_available=False)[0].trial
+    trial = expand(SERVED + ["workload.arrival=all-at-once"], gpu_available=False)[0].trial
     outputs = json.loads(Path(client.download_artifacts(run.info.run_id, "token_ids.json", str(tmp_path))).read_text())
     assert [len(o) for o in outputs] == [n for _, n in lengths(trial.workload, trial.seed)]
 

@@ -89,18 +89,10 @@ def test_split_command_takes_the_variables_before_the_program():
 @needs_vllm
 def test_a_vllm_served_trial_is_recorded_like_any_serving_trial_and_leaves_no_server(tmp_path):
     need_prepared(SMOL)
-    from mlflow.tracking import MlflowClient
-
     from engine.served.process import records_dir
-    from experiments.run.sweep import run_sweep
+    from support import served_trial_run
 
-    uri = f"sqlite:///{tmp_path}/mlflow.db"
-    over = SERVED + ["workload.arrival=all-at-once", f"tracking.uri={uri}", f"tracking.spool_dir={tmp_path}/spool",
-                     "sweep_name=t-vllm-served"]
-    res = run_sweep(over, in_process=True, echo=lambda *_: None)
-    assert [r["status"] for r in res.rows] == ["FINISHED"], res.rows
-    client = MlflowClient(uri)
-    run = client.search_runs([client.get_experiment_by_name("t-vllm-served").experiment_id])[0]
+    client, run = served_trial_run(tmp_path, SERVED, "t-vllm-served")
     for k in ("ttft_ms_p50", "tpot_ms_p50", "itl_ms_p50", "e2e_s_p99", "goodput", "output_tok_s", "slo_attainment",
               "peak_mem_bytes", "model_load_s"):
         assert k in run.data.metrics, k

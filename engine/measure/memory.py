@@ -9,9 +9,10 @@ from functools import lru_cache
 import torch
 
 
-def _read_status_kb(field: str) -> int:
+def status_kb(field: str, pid: int | str = "self") -> int:
+    """A kB field of /proc/<pid>/status (VmRSS, VmHWM); 0 where it cannot be read."""
     try:
-        with open("/proc/self/status") as f:
+        with open(f"/proc/{pid}/status") as f:
             for line in f:
                 if line.startswith(field + ":"):
                     return int(line.split()[1])
@@ -69,7 +70,7 @@ class PeakMemory:
         else:
             if self.release:
                 release_free_memory()
-            self.base_bytes = _read_status_kb("VmRSS") * 1024
+            self.base_bytes = status_kb("VmRSS") * 1024
             try:
                 with open("/proc/self/clear_refs", "w") as f:
                     f.write("5")
@@ -82,5 +83,5 @@ class PeakMemory:
             torch.cuda.synchronize(self.device)
             self.peak_bytes = int(torch.cuda.max_memory_allocated(self.device))
         else:
-            self.peak_bytes = _read_status_kb("VmHWM") * 1024
+            self.peak_bytes = status_kb("VmHWM") * 1024
         return False

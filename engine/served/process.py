@@ -157,16 +157,6 @@ def reap_orphans(say: Optional[Callable[[str], None]] = None) -> list[str]:
     return out
 
 
-def _vmhwm(pid: int) -> int:
-    try:
-        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) * 1024
-    except (OSError, ValueError):
-        pass
-    return 0
-
-
 def reap_after_interrupt(say: Optional[Callable[[str], None]] = None, wait_s: float = 15.0) -> list[str]:
     """After an interrupted run retired its workers (Ray kills an actor outright: the trial's `finally` never
     runs), end the servers they left as their processes go: the records there now are reaped as their owners
@@ -266,7 +256,9 @@ class ServerProcess:
         0 where it cannot be read)."""
         if self.proc is None:
             return 0
-        return sum(_vmhwm(pid) for pid in group_members(self.pid) or [self.pid])
+        from ..measure.memory import status_kb
+
+        return sum(status_kb("VmHWM", pid) * 1024 for pid in group_members(self.pid) or [self.pid])
 
     def stop(self, grace_s: float = 10.0) -> None:
         """End the server's process group (SIGTERM, then SIGKILL after `grace_s`) and forget its record.

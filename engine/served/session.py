@@ -63,6 +63,22 @@ class ServedEngine(Engine):
     def server_argv(self, trial: TrialConfig, weights: str, port: int, host: str) -> list[str]:
         raise NotImplementedError
 
+    def served_problems(self, trial: TrialConfig, static_runs_on: str, tiny_why: str) -> list[tuple[str, str]]:
+        """What every served engine refuses: a workload that is not a request stream (`static_runs_on`: where a
+        static batch runs instead) and a tiny random model (`tiny_why`: why its server cannot serve one)."""
+        from ..models import TINY_SCHEME
+
+        label = f"engine={self.name}"
+        p = []
+        if not trial.workload.serving:
+            p.append(("workload.kind", f"{label} serves requests over HTTP: give it a serving workload "
+                                       f"(workload=serving-mixed, serving-burst or serving-multiturn); a static batch "
+                                       f"runs on {static_runs_on}"))
+        if trial.model.path.startswith(TINY_SCHEME):
+            p.append(("model.path", f"{label}: the server tokenizes text with {tiny_why}: serve a real model "
+                                    "(model=smollm2-135m)"))
+        return p
+
     def server_env(self, trial: TrialConfig) -> dict[str, str]:
         """Variables the server's environment adds to this one's (vLLM's CPU thread binding)."""
         return {}

@@ -17,7 +17,6 @@ import importlib.util
 from typing import Any, Optional
 
 from ...config import TrialConfig
-from ...models import TINY_SCHEME
 from ..base import Support
 from ..llamacpp import ENGINE as LLAMACPP, LlamaCppEngine, python_server_argv
 from ...served.session import ServedEngine, ServedModel
@@ -51,18 +50,12 @@ class LlamaCppServerEngine(ServedEngine, LlamaCppEngine):
 
     def check(self, trial: TrialConfig, facts, gpu_available: bool):
         p = [(k, why.replace("engine=llamacpp", LABEL)) for k, why in LlamaCppEngine.check(self, trial, facts, gpu_available)]
-        if not trial.workload.serving:
-            p.append(("workload.kind", f"{LABEL} serves requests over HTTP: give it a serving workload "
-                                       "(workload=serving-mixed, serving-burst or serving-multiturn); a static batch "
-                                       "runs on engine=llamacpp in this process"))
         if trial.batching.max_batch_size != 1:
             p.append(("batching.max_batch_size", f"{LABEL}: llama-cpp-python's server answers one request at a time; "
                                                  f"set batching.max_batch_size=1 (server=llamacpp does), not "
                                                  f"{trial.batching.max_batch_size}"))
-        if trial.model.path.startswith(TINY_SCHEME):
-            p.append(("model.path", f"{LABEL}: the server tokenizes text with the GGUF's own vocabulary, and a tiny "
-                                    f"random model's GGUF has none: serve a real model (model=smollm2-135m)"))
-        return p
+        return p + self.served_problems(trial, "engine=llamacpp in this process",
+                                        "the GGUF's own vocabulary, and a tiny random model's GGUF has none")
 
     def load(self, trial: TrialConfig, say) -> ServedModel:
         """The GGUF the server will load (converted once, then cached) and the tokenizer; no weights here."""

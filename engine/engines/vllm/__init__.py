@@ -180,7 +180,7 @@ def server_argv(trial: TrialConfig, model: str, host: Optional[str] = None,
     """(environment, argv) that start vLLM's OpenAI-compatible server for `trial`: vLLM's interpreter, the CPUs its
     threads bind to, the served model name, the trial's engine arguments and a KV pool sized for the workload
     (vLLM CPU otherwise takes most of the host's RAM)."""
-    from .engine import thread_cpus, vllm_python
+    from .engine import cpu_binding, vllm_python
 
     try:
         python = str(vllm_python())
@@ -192,8 +192,7 @@ def server_argv(trial: TrialConfig, model: str, host: Optional[str] = None,
         args["kv_cache_memory_bytes"] = pool
     if host is not None:
         args.update(host=host, port=port)
-    env = {"VLLM_CPU_OMP_THREADS_BIND": ",".join(map(str, thread_cpus(trial.engine.threads)))}
-    return env, [python, "-m", SERVER_MODULE, "--model", model] + _flags(args, quote=False)
+    return cpu_binding(trial.engine.threads), [python, "-m", SERVER_MODULE, "--model", model] + _flags(args, quote=False)
 
 
 def _model_ref(trial: TrialConfig) -> tuple[str, list[str]]:

@@ -218,11 +218,15 @@ def _keep_log(path: Path) -> str:
         return f"not kept ({e})"
 
 
+def cpu_binding(threads: int) -> dict[str, str]:
+    """The variable that binds vLLM CPU's OpenMP threads to the first `threads` CPUs (worker and server alike)."""
+    return {"VLLM_CPU_OMP_THREADS_BIND": ",".join(map(str, thread_cpus(threads)))}
+
+
 def worker_env(threads: int) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME", "VIRTUAL_ENV")}
-    cpus = thread_cpus(threads)
-    env["VLLM_CPU_OMP_THREADS_BIND"] = ",".join(map(str, cpus))
-    env["OMP_NUM_THREADS"] = str(len(cpus))
+    env.update(cpu_binding(threads))
+    env["OMP_NUM_THREADS"] = str(len(thread_cpus(threads)))
     env.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
     env.setdefault("VLLM_NO_USAGE_STATS", "1")
     env.setdefault("DO_NOT_TRACK", "1")

@@ -21,7 +21,6 @@ from pathlib import Path
 from typing import Any, Optional
 
 from ...config import TrialConfig
-from ...models import TINY_SCHEME
 from ..vllm import ENGINE as VLLM, VLLMEngine, server_argv
 from ...served.session import ServedEngine, ServedModel
 
@@ -47,10 +46,6 @@ class VLLMServerEngine(ServedEngine, VLLMEngine):
 
     def check(self, trial: TrialConfig, facts, gpu_available: bool):
         p = [(k, why.replace("engine=vllm", LABEL)) for k, why in VLLMEngine.check(self, trial, facts, gpu_available)]
-        if not trial.workload.serving:
-            p.append(("workload.kind", f"{LABEL} serves requests over HTTP: give it a serving workload "
-                                       "(workload=serving-mixed, serving-burst or serving-multiturn); a static batch "
-                                       "runs on engine=vllm"))
         b = trial.batching
         if trial.workload.serving and not b.chunked_prefill:
             from ..vllm import serving_len
@@ -60,10 +55,8 @@ class VLLMServerEngine(ServedEngine, VLLMEngine):
                 p.append(("batching.max_batch_tokens", f"{LABEL} without chunked prefill needs max_batch_tokens >= the "
                                                        f"server's --max-model-len {n}, got {b.max_batch_tokens}; or "
                                                        f"batching.chunked_prefill=true"))
-        if trial.model.path.startswith(TINY_SCHEME):
-            p.append(("model.path", f"{LABEL}: the server tokenizes text with the checkpoint's own tokenizer, and a "
-                                    f"tiny random model has none: serve a real model (model=smollm2-135m)"))
-        return p
+        return p + self.served_problems(trial, "engine=vllm", "the checkpoint's own tokenizer, and a tiny random "
+                                                              "model has none")
 
     def load(self, trial: TrialConfig, say) -> ServedModel:
         """The checkpoint directory the server will load and its tokenizer; no weights here."""
@@ -87,7 +80,9 @@ class VLLMServerEngine(ServedEngine, VLLMEngine):
         return argv
 
     def server_env(self, trial: TrialConfig) -> dict[str, str]:
-        return server_argv(trial, "")[0]
+        from ..vllm.engine import cpu_binding
+
+        return cpu_binding(trial.engine.threads)
 
     def request_body(self, trial: TrialConfig) -> dict[str, Any]:
         s = trial.workload.sampling
