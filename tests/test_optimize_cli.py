@@ -132,6 +132,8 @@ def test_real_chain_on_the_tiny_model_resumes_by_hash(tiny_overrides, mlflow_cli
     arts = {a.path for a in mlflow_client.list_artifacts(opt.info.run_id, "optimize")}
     assert {"optimize/chain.md", "optimize/chain.json", "optimize/final_config.yaml", "optimize/deploy.sh"} <= arts
     assert "# deploy the final configuration (engine " in out  # the deliverable, printed at the end
+    # an in-process final's served counterpart: the tiny random model is one no server runs, and the result says why
+    assert "no served counterpart of the in-process final configuration: " in out
     final = opt.data.tags["final_config_hash"]
     assert final in {t.data.tags["config_hash"] for t in trials}
     assert f"(infersweep reproduce {final[:12]})" in out  # the hash a user copies

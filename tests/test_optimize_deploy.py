@@ -51,3 +51,28 @@ def test_llama_server_and_llama_cpp_python_arguments():
 def test_an_in_process_engine_says_it_has_no_server():
     d = deployment(TrialConfig(model=MODEL))
     assert d.commands == () and "reproduce" in d.text() and "no server command" in d.text()
+
+
+def test_an_in_process_final_maps_to_its_served_counterpart():
+    from engine.config import AttentionConfig, QuantConfig
+    from experiments.optimize.counterpart import counterpart_overrides
+
+    t = TrialConfig(model=MODEL, engine=EngineConfig(backend="native"), attention=AttentionConfig(impl="sdpa"),
+                    quant=QuantConfig(level="int4-weight"), speculative=SpeculativeConfig(method="prompt-lookup", k=3),
+                    workload=WorkloadConfig(batch_size=1, context_len=96, max_new_tokens=24))
+    fixed = ["model=smollm2-135m", "engine=native-cpp", "engine.threads=2", "eval=tasks", "tracking.uri=sqlite:///x.db",
+             "optimize.rounds=3", "workload.context_len=96"]
+    out = counterpart_overrides(fixed, {"quant": "int4-weight", "attention": "sdpa", "kv_cache": "contiguous"}, t, "exp")
+    # what every engine shares is kept; the in-process engine, its evaluation and optimize settings are not
+    assert {"model=smollm2-135m", "engine.threads=2", "tracking.uri=sqlite:///x.db"} <= set(out)
+    assert not any(o.startswith(("engine=", "eval=tasks", "optimize.", "kv_cache=", "workload.context_len")) for o in out)
+    # the nearest server values: int4 -> Q4_0, fused attention -> flash, drafting kept; the final's own lengths,
+    # one request at a time (the in-process step's batch of one)
+    for o in ("server=llamacpp", "sweep_name=exp", "eval=none", "quant=gguf-q4_0", "speculative=prompt-lookup",
+              "attention=flash", "workload=serving-burst", "workload.max_concurrency=1", "workload.input_len.value=96",
+              "workload.output_len.value=24", "workload.prefix_len=0"):
+        assert o in out, o
+    eager = dataclasses.replace(t, attention=AttentionConfig(impl="eager"), quant=QuantConfig(level="int8-dynamic"),
+                                speculative=SpeculativeConfig())
+    out = counterpart_overrides([], {}, eager, "exp")
+    assert "quant=gguf-q8_0" in out and "speculative=off" in out and not any(o.startswith("attention=") for o in out)

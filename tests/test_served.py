@@ -562,3 +562,34 @@ def test_optimize_a_served_space_ends_with_a_verified_deploy_command(tmp_path):
     assert "# verified by launching the printed command beside the defaults" in res.deploy
     assert res.verified["deploy_verified"] == 1.0
     assert not list(records_dir().glob("*.json"))
+
+
+@needs_server
+@pytest.mark.slow  # a chain pair in-process, its served counterpart, the deploy check on real servers (~3 min)
+def test_an_in_process_winner_ends_with_its_served_counterpart_measured_and_verified(tmp_path):
+    need_prepared(SMOL)
+    from experiments.optimize.run import run_optimize
+
+    lines: list[str] = []
+    res = run_optimize(["model=smollm2-135m", "engine=native", "kv_cache=contiguous", "attention=eager,sdpa",
+                        "quant=int8-weight", "speculative=off", "eval=none", "workload.context_len=32",
+                        "workload.max_new_tokens=6", "engine.threads=1", "optimize.gate.enabled=false",
+                        "optimize.rounds=3", "optimize.remeasure=0", "optimize.retries=0", "optimize.verify_rounds=2",
+                        f"tracking.uri=sqlite:///{tmp_path}/m.db", f"tracking.spool_dir={tmp_path}/s",
+                        "sweep_name=t-counterpart"], in_process=True, echo=lines.append)
+    # the counterpart: int8 weights -> llama.cpp's Q8_0, the final's own lengths, one request at a time
+    said = next(ln for ln in lines if "measuring its served counterpart" in ln)
+    assert "quant=gguf-q8_0" in said and "workload.max_concurrency=1" in said and "workload.input_len.value=32" in said
+    note = next(n for n in res.notes if n.startswith("served counterpart (llama.cpp's server"))
+    v = res.verified
+    assert 0 < v["counterpart_tpot_ms_p50_ratio_ci_lo"] <= v["counterpart_tpot_ms_p50_ratio"] \
+        <= v["counterpart_tpot_ms_p50_ratio_ci_hi"], v
+    assert f"x{v['counterpart_tpot_ms_p50_ratio']:.2f}" in note and v["counterpart_tpot_ms_p50"] > 0
+    # the printed deliverable: the in-process final says it has no server, then its counterpart's command, launched
+    # beside the server's defaults and checked
+    head, served = res.deploy.split("# deploy its served counterpart (engine llamacpp-server)", 1)
+    assert "no server command" in head
+    assert f"{sys.executable} -m llama_cpp.server " in served and "-Q8_0" in served and "--n_threads 1" in served
+    assert "# verified by launching the printed command beside the defaults" in served
+    assert v["deploy_verified"] == 1.0
+    assert not list(records_dir().glob("*.json"))  # every server ended

@@ -168,11 +168,7 @@ def run_optimize(overrides: list[str], in_process: bool = False, echo=print) -> 
             res = replace(res, notes=res.notes + ("the deploy command was not verified: the baseline's trial failed "
                                                   "(its reason is in the table), so no configuration was measured",))
         elif o.verify and spec is not None:
-            from .verify import verify_deploy
-
-            note, verified = verify_deploy(spec.trial, max(2, o.verify_rounds or disp.rounds), echo)
-            if note:
-                res = replace(res, notes=res.notes + (note,), verified=verified, deploy=res.deploy + f"# {note}\n")
+            res = _verified(res, spec, decided, o, objective, disp, echo)
         _log(tracker.client, rid, res, spec)
         status = "FINISHED"
         return res
@@ -181,6 +177,33 @@ def run_optimize(overrides: list[str], in_process: bool = False, echo=print) -> 
         raise
     finally:
         tracker.client.set_terminated(rid, status=status)
+
+
+def _verified(res: OptimizeResult, spec, decided: Decided, o: OptimizeConf, objective: Objective, disp: TrialMeasure,
+              echo) -> OptimizeResult:
+    """The printed command launched beside the engine's defaults and measured (verify.py); where the final runs
+    in-process, first its served counterpart measured (counterpart.py), whose command is the one launched."""
+    from engine import engines
+    from engine.served.session import ServedEngine
+
+    from .verify import verify_deploy
+
+    trial, deploy, notes, metrics = spec.trial, res.deploy, res.notes, dict(res.verified)
+    if not isinstance(engines.get(trial.engine.backend), ServedEngine):
+        from .counterpart import served_counterpart
+
+        c = served_counterpart(disp, decided.measured or decided.final, spec, objective, echo)
+        notes, metrics = notes + c.notes, metrics | c.metrics
+        deploy += "".join(f"# {n}\n" for n in c.notes)
+        if c.measurement is None or not c.measurement.ok:
+            return replace(res, notes=notes, verified=metrics, deploy=deploy)
+        trial = c.spec.trial
+        deploy += "\n" + _deployment(trial).replace("# deploy the final configuration",
+                                                      "# deploy its served counterpart", 1)
+    note, verified = verify_deploy(trial, max(2, o.verify_rounds or disp.rounds), echo)
+    if note:
+        notes, metrics, deploy = notes + (note,), metrics | verified, deploy + f"# {note}\n"
+    return replace(res, notes=notes, verified=metrics, deploy=deploy)
 
 
 def group_backend(option: str) -> str:
