@@ -95,6 +95,39 @@ def test_cpp_step_logits_match_the_eager_engine_on_every_architecture(kind, atte
             assert gap.max() < 0.2, f"the C++ step picks a token {gap.max():.3f} below the eager engine's top"
 
 
+@pytest.mark.parametrize("kind", ["llama", "gemma3"])
+@pytest.mark.parametrize("level", ["none", "int8-dynamic", "int4-weight"])
+def test_cpp_step_logits_do_not_depend_on_threads_or_how_they_meet(kind, level):
+    """The phases' chunks (rows of a GEMV, parts of a KV group's query heads) taken from counters, with futex waits,
+    give the same logits as one thread and as the static split with OpenMP barriers (isw_set_sync(1)), at 2 threads
+    and at 3 (more threads than this machine's cores: the descheduled-thread case the chunks exist for). Each row and
+    head is computed by one thread whatever the split; fp32 sums inside a row may group differently at a chunk edge."""
+    from engine.quant import quantize_model
+
+    ids = torch.randint(3, 320, (1, 29), generator=torch.Generator().manual_seed(4))
+    loaded = hf_tiny(kind)
+    spec = QuantConfig(level=level, kernel="gemv" if level == "int4-weight" else "dequant")
+    if level != "none":
+        quantize_model(loaded.model, spec, loaded.model.config.num_hidden_layers)
+    trial = _trial(loaded.spec, quant=spec)
+    backend = make_backend(loaded, trial)
+    lib, threads0 = backend.decode_step.lib, torch.get_num_threads()
+    out = {}
+    try:
+        for sync in (0, 1):
+            lib.isw_set_sync(sync)
+            for n in (1, 2, 3):
+                torch.set_num_threads(n)
+                out[sync, n] = incremental_logits(backend.new_session(1, 29), ids, 5)
+    finally:
+        lib.isw_set_sync(0)
+        torch.set_num_threads(threads0)
+    ref = out[1, 1]
+    for key, got in out.items():
+        torch.testing.assert_close(got, ref, **FP32_TOL, msg=lambda m: f"sync, threads {key}: {m}")
+    assert torch.equal(out[0, 1], ref)  # one thread: one chunk a phase, the same arithmetic
+
+
 def test_cpp_step_runs_speculative_decoding_with_the_same_tokens(prompts):
     """prompt-lookup drafts verify in torch (several tokens), decode steps run in C++, rejected tokens roll back."""
     from engine import run_engine_trial

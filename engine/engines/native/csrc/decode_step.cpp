@@ -8,11 +8,26 @@
 // same point (norm outputs, GEMV outputs, RoPE products and sums, residual sums, attention output; eager attention's
 // scores and probabilities, sdpa's unnormalized probabilities), so greedy tokens match the eager engine's.
 //
-// Threads: each GEMV's output rows are split evenly over the region's threads; attention splits the query heads.
-// Norms run redundantly on every thread into a thread-private buffer (cheaper than a barrier). Five barriers a layer.
+// Threads: a step is a sequence of phases (QKV, attention, o_proj, gate/up, down, head; Gemma's post-norms), each
+// cut into chunks -- ranges of a GEMV's output rows, parts of a KV group's query heads -- and a phase ends when all
+// its chunks are done (one counter per phase, not an OpenMP barrier). Each thread takes its own home chunks first,
+// in order (quiet, every thread streams the contiguous rows the static split gave it), then any another thread has
+// not reached: a thread the OS has descheduled costs the others at most the chunk it holds, and nobody waits for it
+// to be scheduled again to pass a barrier. A thread with nothing left spins briefly, then sleeps on a futex until
+// the phase's last chunk is done (on a loaded machine it gives its core back instead of spinning a time slice away);
+// after the last phase only the region's end waits. With one thread, a phase is one chunk. isw_set_sync(1) restores
+// the static split with OpenMP barriers between phases (the step before issue 42: kept for side-by-side benchmarks,
+// benchmarks/bench_cpp_step_load.py).
+// Norms run redundantly on every thread into a thread-private buffer (cheaper than a phase).
 #include "gemv.h"
 #include <omp.h>
+#include <linux/futex.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+#include <atomic>
 #include <chrono>
+#include <climits>
+#include <memory>
 #include <cstddef>
 #include <string>
 #include <type_traits>
@@ -136,6 +151,77 @@ inline void lin_rows(const Act& a, const Lin& L, Input& in, float* y, int64_t n0
   }
 }
 
+// How the threads meet between phases: 0 = chunks from a counter, spin then futex (default); 1 = the static split and
+// OpenMP barriers (isw_set_sync)
+int g_sync = 0;
+constexpr int CHUNKS_PER_THREAD = 4;  // a GEMV phase's chunks per thread: small enough for one thread to take over
+constexpr double SPIN_S = 10e-6;      // how long a thread with nothing left spins before it sleeps (a phase: 30-100 us;
+                                      // 10 us kept SmolLM2 W8A8 at x0.46 of quiet under load, 50 us x0.44, quiet the same)
+
+static_assert(sizeof(std::atomic<int>) == sizeof(int) && std::atomic<int>::is_always_lock_free,
+              "the futex waits on an atomic<int>'s own word");
+
+inline void cpu_relax() {
+#if defined(__x86_64__) || defined(__i386__)
+  __builtin_ia32_pause();
+#endif
+}
+
+inline long futex(std::atomic<int>* word, int op, int val) {
+  return syscall(SYS_futex, reinterpret_cast<int*>(word), op, val, nullptr, nullptr, 0);
+}
+
+// One step's phase counters: taken[p * nt + u] (how many of thread u's home chunks of phase p were handed out, to it
+// or to a thread that ran out of its own), done[p] (chunks finished), and how many threads sleep.
+struct alignas(64) Counter {  // one cache line each: a thread claiming its own chunks does not bounce the other's
+  std::atomic<int> v{0};
+};
+
+struct Phases {
+  int nt;
+  std::unique_ptr<Counter[]> taken_, done_;
+  std::atomic<int> sleepers{0};
+  Phases(int64_t n, int nt_) : nt(nt_), taken_(new Counter[n * nt_]), done_(new Counter[n]) {}
+  std::atomic<int>& taken(int64_t i) { return taken_[i].v; }
+  std::atomic<int>& done(int64_t p) { return done_[p].v; }
+  // the next chunk of phase p for thread t, its phase cut into nt home ranges of k chunks each: its own home
+  // chunks first, in order (quiet, each thread streams the contiguous rows the static split gave it), then those
+  // another thread has not reached; -1 when none is left
+  int next(int64_t p, int t, int chunks) {
+    const int k = (chunks + nt - 1) / nt;
+    for (int i = 0; i < nt; ++i) {
+      const int u = (t + i) % nt, home = std::min(k, chunks - u * k);  // the last range may be short or empty
+      std::atomic<int>& c = taken(p * nt + u);
+      if (c.load(std::memory_order_relaxed) >= home) continue;
+      const int j = c.fetch_add(1, std::memory_order_acq_rel);
+      if (j < home) return u * k + j;
+    }
+    return -1;
+  }
+  void finished(int64_t p, int chunks) {  // one chunk of phase p done: the last one wakes the sleepers
+    if (done(p).fetch_add(1, std::memory_order_seq_cst) + 1 == chunks && sleepers.load(std::memory_order_seq_cst) > 0)
+      futex(&done(p), FUTEX_WAKE_PRIVATE, INT_MAX);
+  }
+  void wait(int64_t p, int chunks) {  // until every chunk of phase p is done: spin, then sleep on the futex
+    std::atomic<int>& d = done(p);
+    if (d.load(std::memory_order_acquire) >= chunks) return;
+    const double until = std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count() + SPIN_S;
+    for (int i = 1;; ++i) {
+      if (d.load(std::memory_order_acquire) >= chunks) return;
+      cpu_relax();
+      if ((i & 63) == 0 && std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count() > until)
+        break;
+    }
+    for (;;) {
+      sleepers.fetch_add(1, std::memory_order_seq_cst);
+      const int v = d.load(std::memory_order_seq_cst);
+      if (v < chunks) futex(&d, FUTEX_WAIT_PRIVATE, v);  // returns at once if done[p] moved on since the load
+      sleepers.fetch_sub(1, std::memory_order_seq_cst);
+      if (d.load(std::memory_order_acquire) >= chunks) return;
+    }
+  }
+};
+
 inline void split(int64_t n, int t, int nt, int64_t& n0, int64_t& n1) {
   n0 = n * t / nt;
   n1 = n * (t + 1) / nt;
@@ -191,6 +277,14 @@ void isw_decode_step(const Model* m, int64_t token, int64_t pos, float* logits, 
     x[i] = m->embed_scale != 0.0 ? a.rnd(e * (float)m->embed_scale) : e;
   }
   const int nt = std::max(1, threads);
+  const bool chunked = g_sync == 0 && nt > 1;
+  const int64_t group = Hq / Hkv;
+  // chunks a phase is cut into: GEMV rows CHUNKS_PER_THREAD per thread; attention whole query heads, each KV group
+  // in up to `att_s` parts (a part's heads read their shared keys and values once)
+  const int lin_C = chunked ? CHUNKS_PER_THREAD * nt : nt;
+  const int64_t att_s = chunked ? std::min<int64_t>(group, std::max<int64_t>(1, (CHUNKS_PER_THREAD / 2 * nt + Hkv - 1) / Hkv)) : 1;
+  const int att_C = chunked ? (int)(Hkv * att_s) : nt;
+  Phases ph(chunked ? m->num_layers * 8 + 2 : 0, nt);
   const double t_start = now();
   double inside = 0.0;
 #pragma omp parallel num_threads(nt)
@@ -203,26 +297,52 @@ void isw_decode_step(const Model* m, int64_t token, int64_t pos, float* logits, 
     std::vector<float> h(pad32(std::max(H, I)), 0.f), kh(D), qh(4 * D), tmp(D), scores(4 * S), outh(4 * D);
     std::vector<float> gate(pad32(I)), up(pad32(I));
     Input in;
+    int64_t p = 0;  // this thread's phase
+    const int64_t n_phases = m->num_layers * (gemma ? 7 : 5) + 1;
+    // One phase: `enter()` once on this thread before its first chunk (its private norm), `body(c, C)` for each chunk
+    // it takes; returns when every chunk of the phase is done. Static: chunk t of n_t, then an OpenMP barrier.
+    auto phase = [&](int C, auto&& enter, auto&& body) {
+      if (!chunked || n_t != nt) {
+        enter();
+        body(t, n_t);
+#pragma omp barrier
+        return;
+      }
+      bool entered = false;
+      for (int c; (c = ph.next(p, t, C)) >= 0;) {
+        if (!entered) { enter(); entered = true; }
+        body(c, C);
+        ph.finished(p, C);
+      }
+      if (p + 1 < n_phases) ph.wait(p, C);  // the last phase: the region's end waits for every thread
+      ++p;
+    };
+    auto none = [] {};
+    auto rows = [](int64_t n, int c, int C, int64_t& n0, int64_t& n1) { split(n, c, C, n0, n1); };
     for (int64_t l = 0; l < m->num_layers; ++l) {
       const Layer& L = m->layers[l];
       const float* cs = m->cos[L.rope] + pos * D;
       const float* sn = m->sin[L.rope] + pos * D;
       // --- attention ---
-      rms_norm(a, gemma, x.data(), H, L.in_norm, m->eps, h.data());
-      in.set(h.data(), H);
-      {
-        const Lin* ls[3] = {&L.q, &L.k, &L.v};
-        float* ys[3] = {q.data(), k.data(), v.data()};
-        lin_group(a, ls, ys, 3, in, t, n_t);
-      }
-#pragma omp barrier
+      phase(lin_C, [&] { rms_norm(a, gemma, x.data(), H, L.in_norm, m->eps, h.data()); in.set(h.data(), H); },
+            [&](int c, int C) {
+              const Lin* ls[3] = {&L.q, &L.k, &L.v};
+              float* ys[3] = {q.data(), k.data(), v.data()};
+              lin_group(a, ls, ys, 3, in, c, C);
+            });
       lap(0);
-      {
-        const int64_t group = Hq / Hkv;
+      phase(chunked && n_t == nt ? att_C : n_t, none, [&](int c, int C) {
         const int64_t lo = L.window > 0 ? std::max<int64_t>(0, pos - L.window + 1) : 0;
         int64_t h0, h1;
-        split(Hq, t, n_t, h0, h1);
-        // a run of up to 4 of this thread's query heads sharing one KV head reads each key and value once
+        if (chunked && n_t == nt) {  // part c % att_s of KV group c / att_s
+          const int64_t g = c / att_s;
+          int64_t a0, a1;
+          split(group, (int)(c % att_s), (int)att_s, a0, a1);
+          h0 = g * group + a0, h1 = g * group + a1;
+        } else {
+          split(Hq, c, C, h0, h1);
+        }
+        // a run of up to 4 of this chunk's query heads sharing one KV head reads each key and value once
         for (int64_t hh = h0; hh < h1;) {
           const int64_t g = hh / group;
           const int cnt = (int)std::min<int64_t>({h1 - hh, (g + 1) * group - hh, (int64_t)4});
@@ -277,9 +397,9 @@ void isw_decode_step(const Model* m, int64_t token, int64_t pos, float* logits, 
             }
             for (int r = 0; r < cnt; ++r) {
               // eager: probabilities normalized, then rounded (bf16); sdpa: unnormalized exp rounded, divided at the end
-              const float p = m->eager_attention ? a.rnd(scores[r * S + j] * inv[r]) : a.rnd(scores[r * S + j]);
+              const float p_ = m->eager_attention ? a.rnd(scores[r * S + j] * inv[r]) : a.rnd(scores[r * S + j]);
               float* o = outh.data() + r * D;
-              for (int64_t i = 0; i < D; ++i) o[i] += p * vf[i];
+              for (int64_t i = 0; i < D; ++i) o[i] += p_ * vf[i];
             }
           }
           for (int r = 0; r < cnt; ++r)
@@ -287,8 +407,9 @@ void isw_decode_step(const Model* m, int64_t token, int64_t pos, float* logits, 
               att[(hh + r) * D + i] = a.rnd(m->eager_attention ? outh[r * D + i] : outh[r * D + i] * inv[r]);
           hh += cnt;
         }
-        // the new K/V into the cache, each head group by one thread (no one reads position pos from the cache)
-        for (int64_t g = t; g < Hkv; g += n_t) {
+        // the new K/V into the cache, each head group by one chunk (no one reads position pos from the cache)
+        const bool parts = chunked && n_t == nt;
+        for (int64_t g = parts ? (c % att_s == 0 ? c / att_s : Hkv) : c; g < Hkv; g += parts ? Hkv : C) {
           std::memcpy(kh.data(), k.data() + g * D, D * sizeof(float));
           if (gemma) rms_norm(a, true, kh.data(), D, L.k_norm, m->eps, kh.data());
           rope(a, kh.data(), D, cs, sn, tmp.data());
@@ -297,33 +418,31 @@ void isw_decode_step(const Model* m, int64_t token, int64_t pos, float* logits, 
             a.st(L.v_cache, g * S * D + pos * D + i, v[g * D + i]);
           }
         }
-      }
-#pragma omp barrier
+      });
       lap(1);
-      in.set(att.data(), qn);
-      {
+      phase(lin_C, [&] { in.set(att.data(), qn); }, [&](int c, int C) {
         int64_t n0, n1;
-        split(L.o.N, t, n_t, n0, n1);
+        rows(L.o.N, c, C, n0, n1);
         lin_rows(a, L.o, in, y.data(), n0, n1);
         if (!gemma) {
           for (int64_t n = n0; n < n1; ++n) x[n] = a.rnd(x[n] + y[n]);
         }
-      }
-#pragma omp barrier
+      });
       lap(2);
       if (gemma) {  // x += post_attention_layernorm(attn): the norm needs every row of the output
-        rms_norm(a, true, y.data(), H, L.post_attn_norm, m->eps, h.data());
-        int64_t n0, n1;
-        split(H, t, n_t, n0, n1);
-        for (int64_t n = n0; n < n1; ++n) x[n] = a.rnd(x[n] + h[n]);
-#pragma omp barrier
+        phase(lin_C, [&] { rms_norm(a, true, y.data(), H, L.post_attn_norm, m->eps, h.data()); }, [&](int c, int C) {
+          int64_t n0, n1;
+          rows(H, c, C, n0, n1);
+          for (int64_t n = n0; n < n1; ++n) x[n] = a.rnd(x[n] + h[n]);
+        });
       }
       // --- MLP ---
-      rms_norm(a, gemma, x.data(), H, gemma ? L.pre_ff_norm : L.post_attn_norm, m->eps, h.data());
-      in.set(h.data(), H);
-      {
+      phase(lin_C, [&] {
+        rms_norm(a, gemma, x.data(), H, gemma ? L.pre_ff_norm : L.post_attn_norm, m->eps, h.data());
+        in.set(h.data(), H);
+      }, [&](int c, int C) {
         int64_t n0, n1;
-        split(I, t, n_t, n0, n1);
+        rows(I, c, C, n0, n1);
         lin_rows(a, L.gate, in, gate.data(), n0, n1);
         lin_rows(a, L.up, in, up.data(), n0, n1);
         for (int64_t n = n0; n < n1; ++n) {
@@ -331,44 +450,49 @@ void isw_decode_step(const Model* m, int64_t token, int64_t pos, float* logits, 
           const float act = gemma ? gelu_tanh(gv) : gv / (1.0f + std::exp(-gv));
           mid[n] = a.rnd(a.rnd(act) * up[n]);
         }
-      }
-#pragma omp barrier
+      });
       lap(3);
-      in.set(mid.data(), I);
-      {
+      phase(lin_C, [&] { in.set(mid.data(), I); }, [&](int c, int C) {
         int64_t n0, n1;
-        split(H, t, n_t, n0, n1);
+        rows(H, c, C, n0, n1);
         lin_rows(a, L.down, in, y.data(), n0, n1);
         if (!gemma) {
           for (int64_t n = n0; n < n1; ++n) x[n] = a.rnd(x[n] + y[n]);
         }
-      }
-#pragma omp barrier
+      });
       lap(4);
       if (gemma) {
-        rms_norm(a, true, y.data(), H, L.post_ff_norm, m->eps, h.data());
-        int64_t n0, n1;
-        split(H, t, n_t, n0, n1);
-        for (int64_t n = n0; n < n1; ++n) x[n] = a.rnd(x[n] + h[n]);
-#pragma omp barrier
+        phase(lin_C, [&] { rms_norm(a, true, y.data(), H, L.post_ff_norm, m->eps, h.data()); }, [&](int c, int C) {
+          int64_t n0, n1;
+          rows(H, c, C, n0, n1);
+          for (int64_t n = n0; n < n1; ++n) x[n] = a.rnd(x[n] + h[n]);
+        });
       }
     }
     // --- final norm and LM head ---
-    rms_norm(a, gemma, x.data(), H, m->final_norm, m->eps, h.data());
-    in.set(h.data(), H);
-    int64_t n0, n1;
-    split(m->head.N, t, n_t, n0, n1);
-    lin_rows(a, m->head, in, logits, n0, n1);
-    if (m->softcap != 0.0) {
-      const float cap = (float)m->softcap;
-      for (int64_t n = n0; n < n1; ++n) logits[n] = std::tanh(logits[n] / cap) * cap;
-    }
-#pragma omp barrier
+    phase(lin_C, [&] { rms_norm(a, gemma, x.data(), H, m->final_norm, m->eps, h.data()); in.set(h.data(), H); },
+          [&](int c, int C) {
+            int64_t n0, n1;
+            rows(m->head.N, c, C, n0, n1);
+            lin_rows(a, m->head, in, logits, n0, n1);
+            if (m->softcap != 0.0) {
+              const float cap = (float)m->softcap;
+              for (int64_t n = n0; n < n1; ++n) logits[n] = std::tanh(logits[n] / cap) * cap;
+            }
+          });
     lap(5);
     if (t == 0) inside = now() - region0;
   }
   g_prof[6] += (now() - t_start) - inside;
   ++g_prof_steps;
+}
+
+// How the threads meet between phases (0: chunks and futex waits, the default; 1: static split, OpenMP barriers);
+// returns the previous mode
+int isw_set_sync(int mode) {
+  const int was = g_sync;
+  g_sync = mode == 1 ? 1 : 0;
+  return was;
 }
 
 // The summed phase times (seconds) and the number of steps since the last call, then reset: out[PHASES]
