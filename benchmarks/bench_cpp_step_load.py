@@ -8,7 +8,7 @@ measures, for each variant, both sync modes quiet and then both under load (`ben
 process per core, started for the loaded half of the round and stopped after it), the modes' order alternating by
 round:
 - `barrier`: each thread its fixed share of every phase, OpenMP barriers between phases (the step before issue 42);
-- `chunks`: the phase's chunks taken from a counter, a thread with nothing left spinning 50 us then sleeping on a
+- `chunks`: the phase's chunks taken from counters, a thread with nothing left spinning 10 us then sleeping on a
   futex (the default).
 Prints markdown: tok/s medians with their 95% intervals, and the paired per-round ratios loaded / quiet per mode and
 chunks / barrier per condition (engine/measure/spread.py's paired_ratio: the median of per-round ratios, the wider
