@@ -128,6 +128,38 @@ def test_cpp_step_logits_do_not_depend_on_threads_or_how_they_meet(kind, level):
     assert torch.equal(out[0, 1], ref)  # one thread: one chunk a phase, the same arithmetic
 
 
+@pytest.mark.parametrize("kind", ["llama", "gemma3"])
+@pytest.mark.parametrize("attention", ["sdpa", "eager"])
+def test_cpp_step_split_attention_matches_the_eager_engine(kind, attention):
+    """Flash-decoding (attention cut along the sequence, partial softmaxes combined in the next phase) switched on
+    from 8 positions in blocks of 4 (isw_set_split; shipped: 256 and 64), so the tiny models' 29 positions split into
+    2-6 blocks per KV group, past Gemma 3's window of 8. fp32 within float rounding of the eager engine; bf16 within
+    its rounding (the probabilities are rounded relative to each block's max, not the row's)."""
+    ids = torch.randint(3, 320, (1, 29), generator=torch.Generator().manual_seed(5))
+    threads0 = torch.get_num_threads()
+    for dtype in ("float32", "bfloat16"):
+        loaded = hf_tiny(kind, attn=attention)
+        if dtype == "bfloat16":
+            loaded.model.to(torch.bfloat16)
+        eager = incremental_logits(make_backend(loaded, replace(_trial(loaded.spec, mode="dynamic", compile=False,
+                                                                       attention=attention), "model.dtype", dtype))
+                                   .new_session(1, 29), ids, 5)
+        backend = make_backend(loaded, replace(_trial(loaded.spec, attention=attention), "model.dtype", dtype))
+        lib = backend.decode_step.lib
+        try:
+            lib.isw_set_split(8, 4)
+            for n in (2, 3):
+                torch.set_num_threads(n)
+                got = incremental_logits(backend.new_session(1, 29), ids, 5)
+                if dtype == "float32":
+                    torch.testing.assert_close(got, eager, **FP32_TOL)
+                else:
+                    assert (got.float() - eager.float()).abs().max() < 0.1
+        finally:
+            lib.isw_set_split(256, 64)
+            torch.set_num_threads(threads0)
+
+
 def test_cpp_step_runs_speculative_decoding_with_the_same_tokens(prompts):
     """prompt-lookup drafts verify in torch (several tokens), decode steps run in C++, rejected tokens roll back."""
     from engine import run_engine_trial

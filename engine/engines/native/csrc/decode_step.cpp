@@ -155,6 +155,14 @@ inline void lin_rows(const Act& a, const Lin& L, Input& in, float* y, int64_t n0
 // OpenMP barriers (isw_set_sync)
 int g_sync = 0;
 constexpr int CHUNKS_PER_THREAD = 4;  // a GEMV phase's chunks per thread: small enough for one thread to take over
+// Attention over a long span (flash-decoding): from g_split_min positions on, a layer's attention is cut along the sequence
+// too, one chunk per (KV group, block of >= g_split_block positions), each a partial softmax (its max, its sum, its
+// weighted values) that the next phase combines; every key and value is read once per group, by one thread, and
+// both threads share a long sequence even where there is one KV group (Gemma 3 270M). Below it the exact
+// path (heads of a group together, probabilities rounded where torch rounds them) is kept.
+// (isw_set_split changes both: tests split tiny models' short sequences, benchmarks compare the two paths)
+int64_t g_split_min = 256;
+int64_t g_split_block = 64;
 constexpr double SPIN_S = 10e-6;      // how long a thread with nothing left spins before it sleeps (a phase: 30-100 us;
                                       // 10 us kept SmolLM2 W8A8 at x0.46 of quiet under load, 50 us x0.44, quiet the same)
 
@@ -285,6 +293,9 @@ void isw_decode_step(const Model* m, int64_t token, int64_t pos, float* logits, 
   const int64_t att_s = chunked ? std::min<int64_t>(group, std::max<int64_t>(1, (CHUNKS_PER_THREAD / 2 * nt + Hkv - 1) / Hkv)) : 1;
   const int att_C = chunked ? (int)(Hkv * att_s) : nt;
   Phases ph(chunked ? m->num_layers * 8 + 2 : 0, nt);
+  // the split attention's blocks per KV group (enough chunks for two per thread) and their partials, per query head
+  const int64_t nb_max = chunked ? std::min<int64_t>(64, std::max<int64_t>(2, (2 * nt + Hkv - 1) / Hkv)) : 1;
+  std::vector<float> part_m(chunked ? Hq * nb_max : 0), part_l(part_m.size()), part_o(part_m.size() * D);
   const double t_start = now();
   double inside = 0.0;
 #pragma omp parallel num_threads(nt)
@@ -295,7 +306,7 @@ void isw_decode_step(const Model* m, int64_t token, int64_t pos, float* logits, 
       if (t == 0) { const double x = now(); g_prof[phase] += x - mark; mark = x; }
     };
     std::vector<float> h(pad32(std::max(H, I)), 0.f), kh(D), qh(4 * D), tmp(D), scores(4 * S), outh(4 * D);
-    std::vector<float> gate(pad32(I)), up(pad32(I));
+    std::vector<float> gate(pad32(I)), up(pad32(I)), attp(chunked ? pad32(qn) : 0, 0.f);
     Input in;
     int64_t p = 0;  // this thread's phase
     const int64_t n_phases = m->num_layers * (gemma ? 7 : 5) + 1;
@@ -331,8 +342,81 @@ void isw_decode_step(const Model* m, int64_t token, int64_t pos, float* logits, 
               lin_group(a, ls, ys, 3, in, c, C);
             });
       lap(0);
+      const int64_t lo = L.window > 0 ? std::max<int64_t>(0, pos - L.window + 1) : 0;
+      const int64_t nb = chunked && n_t == nt && pos - lo + 1 >= g_split_min
+                             ? std::min<int64_t>(nb_max, (pos - lo + 1) / g_split_block) : 0;
+      if (nb > 1) {  // flash-decoding: chunk c = block c % nb of KV group c / nb, each a partial softmax
+        phase((int)(Hkv * nb), none, [&](int c, int) {
+          const int64_t g = c / nb, b = c % nb;
+          int64_t j0, j1;
+          split(pos - lo + 1, (int)b, (int)nb, j0, j1);
+          j0 += lo, j1 += lo;
+          std::memcpy(kh.data(), k.data() + g * D, D * sizeof(float));  // the group's new key, normed, rotated
+          if (gemma) rms_norm(a, true, kh.data(), D, L.k_norm, m->eps, kh.data());
+          rope(a, kh.data(), D, cs, sn, tmp.data());
+          const int64_t base = g * S * D;
+          for (int64_t hh = g * group; hh < (g + 1) * group;) {
+            const int cnt = (int)std::min<int64_t>((g + 1) * group - hh, 4);
+            for (int r = 0; r < cnt; ++r) {
+              float* qr = qh.data() + r * D;
+              std::memcpy(qr, q.data() + (hh + r) * D, D * sizeof(float));
+              if (gemma) rms_norm(a, true, qr, D, L.q_norm, m->eps, qr);
+              rope(a, qr, D, cs, sn, tmp.data());
+            }
+            float mx[4] = {-INFINITY, -INFINITY, -INFINITY, -INFINITY}, d[4];
+            for (int64_t j = j0; j < j1; ++j) {
+              auto dots = [&](auto rb) {
+                constexpr int RB = decltype(rb)::value;
+                if (j == pos) isw::dot_w<RB>(qh.data(), D, kh.data(), d);
+                else if (a.bf) isw::dot_w<RB>(qh.data(), D, (const uint16_t*)L.k_cache + base + j * D, d);
+                else isw::dot_w<RB>(qh.data(), D, (const float*)L.k_cache + base + j * D, d);
+              };
+              switch (cnt) {
+                case 1: dots(std::integral_constant<int, 1>{}); break;
+                case 2: dots(std::integral_constant<int, 2>{}); break;
+                case 3: dots(std::integral_constant<int, 3>{}); break;
+                default: dots(std::integral_constant<int, 4>{}); break;
+              }
+              for (int r = 0; r < cnt; ++r) {
+                const float v_ = m->eager_attention && a.bf ? a.rnd(a.rnd(d[r]) * scale) : d[r] * scale;
+                scores[r * S + j] = v_;
+                mx[r] = std::max(mx[r], v_);
+              }
+            }
+            std::fill(outh.begin(), outh.begin() + cnt * D, 0.f);
+            float sum[4] = {0.f, 0.f, 0.f, 0.f};
+            for (int64_t j = j0; j < j1; ++j) {
+              const float* vf = j == pos ? v.data() + g * D : a.bf ? nullptr : (const float*)L.v_cache + base + j * D;
+              if (!vf) {
+                const uint16_t* vr = (const uint16_t*)L.v_cache + base + j * D;
+                for (int64_t i = 0; i < D; ++i) tmp[i] = isw::bf16_to_f(vr[i]);
+                vf = tmp.data();
+              }
+              for (int r = 0; r < cnt; ++r) {
+                const float e = std::exp(scores[r * S + j] - mx[r]);
+                sum[r] += e;
+                const float p_ = a.rnd(e);
+                float* o = outh.data() + r * D;
+                for (int64_t i = 0; i < D; ++i) o[i] += p_ * vf[i];
+              }
+            }
+            for (int r = 0; r < cnt; ++r) {
+              const int64_t at = (hh + r) * nb_max + b;
+              part_m[at] = mx[r];
+              part_l[at] = sum[r];
+              std::memcpy(part_o.data() + at * D, outh.data() + r * D, D * sizeof(float));
+            }
+            hh += cnt;
+          }
+          if (b == 0) {  // the new K/V into the cache (no chunk reads position pos from it)
+            for (int64_t i = 0; i < D; ++i) {
+              a.st(L.k_cache, g * S * D + pos * D + i, kh[i]);
+              a.st(L.v_cache, g * S * D + pos * D + i, v[g * D + i]);
+            }
+          }
+        });
+      } else
       phase(chunked && n_t == nt ? att_C : n_t, none, [&](int c, int C) {
-        const int64_t lo = L.window > 0 ? std::max<int64_t>(0, pos - L.window + 1) : 0;
         int64_t h0, h1;
         if (chunked && n_t == nt) {  // part c % att_s of KV group c / att_s
           const int64_t g = c / att_s;
@@ -420,7 +504,25 @@ void isw_decode_step(const Model* m, int64_t token, int64_t pos, float* logits, 
         }
       });
       lap(1);
-      phase(lin_C, [&] { in.set(att.data(), qn); }, [&](int c, int C) {
+      phase(lin_C, [&] {
+        if (nb <= 1) {
+          in.set(att.data(), qn);
+          return;
+        }
+        for (int64_t hq = 0; hq < Hq; ++hq) {  // the split attention's partials combined, on this thread
+          const int64_t at = hq * nb_max;
+          float M = -INFINITY, Lsum = 0.f, w[64];
+          for (int64_t b = 0; b < nb; ++b) M = std::max(M, part_m[at + b]);
+          for (int64_t b = 0; b < nb; ++b) Lsum += (w[b] = std::exp(part_m[at + b] - M)) * part_l[at + b];
+          const float inv = 1.0f / Lsum;
+          for (int64_t i = 0; i < D; ++i) {
+            float o = 0.f;
+            for (int64_t b = 0; b < nb; ++b) o += w[b] * part_o[(at + b) * D + i];
+            attp[hq * D + i] = a.rnd(o * inv);
+          }
+        }
+        in.set(attp.data(), qn);
+      }, [&](int c, int C) {
         int64_t n0, n1;
         rows(L.o.N, c, C, n0, n1);
         lin_rows(a, L.o, in, y.data(), n0, n1);
@@ -492,6 +594,15 @@ void isw_decode_step(const Model* m, int64_t token, int64_t pos, float* logits, 
 int isw_set_sync(int mode) {
   const int was = g_sync;
   g_sync = mode == 1 ? 1 : 0;
+  return was;
+}
+
+// From how many positions a layer's attention is split along the sequence, and its smallest block (flash-decoding;
+// a span of 0 never splits); returns the previous span
+int64_t isw_set_split(int64_t min_span, int64_t min_block) {
+  const int64_t was = g_split_min;
+  g_split_min = min_span > 0 ? min_span : INT64_MAX;
+  g_split_block = std::max<int64_t>(1, min_block);
   return was;
 }
 
