@@ -20,7 +20,6 @@ from .measurement import Measurement, Point, Request
 from .objective import Objective, metric_ratio
 from .space import read_space
 
-SERVED = "llamacpp"  # the server config group option (conf/server/llamacpp.yaml): starts in seconds on a CPU
 # an in-process quantization -> the GGUF weight type nearest to it (the same bits a weight; llama.cpp quantizes in
 # blocks of 32 with one scale each, ours per channel or per group: close, not equal -- the counterpart is not gated)
 GGUF_OF = {"none": "none", "int8-weight": "gguf-q8_0", "int8-dynamic": "gguf-q8_0", "bnb-int8": "gguf-q8_0",
@@ -40,6 +39,20 @@ class Counterpart:
     metrics: dict = field(default_factory=dict)
 
 
+def served_usage() -> list[str]:
+    """The overrides that put a trial on the served engine whose weights are GGUF_OF's levels (llama.cpp's server,
+    `server=llamacpp`: it starts in seconds on a CPU), asked of the engine registry; [] where none declares them."""
+    from engine import engines
+    from engine.served.session import ServedEngine
+
+    want = set(GGUF_OF.values())
+    for e in engines.all_engines():
+        levels = e.support.get("quant.level")
+        if isinstance(e, ServedEngine) and e.serving_usage and levels and all(levels.accepts(v) for v in want):
+            return e.serving_usage.split()
+    return []
+
+
 def _kept(override: str) -> bool:
     key = override.split("=", 1)[0].lstrip("+~")
     return any(key == k or (k.endswith(".") and key.startswith(k)) for k in KEPT)
@@ -51,7 +64,7 @@ def counterpart_overrides(fixed: list[str], point: Point, trial: TrialConfig, ex
     lengths with one request in flight (TPOT and TTFT comparable with the in-process step's)."""
     shared = [o for o in fixed if _kept(o)] + [f"{k}={v}" for k, v in point.items() if _kept(f"{k}=")]
     w = trial.workload
-    out = shared + [f"server={SERVED}", f"sweep_name={experiment}", "eval=none",
+    out = shared + served_usage() + [f"sweep_name={experiment}", "eval=none",
                     f"quant={GGUF_OF.get(trial.quant.level, 'none')}",
                     f"speculative={'prompt-lookup' if trial.speculative.method == 'prompt-lookup' else 'off'}",
                     "workload=serving-burst", f"workload.num_requests={REQUESTS}", "workload.max_concurrency=1",
