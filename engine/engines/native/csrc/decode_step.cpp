@@ -301,6 +301,7 @@ void isw_decode_step(const Model* m, int64_t token, int64_t pos, float* logits, 
 #pragma omp parallel num_threads(nt)
   {
     const int t = omp_get_thread_num(), n_t = omp_get_num_threads();
+    const bool chunks = chunked && n_t == nt;  // this region's threads take chunks (else: the static split)
     double mark = now(), region0 = mark;
     auto lap = [&](int phase) {  // thread 0 only: the time since the last mark to `phase`
       if (t == 0) { const double x = now(); g_prof[phase] += x - mark; mark = x; }
@@ -313,7 +314,7 @@ void isw_decode_step(const Model* m, int64_t token, int64_t pos, float* logits, 
     // One phase: `enter()` once on this thread before its first chunk (its private norm), `body(c, C)` for each chunk
     // it takes; returns when every chunk of the phase is done. Static: chunk t of n_t, then an OpenMP barrier.
     auto phase = [&](int C, auto&& enter, auto&& body) {
-      if (!chunked || n_t != nt) {
+      if (!chunks) {
         enter();
         body(t, n_t);
 #pragma omp barrier
@@ -334,6 +335,58 @@ void isw_decode_step(const Model* m, int64_t token, int64_t pos, float* logits, 
       const Layer& L = m->layers[l];
       const float* cs = m->cos[L.rope] + pos * D;
       const float* sn = m->sin[L.rope] + pos * D;
+      auto new_key = [&](int64_t g) {  // KV group g's new key into kh: normed (Gemma), rotated
+        std::memcpy(kh.data(), k.data() + g * D, D * sizeof(float));
+        if (gemma) rms_norm(a, true, kh.data(), D, L.k_norm, m->eps, kh.data());
+        rope(a, kh.data(), D, cs, sn, tmp.data());
+      };
+      // query heads [hh, hh + cnt) of KV group g rotated into qh; their scaled scores against keys [j0, j1) into
+      // `scores` (kh: the key at pos) and each row's maximum into mx -- the vector dot of gemv.h, cnt query rows
+      // against one key (fp32 accumulation; bf16 keys widened exactly)
+      auto score = [&](int64_t g, int64_t hh, int cnt, int64_t j0, int64_t j1, float* mx) {
+        for (int r = 0; r < cnt; ++r) {
+          float* qr = qh.data() + r * D;
+          std::memcpy(qr, q.data() + (hh + r) * D, D * sizeof(float));
+          if (gemma) rms_norm(a, true, qr, D, L.q_norm, m->eps, qr);
+          rope(a, qr, D, cs, sn, tmp.data());
+        }
+        const int64_t base = g * S * D;
+        float d[4];
+        for (int r = 0; r < cnt; ++r) mx[r] = -INFINITY;
+        for (int64_t j = j0; j < j1; ++j) {
+          auto dots = [&](auto rb) {
+            constexpr int RB = decltype(rb)::value;
+            if (j == pos) isw::dot_w<RB>(qh.data(), D, kh.data(), d);
+            else if (a.bf) isw::dot_w<RB>(qh.data(), D, (const uint16_t*)L.k_cache + base + j * D, d);
+            else isw::dot_w<RB>(qh.data(), D, (const float*)L.k_cache + base + j * D, d);
+          };
+          switch (cnt) {
+            case 1: dots(std::integral_constant<int, 1>{}); break;
+            case 2: dots(std::integral_constant<int, 2>{}); break;
+            case 3: dots(std::integral_constant<int, 3>{}); break;
+            default: dots(std::integral_constant<int, 4>{}); break;
+          }
+          for (int r = 0; r < cnt; ++r) {
+            const float v_ = m->eager_attention && a.bf ? a.rnd(a.rnd(d[r]) * scale) : d[r] * scale;
+            scores[r * S + j] = v_;
+            mx[r] = std::max(mx[r], v_);
+          }
+        }
+      };
+      auto value = [&](int64_t g, int64_t j) -> const float* {  // KV group g's value row j in fp32 (bf16: into tmp)
+        if (j == pos) return v.data() + g * D;
+        const int64_t at = g * S * D + j * D;
+        if (!a.bf) return (const float*)L.v_cache + at;
+        const uint16_t* vr = (const uint16_t*)L.v_cache + at;
+        for (int64_t i = 0; i < D; ++i) tmp[i] = isw::bf16_to_f(vr[i]);
+        return tmp.data();
+      };
+      auto store_kv = [&](int64_t g) {  // KV group g's new key (in kh) and value into the cache at pos
+        for (int64_t i = 0; i < D; ++i) {
+          a.st(L.k_cache, g * S * D + pos * D + i, kh[i]);
+          a.st(L.v_cache, g * S * D + pos * D + i, v[g * D + i]);
+        }
+      };
       // --- attention ---
       phase(lin_C, [&] { rms_norm(a, gemma, x.data(), H, L.in_norm, m->eps, h.data()); in.set(h.data(), H); },
             [&](int c, int C) {
@@ -343,7 +396,7 @@ void isw_decode_step(const Model* m, int64_t token, int64_t pos, float* logits, 
             });
       lap(0);
       const int64_t lo = L.window > 0 ? std::max<int64_t>(0, pos - L.window + 1) : 0;
-      const int64_t nb = chunked && n_t == nt && pos - lo + 1 >= g_split_min
+      const int64_t nb = chunks && pos - lo + 1 >= g_split_min
                              ? std::min<int64_t>(nb_max, (pos - lo + 1) / g_split_block) : 0;
       if (nb > 1) {  // flash-decoding: chunk c = block c % nb of KV group c / nb, each a partial softmax
         phase((int)(Hkv * nb), none, [&](int c, int) {
@@ -351,47 +404,15 @@ void isw_decode_step(const Model* m, int64_t token, int64_t pos, float* logits, 
           int64_t j0, j1;
           split(pos - lo + 1, (int)b, (int)nb, j0, j1);
           j0 += lo, j1 += lo;
-          std::memcpy(kh.data(), k.data() + g * D, D * sizeof(float));  // the group's new key, normed, rotated
-          if (gemma) rms_norm(a, true, kh.data(), D, L.k_norm, m->eps, kh.data());
-          rope(a, kh.data(), D, cs, sn, tmp.data());
-          const int64_t base = g * S * D;
+          new_key(g);
           for (int64_t hh = g * group; hh < (g + 1) * group;) {
             const int cnt = (int)std::min<int64_t>((g + 1) * group - hh, 4);
-            for (int r = 0; r < cnt; ++r) {
-              float* qr = qh.data() + r * D;
-              std::memcpy(qr, q.data() + (hh + r) * D, D * sizeof(float));
-              if (gemma) rms_norm(a, true, qr, D, L.q_norm, m->eps, qr);
-              rope(a, qr, D, cs, sn, tmp.data());
-            }
-            float mx[4] = {-INFINITY, -INFINITY, -INFINITY, -INFINITY}, d[4];
-            for (int64_t j = j0; j < j1; ++j) {
-              auto dots = [&](auto rb) {
-                constexpr int RB = decltype(rb)::value;
-                if (j == pos) isw::dot_w<RB>(qh.data(), D, kh.data(), d);
-                else if (a.bf) isw::dot_w<RB>(qh.data(), D, (const uint16_t*)L.k_cache + base + j * D, d);
-                else isw::dot_w<RB>(qh.data(), D, (const float*)L.k_cache + base + j * D, d);
-              };
-              switch (cnt) {
-                case 1: dots(std::integral_constant<int, 1>{}); break;
-                case 2: dots(std::integral_constant<int, 2>{}); break;
-                case 3: dots(std::integral_constant<int, 3>{}); break;
-                default: dots(std::integral_constant<int, 4>{}); break;
-              }
-              for (int r = 0; r < cnt; ++r) {
-                const float v_ = m->eager_attention && a.bf ? a.rnd(a.rnd(d[r]) * scale) : d[r] * scale;
-                scores[r * S + j] = v_;
-                mx[r] = std::max(mx[r], v_);
-              }
-            }
+            float mx[4];
+            score(g, hh, cnt, j0, j1, mx);
             std::fill(outh.begin(), outh.begin() + cnt * D, 0.f);
             float sum[4] = {0.f, 0.f, 0.f, 0.f};
             for (int64_t j = j0; j < j1; ++j) {
-              const float* vf = j == pos ? v.data() + g * D : a.bf ? nullptr : (const float*)L.v_cache + base + j * D;
-              if (!vf) {
-                const uint16_t* vr = (const uint16_t*)L.v_cache + base + j * D;
-                for (int64_t i = 0; i < D; ++i) tmp[i] = isw::bf16_to_f(vr[i]);
-                vf = tmp.data();
-              }
+              const float* vf = value(g, j);
               for (int r = 0; r < cnt; ++r) {
                 const float e = std::exp(scores[r * S + j] - mx[r]);
                 sum[r] += e;
@@ -408,17 +429,12 @@ void isw_decode_step(const Model* m, int64_t token, int64_t pos, float* logits, 
             }
             hh += cnt;
           }
-          if (b == 0) {  // the new K/V into the cache (no chunk reads position pos from it)
-            for (int64_t i = 0; i < D; ++i) {
-              a.st(L.k_cache, g * S * D + pos * D + i, kh[i]);
-              a.st(L.v_cache, g * S * D + pos * D + i, v[g * D + i]);
-            }
-          }
+          if (b == 0) store_kv(g);  // the new K/V into the cache (no chunk reads position pos from it)
         });
       } else
-      phase(chunked && n_t == nt ? att_C : n_t, none, [&](int c, int C) {
+      phase(chunks ? att_C : n_t, none, [&](int c, int C) {
         int64_t h0, h1;
-        if (chunked && n_t == nt) {  // part c % att_s of KV group c / att_s
+        if (chunks) {  // part c % att_s of KV group c / att_s
           const int64_t g = c / att_s;
           int64_t a0, a1;
           split(group, (int)(c % att_s), (int)att_s, a0, a1);
@@ -430,37 +446,9 @@ void isw_decode_step(const Model* m, int64_t token, int64_t pos, float* logits, 
         for (int64_t hh = h0; hh < h1;) {
           const int64_t g = hh / group;
           const int cnt = (int)std::min<int64_t>({h1 - hh, (g + 1) * group - hh, (int64_t)4});
-          std::memcpy(kh.data(), k.data() + g * D, D * sizeof(float));  // the group's new key, normed, rotated
-          if (gemma) rms_norm(a, true, kh.data(), D, L.k_norm, m->eps, kh.data());
-          rope(a, kh.data(), D, cs, sn, tmp.data());
-          for (int r = 0; r < cnt; ++r) {
-            float* qr = qh.data() + r * D;
-            std::memcpy(qr, q.data() + (hh + r) * D, D * sizeof(float));
-            if (gemma) rms_norm(a, true, qr, D, L.q_norm, m->eps, qr);
-            rope(a, qr, D, cs, sn, tmp.data());
-          }
-          const int64_t base = g * S * D;
-          float mx[4] = {-INFINITY, -INFINITY, -INFINITY, -INFINITY}, d[4];
-          for (int64_t j = lo; j <= pos; ++j) {
-            // the vector dot of gemv.h, cnt query rows against one key (fp32 accumulation; bf16 keys widened exactly)
-            auto dots = [&](auto rb) {
-              constexpr int RB = decltype(rb)::value;
-              if (j == pos) isw::dot_w<RB>(qh.data(), D, kh.data(), d);
-              else if (a.bf) isw::dot_w<RB>(qh.data(), D, (const uint16_t*)L.k_cache + base + j * D, d);
-              else isw::dot_w<RB>(qh.data(), D, (const float*)L.k_cache + base + j * D, d);
-            };
-            switch (cnt) {
-              case 1: dots(std::integral_constant<int, 1>{}); break;
-              case 2: dots(std::integral_constant<int, 2>{}); break;
-              case 3: dots(std::integral_constant<int, 3>{}); break;
-              default: dots(std::integral_constant<int, 4>{}); break;
-            }
-            for (int r = 0; r < cnt; ++r) {
-              const float v_ = m->eager_attention && a.bf ? a.rnd(a.rnd(d[r]) * scale) : d[r] * scale;
-              scores[r * S + j] = v_;
-              mx[r] = std::max(mx[r], v_);
-            }
-          }
+          new_key(g);
+          float mx[4];
+          score(g, hh, cnt, lo, pos + 1, mx);
           float inv[4];
           for (int r = 0; r < cnt; ++r) {
             float sum = 0.f;
@@ -473,12 +461,7 @@ void isw_decode_step(const Model* m, int64_t token, int64_t pos, float* logits, 
           }
           std::fill(outh.begin(), outh.begin() + cnt * D, 0.f);
           for (int64_t j = lo; j <= pos; ++j) {
-            const float* vf = j == pos ? v.data() + g * D : a.bf ? nullptr : (const float*)L.v_cache + base + j * D;
-            if (!vf) {  // bf16 values, widened once for the run
-              const uint16_t* vr = (const uint16_t*)L.v_cache + base + j * D;
-              for (int64_t i = 0; i < D; ++i) tmp[i] = isw::bf16_to_f(vr[i]);
-              vf = tmp.data();
-            }
+            const float* vf = value(g, j);  // bf16 values widened once for the run
             for (int r = 0; r < cnt; ++r) {
               // eager: probabilities normalized, then rounded (bf16); sdpa: unnormalized exp rounded, divided at the end
               const float p_ = m->eager_attention ? a.rnd(scores[r * S + j] * inv[r]) : a.rnd(scores[r * S + j]);
@@ -492,15 +475,9 @@ void isw_decode_step(const Model* m, int64_t token, int64_t pos, float* logits, 
           hh += cnt;
         }
         // the new K/V into the cache, each head group by one chunk (no one reads position pos from the cache)
-        const bool parts = chunked && n_t == nt;
-        for (int64_t g = parts ? (c % att_s == 0 ? c / att_s : Hkv) : c; g < Hkv; g += parts ? Hkv : C) {
-          std::memcpy(kh.data(), k.data() + g * D, D * sizeof(float));
-          if (gemma) rms_norm(a, true, kh.data(), D, L.k_norm, m->eps, kh.data());
-          rope(a, kh.data(), D, cs, sn, tmp.data());
-          for (int64_t i = 0; i < D; ++i) {
-            a.st(L.k_cache, g * S * D + pos * D + i, kh[i]);
-            a.st(L.v_cache, g * S * D + pos * D + i, v[g * D + i]);
-          }
+        for (int64_t g = chunks ? (c % att_s == 0 ? c / att_s : Hkv) : c; g < Hkv; g += chunks ? Hkv : C) {
+          new_key(g);
+          store_kv(g);
         }
       });
       lap(1);
