@@ -22,17 +22,13 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from engine.config import (AttentionConfig, EngineConfig, KVCacheConfig, ModelConfig, QuantConfig,  # noqa: E402
-                           TrialConfig)
-from engine.engines import make_backend  # noqa: E402
+from bench_native_cpp_profile import SMOL, VARIANTS, cpp_backend  # noqa: E402
+
 from engine.measure.spread import paired_ratio, spread  # noqa: E402
-from engine.models import load_model  # noqa: E402
 
-SHAPES = {"smollm2": dict(name="smollm2-135m-instruct", path="prepared://smollm2-135m-instruct"),
-          "gemma3": dict(name="gemma-3-270m", path="prepared://gemma-3-270m")}
-VARIANTS = {"fp32": ("float32", QuantConfig(kernel="gemv-all")), "bf16": ("bfloat16", QuantConfig(kernel="gemv-all")),
-            "w8a8": ("float32", QuantConfig(level="int8-dynamic", skip_modules=[]))}
+SHAPES = {"smollm2": SMOL, "gemma3": dict(name="gemma-3-270m", path="prepared://gemma-3-270m")}
 MODES = {"split": (256, 64), "heads": (0, 64)}  # isw_set_split: from 256 positions (the default), never
 
 
@@ -62,12 +58,7 @@ def main() -> None:
     t_start = time.perf_counter()
     for name in a.variants.split(","):
         dtype, quant = VARIANTS[name]
-        model = ModelConfig(**SHAPES[a.shape], dtype=dtype)
-        loaded = load_model(model, attention="sdpa", quant=quant)
-        trial = TrialConfig(model=model, engine=EngineConfig(backend="native", compile=True, compile_mode="cpp",
-                                                             threads=a.threads),
-                            attention=AttentionConfig(impl="sdpa"), kv_cache=KVCacheConfig(mode="contiguous"), quant=quant)
-        backend = make_backend(loaded, trial)
+        backend = cpp_backend(SHAPES[a.shape], dtype, quant, a.threads)
         lib = backend.decode_step.lib
         for ctx in (int(c) for c in a.contexts.split(",")):
             ids = torch.randint(3, 1000, (1, ctx), generator=torch.Generator().manual_seed(ctx))
@@ -86,7 +77,7 @@ def main() -> None:
             print(f"| {name} ({dtype}) | {ctx} | {s.median:.1f} [{s.ci_lo:.1f}, {s.ci_hi:.1f}] | "
                   f"{h.median:.1f} [{h.ci_lo:.1f}, {h.ci_hi:.1f}] | x{rr.value:.2f} [{rr.lo:.2f}, {rr.hi:.2f}] |",
                   flush=True)
-        del backend, loaded
+        del backend
     print(f"\n{time.perf_counter() - t_start:.0f} s; load after {' '.join(open('/proc/loadavg').read().split()[:3])}")
 
 

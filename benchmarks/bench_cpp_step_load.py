@@ -31,19 +31,10 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from cpu_load import CpuBurners  # noqa: E402
 
-from engine.config import (AttentionConfig, EngineConfig, KVCacheConfig, ModelConfig, QuantConfig,  # noqa: E402
-                           TrialConfig)
-from engine.engines import make_backend  # noqa: E402
-from engine.measure.spread import paired_ratio, spread  # noqa: E402
-from engine.models import load_model  # noqa: E402
+from bench_native_cpp_profile import SMOL, VARIANTS, cpp_backend  # noqa: E402
 
-SMOL = dict(name="smollm2-135m-instruct", path="prepared://smollm2-135m-instruct")
-VARIANTS = {  # name -> (dtype, quant)
-    "fp32": ("float32", QuantConfig(kernel="gemv-all")),
-    "bf16": ("bfloat16", QuantConfig(kernel="gemv-all")),
-    "w8a8": ("float32", QuantConfig(level="int8-dynamic", skip_modules=[])),
-    "int4": ("float32", QuantConfig(level="int4-weight", kernel="gemv", skip_modules=[])),
-}
+from engine.measure.spread import paired_ratio, spread  # noqa: E402
+
 MODES = {"barrier": 1, "chunks": 0}  # isw_set_sync's codes
 
 
@@ -68,13 +59,7 @@ def main() -> None:
     ids = torch.randint(3, 1000, (1, 128), generator=torch.Generator().manual_seed(0))
     backends = {}
     for name in a.variants.split(","):
-        dtype, quant = VARIANTS[name]
-        model = ModelConfig(**SMOL, dtype=dtype)
-        loaded = load_model(model, attention="sdpa", quant=quant)
-        trial = TrialConfig(model=model, engine=EngineConfig(backend="native", compile=True, compile_mode="cpp",
-                                                             threads=a.threads),
-                            attention=AttentionConfig(impl="sdpa"), kv_cache=KVCacheConfig(mode="contiguous"), quant=quant)
-        backends[name] = make_backend(loaded, trial)
+        backends[name] = cpp_backend(SMOL, *VARIANTS[name], a.threads)
     lib = next(iter(backends.values())).decode_step.lib
     load0 = open("/proc/loadavg").read().split()[:3]
     print(f"C++ step under load, SmolLM2-135M-Instruct, batch 1, context 128 + {a.tokens} tokens, {a.threads} threads, "

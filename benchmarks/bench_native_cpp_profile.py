@@ -39,6 +39,17 @@ PHASE_WEIGHTS = {"qkv": ("q_proj", "k_proj", "v_proj"), "o_proj": ("o_proj",), "
                  "down": ("down_proj",), "head": ("lm_head",)}
 
 
+def cpp_backend(model_kw: dict, dtype: str, quant: QuantConfig, threads: int):
+    """The native engine with its C++ decode step (sdpa, contiguous KV cache) on a prepared model; also used by
+    bench_cpp_step_load.py and bench_cpp_long_context.py."""
+    model = ModelConfig(**model_kw, dtype=dtype)
+    loaded = load_model(model, attention="sdpa", quant=quant)
+    trial = TrialConfig(model=model, engine=EngineConfig(backend="native", compile=True, compile_mode="cpp",
+                                                         threads=threads),
+                        attention=AttentionConfig(impl="sdpa"), kv_cache=KVCacheConfig(mode="contiguous"), quant=quant)
+    return make_backend(loaded, trial)
+
+
 def phase_bytes(model: torch.nn.Module) -> dict[str, int]:
     out = {p: 0 for p in PHASE_WEIGHTS}
     for name, mod in model.named_modules():
@@ -65,12 +76,7 @@ def main() -> None:
     print("|---|---:|" + "---:|" * len(phases) + "---|")
     for name in a.variants.split(","):
         dtype, quant = VARIANTS[name]
-        model = ModelConfig(**SMOL, dtype=dtype)
-        loaded = load_model(model, attention="sdpa", quant=quant)
-        trial = TrialConfig(model=model, engine=EngineConfig(backend="native", compile=True, compile_mode="cpp",
-                                                             threads=a.threads),
-                            attention=AttentionConfig(impl="sdpa"), kv_cache=KVCacheConfig(mode="contiguous"), quant=quant)
-        backend = make_backend(loaded, trial)
+        backend = cpp_backend(SMOL, dtype, quant, a.threads)
         step = backend.decode_step
         for timed in (False, True):
             session = backend.new_session(1, 128 + a.tokens + 1)
@@ -86,7 +92,7 @@ def main() -> None:
         gbs = ", ".join(f"{nbytes[p] / (prof[p] / 1e3) / 1e9:.1f}" for p in PHASE_WEIGHTS)
         print(f"| {name} ({dtype}, {quant.level}{'' if quant.level == 'none' else ' ' + quant.kernel}) | "
               f"{a.tokens / wall:.1f} | " + " | ".join(f"{prof[p]:.2f}" for p in phases) + f" | {gbs} |")
-        del backend, loaded
+        del backend
     print(f"\nload {' '.join(load0)} -> {' '.join(open('/proc/loadavg').read().split()[:3])}; weights bytes per phase "
           "from the modules' parameters and buffers (scales included)")
 
