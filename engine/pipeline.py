@@ -6,6 +6,8 @@ it returns become metrics here, through engine/measure/. No engine is named in t
 """
 from __future__ import annotations
 
+import hashlib
+import json
 import logging
 import math
 import os
@@ -332,23 +334,32 @@ def evaluate_tasks(trial: TrialConfig, session: TrialSession, loaded: Any, metri
     return res.answers, res.correct, res.items
 
 
-def evaluate(trial: TrialConfig, session: TrialSession, loaded: Any, metrics: dict[str, float], say) -> None:
-    """Accuracy at `workload.context_len` (perplexity, or fidelity against the reference) into `metrics`."""
+# eval.fidelity: {"windows": a digest of the windows' token ids, "top1": the argmax at each scored position, per window}
+TOP1_ARTIFACT = "fidelity_top1.json"
+
+
+def evaluate(trial: TrialConfig, session: TrialSession, loaded: Any, metrics: dict[str, float], say) -> dict[str, str]:
+    """Accuracy at `workload.context_len` (perplexity, or fidelity against the reference) into `metrics`; with
+    fidelity, the candidate's argmax at every scored position as an artifact (`TOP1_ARTIFACT`: a list per
+    window), so that two trials' predictions compare position by position (optimize's fidelity pre-screen)."""
     from .measure.fidelity import fidelity_of, perplexity_of
     from .prompts import corpus_ids, windows
 
     if not (trial.eval.enabled and trial.eval.num_windows > 0):
-        return
+        return {}
     evw = windows(corpus_ids(session.tokenizer, trial.eval.text), trial.workload.context_len,
                   trial.eval.num_windows).to(session.device)
     say("evaluating " + ("fidelity against the reference" if trial.eval.fidelity else "perplexity"))
     scores = session.score_windows(evw, trial.eval.topk if trial.eval.fidelity else 1, say)
     if not trial.eval.fidelity:
         metrics.update(perplexity_of(scores, evw))
-        return
+        return {}
     ref, cached = _reference(trial, loaded, evw.cpu())
-    metrics.update(fidelity_of(scores, evw, ref))
+    top1: list = []
+    metrics.update(fidelity_of(scores, evw, ref, top1))
     metrics["fidelity_ref_cached"] = float(cached)
+    text = hashlib.sha256(evw.cpu().numpy().tobytes()).hexdigest()[:16]  # which windows: equal ids, same text
+    return {TOP1_ARTIFACT: json.dumps({"windows": text, "top1": [t.tolist() for t in top1]})}
 
 
 @dataclass
@@ -394,7 +405,7 @@ class Measurement:
         why = instability(metrics, own_spread=not grouped)
         if why:
             labels[UNSTABLE] = why
-        evaluate(trial, session, self.loaded, metrics, self.say)
+        produced = evaluate(trial, session, self.loaded, metrics, self.say)
         answers, correct, items = evaluate_tasks(trial, session, self.loaded, metrics, self.say)
         info = dict(device_info(session.device), **session.info(), repeats_stop=stop)
         model = getattr(self.loaded, "model", None)
@@ -406,7 +417,7 @@ class Measurement:
         samples = {k: [float(r[k]) for r in per_run] for k in TIMINGS if k in per_run[0]}
         return EngineResult(metrics=metrics, token_ids=token_ids, sample_text=session.tokenizer.decode(token_ids[0]),
                             info=info, labels=labels, samples=samples, answers=answers,
-                            correct=correct, items=items, artifacts=session.artifacts())
+                            correct=correct, items=items, artifacts={**session.artifacts(), **produced})
 
 
 def close_session(session: TrialSession) -> None:

@@ -117,3 +117,39 @@ def test_a_fidelity_run_recorded_before_these_metrics_still_reproduces(tiny_over
     assert {verdicts[k] for k in NEW} == {NOT_RECORDED}
     assert verdicts["kl_div_mean"] == verdicts["top1_agreement"] == verdicts["ppl_ratio"] == "MATCH"
     assert cmp.deterministic_match
+
+
+def test_a_fidelity_trial_logs_its_argmax_at_every_position_of_its_windows(tmp_path):
+    """eval.fidelity's TOP1_ARTIFACT (optimize's pre-screen reads it): one list per window, the trial's own argmax
+    at each scored position -- the same ids the model's logits give on those windows -- under a digest of the
+    windows that changes with the text; two configurations of one model compare position by position."""
+    import json
+
+    from support import make_trial
+    from engine import ModelConfig, WorkloadConfig, load_model, run_engine_trial
+    from engine.config import EvalConfig, TextConfig, TimingConfig
+    from engine.engines import make_backend
+    from engine.pipeline import TOP1_ARTIFACT
+    from engine.prompts import corpus_ids, windows
+    from experiments.optimize.accuracy import prescreen
+
+    tiny = ModelConfig(name="tiny", path="tiny://llama")
+    wl = WorkloadConfig(context_len=24, max_new_tokens=2, batch_size=1, warmup=0, repeats=1)
+    trial = make_trial(tiny, eval=EvalConfig(num_windows=3, fidelity=True), workload=wl,
+                       timing=TimingConfig(max_repeats=0))
+    got = json.loads(run_engine_trial(trial).artifacts[TOP1_ARTIFACT])
+    assert [len(w) for w in got["top1"]] == [23, 23, 23]
+    lm = load_model(tiny, "sdpa")
+    evw = windows(corpus_ids(lm.tokenizer, trial.eval.text), 24, 3)
+    backend = make_backend(lm, trial)
+    want = [backend.score(w[None])[0, :-1].float().argmax(-1).tolist() for w in evw]
+    assert got["top1"] == want
+    (tmp_path / "t.txt").write_text("A different text, one sentence after another. " * 200)
+    text = TextConfig(kind="file", path=str(tmp_path / "t.txt"))
+    other = make_trial(tiny, eval=EvalConfig(num_windows=3, fidelity=True, text=text),
+                       workload=wl, timing=TimingConfig(max_repeats=0))
+    theirs = json.loads(run_engine_trial(other).artifacts[TOP1_ARTIFACT])
+    assert theirs["windows"] != got["windows"] and prescreen(got, theirs) is None
+    assert prescreen(got, got).differ == 0
+    plain = make_trial(tiny, eval=EvalConfig(num_windows=1), workload=wl, timing=TimingConfig(max_repeats=0))
+    assert TOP1_ARTIFACT not in run_engine_trial(plain).artifacts  # perplexity only: nothing to compare

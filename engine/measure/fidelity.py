@@ -63,11 +63,13 @@ def perplexity_of(scores: WindowScores, windows: torch.Tensor) -> dict[str, floa
     return perplexity(scores, windows)
 
 
-def fidelity_of(scores: WindowScores, windows: torch.Tensor, ref: "ReferenceStats") -> dict[str, float]:
-    """`fidelity` from either kind of window scores (top-k ones through `fidelity_from_topk`)."""
+def fidelity_of(scores: WindowScores, windows: torch.Tensor, ref: "ReferenceStats",
+                top1: Optional[list] = None) -> dict[str, float]:
+    """`fidelity` from either kind of window scores (top-k ones through `fidelity_from_topk`); `top1`, where
+    given, receives each window's argmax token per position ([T-1] int64 tensors)."""
     if isinstance(scores, TopkScores):
-        return fidelity_from_topk(scores.idx, scores.logp, scores.target_logp, ref)
-    return fidelity(scores, windows, ref)
+        return fidelity_from_topk(scores.idx, scores.logp, scores.target_logp, ref, top1)
+    return fidelity(scores, windows, ref, top1)
 
 
 # --- fidelity against the unoptimized reference (llama.cpp's KL-divergence style) ----------------------
@@ -109,8 +111,11 @@ def _tail(logp_topk: torch.Tensor) -> torch.Tensor:
     return mass.log()
 
 
-def fidelity(backend: Backend, windows: torch.Tensor, ref: ReferenceStats) -> dict[str, float]:
-    """KL(reference || candidate) per position, top-1 agreement and perplexity of the candidate."""
+def fidelity(backend: Backend, windows: torch.Tensor, ref: ReferenceStats,
+             top1: Optional[list] = None) -> dict[str, float]:
+    """KL(reference || candidate) per position, top-1 agreement and perplexity of the candidate; `top1`, where
+    given, receives the candidate's argmax per position of each window (what compares two candidates directly:
+    optimize's fidelity pre-screen)."""
     kls, diffs, agree, nll_sum, count = [], [], 0, 0.0, 0
     for i, w in enumerate(windows):
         logq = torch.log_softmax(backend.score(w[None])[0, :-1].float(), dim=-1)  # [T-1, V]
@@ -120,7 +125,10 @@ def fidelity(backend: Backend, windows: torch.Tensor, ref: ReferenceStats) -> di
         p_tail, q_tail = _tail(ref.topk_logp[i]), _tail(logq_k.float())
         kl = kl + (p_tail.exp() * (p_tail - q_tail)).squeeze(-1)
         kls.append(kl.clamp(min=0.0))
-        agree += int((logq.argmax(-1) == ref.topk_idx[i, :, 0].long()).sum())
+        arg = logq.argmax(-1)
+        agree += int((arg == ref.topk_idx[i, :, 0].long()).sum())
+        if top1 is not None:
+            top1.append(arg.cpu())
         nll = -logq.gather(-1, w[1:, None]).squeeze(-1)
         nll_sum += float(nll.double().sum())
         count += nll.numel()
@@ -169,7 +177,7 @@ def _summary(kls: list[torch.Tensor], agree: int, nll_sum: float, count: int, re
 
 
 def fidelity_from_topk(cand_idx: torch.Tensor, cand_logp: torch.Tensor, cand_target_logp: torch.Tensor,
-                       ref: ReferenceStats) -> dict[str, float]:
+                       ref: ReferenceStats, top1: Optional[list] = None) -> dict[str, float]:
     """`fidelity` for a candidate seen only through its own top-k log-probs (engine=vllm: vLLM returns
     prompt log-probs, not logits). cand_idx / cand_logp [W, T-1, k] (descending), cand_target_logp [W, T-1]
     = the candidate's log-prob of each actual next token.
@@ -196,6 +204,8 @@ def fidelity_from_topk(cand_idx: torch.Tensor, cand_logp: torch.Tensor, cand_tar
         kl = kl + p_tail * (p_tail.log() - q_tail.log())
         kls.append(kl.clamp(min=0.0))
         agree += int((cidx[:, 0] == ridx[:, 0]).sum())
+        if top1 is not None:
+            top1.append(cidx[:, 0].cpu())
         nll_sum += float(-cand_target_logp[i].double().sum())
         count += cand_target_logp[i].numel()
         diffs.append(-cand_target_logp[i].double() - ref.target_nll[i].double())

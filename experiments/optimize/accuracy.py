@@ -178,9 +178,7 @@ def _plan_terms(a: "PairedAccuracy", max_drop: float) -> tuple[float, float]:
 def power_at(a: "PairedAccuracy", n: int, max_drop: float, alpha: float) -> float:
     """The chance that a look at `n` items decides the pair, by the plan's own model (items_needed)."""
     disc, dist = _plan_terms(a, max_drop)
-    if n < min_items(max_drop, alpha):
-        return 0.0
-    return NormalDist().cdf(dist * math.sqrt(n / disc) - NormalDist().inv_cdf(1 - alpha))
+    return _power(disc, dist, n, max_drop, alpha)
 
 
 def items_needed(a: "PairedAccuracy", max_drop: float, alpha: float, power: float = PLAN_POWER) -> float:
@@ -190,7 +188,18 @@ def items_needed(a: "PairedAccuracy", max_drop: float, alpha: float, power: floa
     max_drop^2, and never fewer than `min_items`."""
     if a.n <= 0:
         return math.inf
-    disc, dist = _plan_terms(a, max_drop)
+    return _need(*_plan_terms(a, max_drop), max_drop, alpha, power)
+
+
+def _power(disc: float, dist: float, n: int, max_drop: float, alpha: float) -> float:
+    """The plan's model of a look at `n` items: P(decided) at discordance `disc`, `dist` from -max_drop."""
+    if n < min_items(max_drop, alpha):
+        return 0.0
+    return NormalDist().cdf(dist * math.sqrt(n / disc) - NormalDist().inv_cdf(1 - alpha))
+
+
+def _need(disc: float, dist: float, max_drop: float, alpha: float, power: float) -> float:
+    """The plan's model inverted: the items that decide with `power` (never fewer than `min_items`)."""
     if dist < 1e-6:
         return math.inf
     z = NormalDist().inv_cdf(1 - alpha) + NormalDist().inv_cdf(power)
@@ -305,3 +314,53 @@ def pooled_accuracy(ref: Mapping[str, Any], cand: Mapping[str, Any], max_drop: f
 def resolution(n: int, alpha: float) -> float:
     """The smallest drop `n` items can rule out with no item lost: the lower bound at b = c = 0."""
     return -float(tango_bounds(0, 0, n, alpha)[0])
+
+
+# --- the fidelity pre-screen ------------------------------------------------------------------------------
+# Items whose answer differs per position whose argmax differs on the pre-screen's fixed text: a multiple-choice
+# answer changes only where a candidate moves the ranking of its choices, which one flipped argmax rarely does.
+# Measured on SmolLM2-135M in bf16 (benchmarks/bench_prescreen.py, BENCHMARKS.md "The fidelity pre-screen"; 1,000
+# pooled items, 1,008 positions, every pair of none / int8-weight / int4-weight / int8-dynamic): 0.36-0.59, the
+# lowest 95% lower bound 0.30. The pre-screen predicts with that bound, so a prediction errs toward too few items
+# (a look more), never toward refusing a candidate its items could decide.
+DISCORDANCE_PER_FLIP = 0.3
+
+
+@dataclass(frozen=True)
+class Prescreen:
+    """Two configurations' argmax compared position by position on the same fixed text (eval.fidelity windows)."""
+    differ: int  # positions whose argmax differs
+    positions: int
+
+    @property
+    def share(self) -> float:
+        return self.differ / self.positions if self.positions else 1.0
+
+    @property
+    def discordance(self) -> float:
+        """The share of task items predicted to change their answer (one more differing position assumed, so
+        that none seen predicts a little, not nothing)."""
+        return min(1.0, DISCORDANCE_PER_FLIP * (self.differ + 1) / (self.positions + 1))
+
+    def need(self, max_drop: float, alpha: float, power: float = PLAN_POWER) -> float:
+        """Items that decide a harmless change with `power` at this discordance (the plan's own model)."""
+        return _need(self.discordance, max_drop, max_drop, alpha, power)
+
+    def power_at(self, n: int, max_drop: float, alpha: float) -> float:
+        """The chance that a look at `n` items decides a harmless change at this discordance."""
+        return _power(self.discordance, max_drop, n, max_drop, alpha)
+
+    def cell(self) -> str:
+        return f"top-1 differs at {self.differ:,} of {self.positions:,} positions ({100 * self.share:.1f}%)"
+
+
+def prescreen(a: Mapping[str, Any], b: Mapping[str, Any]) -> Optional[Prescreen]:
+    """Compare two trials' argmax ids (TOP1_ARTIFACT: {"windows": digest, "top1": per window}); None where they
+    are not over the same windows (another text or tokenizer, or nothing logged: no comparison)."""
+    if not a or not b or a.get("windows") != b.get("windows"):
+        return None
+    wa, wb = a.get("top1") or [], b.get("top1") or []
+    if not wa or len(wa) != len(wb) or any(len(x) != len(y) for x, y in zip(wa, wb)):
+        return None
+    x, y = np.concatenate([np.asarray(w) for w in wa]), np.concatenate([np.asarray(w) for w in wb])
+    return Prescreen(int((x != y).sum()), int(x.size))

@@ -34,11 +34,12 @@ from engine import axes as axis_registry
 
 from engine.measure.spread import Ratio
 
-from .accuracy import UNDECIDED, plan_look
+from .accuracy import FLOOR, UNDECIDED, Prescreen, next_look, plan_look
 from .decide import (ACCEPTED, BASELINE, MORE_ITEMS, REJECTED, REMEASURE, RUN_FAILED, SKIPPED, TOTAL, UNDECIDED_PAIR,
                      Rules, Verdict, accuracy_cell, judge_accuracy, judge_timing, loaded, memory_problem, pooled_of)
 from .measurement import EVAL_LIMIT, EVAL_OFF, Measure, Measurement, Point, Request, describe, spent
 from .objective import Objective
+from .prescreen import Prescreener
 from .types import RETRY, Budget, Row
 
 MODEL_KEYS = ("model", "model.name")  # the model axis (right-size); `model.dtype` is the precision axis
@@ -149,7 +150,7 @@ class Chain:
                  trust_regime: bool = True, clock: Callable[[], float] = time.monotonic, echo=lambda s: None,
                  predict: Optional[Predict] = None, score_neutral: tuple[str, ...] = (), eval_baseline: bool = True,
                  total_pair: bool = True, item_pool: int = 0,
-                 weights: Optional[Callable[[Point], Optional[float]]] = None):
+                 weights: Optional[Callable[[Point], Optional[float]]] = None, prescreen: int = 0):
         self.space = {k: list(v) for k, v in space.items()}
         self.baseline = dict(baseline or baseline_of(space))
         self.objective, self.rules, self.budget, self._measure = objective, rules, budget, measure
@@ -163,6 +164,8 @@ class Chain:
         self._pairs: dict[tuple, list] = {}  # (incumbent, candidate) -> the timing measurements taken of the pair
         self._t0 = 0.0
         self._reference: dict[int, Measurement] = {}  # eval.limit -> the baseline's per-item answers at it
+        # the gate's fidelity pre-screen (prescreen.py): `prescreen` windows of fixed text per configuration; 0: off
+        self.screen = Prescreener(prescreen, self._run) if prescreen and rules.gate else None
 
     def _same_scores(self, inc: Point, cand: Point) -> str:
         """The keys the pair differs in when none of them can change the task scores ('' otherwise)."""
@@ -307,8 +310,8 @@ class Chain:
         sizes -- printed with its cost, and refused without a trial where it exceeds the pool or
         optimize.gate.max_items. (verdict, trials asked for)."""
         first = self.eval_limit or 50
-        cap = min(self.budget.max_items, self.item_pool) if self.item_pool else self.budget.max_items
-        n, tries, looks, per_item = first, 0, 0, 0.0
+        cap = self._cap()
+        n, tries, looks, per_item = self._first_look(inc, cand, first, cap), 0, 0, 0.0
         while True:
             got, err, secs = self._look(inc, cand, n)
             tries, looks = tries + 1, looks + 1
@@ -343,6 +346,60 @@ class Chain:
             return Verdict(decision, f"{why} ({v.reason})", v.ratio, v.accuracy, v.cumulative), tries
         v.reason += f"; {why}" if why else ""
         return v, tries
+
+    # --- the fidelity pre-screen ------------------------------------------------------------------------
+    def _cap(self) -> int:
+        """The most items a look may take: optimize.gate.max_items, or the pool where it holds fewer."""
+        return min(self.budget.max_items, self.item_pool) if self.item_pool else self.budget.max_items
+
+    def _screens(self, inc: Point, cand: Point) -> list[tuple[str, Prescreen]]:
+        """The pre-screen's comparisons of `cand` with the gate's references: the incumbent, and the baseline
+        where its scores can differ from the incumbent's ([] where the pre-screen has none)."""
+        if self.screen is None or self._same_scores(inc, cand):
+            return []
+        refs = [("the incumbent", inc)]
+        if inc != self.baseline and not self._same_scores(self.baseline, inc):
+            refs.append(("the baseline", self.baseline))
+        return [(who, c) for who, p in refs if (c := self.screen.compare(p, cand)) is not None]
+
+    def _screened(self, step: Step, inc: Point) -> tuple[str, ...]:
+        """A step's variants ordered by the pre-screen, most faithful to the incumbent first (the seed's order
+        where it has nothing, or on ties), each configuration's ids measured once."""
+        cands = [{**inc, step.key: v} for v in step.variants]
+        if self.screen is None or step.key in MODEL_KEYS or all(self._same_scores(inc, c) for c in cands):
+            return step.variants
+        refs = [inc] + ([self.baseline] if inc != self.baseline and not self._same_scores(self.baseline, inc) else [])
+        self.screen.measure(refs + cands)
+        share = {v: (s[0][1].share if (s := self._screens(inc, c)) else 1.0) for v, c in zip(step.variants, cands)}
+        for v, c in zip(step.variants, cands):
+            for who, ps in self._screens(inc, c):
+                self.echo(f"  pre-screen: {describe(c, inc)} vs {who}: {ps.cell()}, ~{100 * ps.discordance:.1f}% of "
+                          f"items predicted to differ, ~{_count(ps.need(self.rules.max_drop, self.rules.gate_alpha))} "
+                          f"items decide it")
+        return tuple(sorted(step.variants, key=lambda v: share[v]))
+
+    def _hopeless(self, inc: Point, cand: Point) -> str:
+        """Why the gate cannot decide `cand` within its cap even on the pre-screen's low prediction of its
+        discordance ('' when it may): the plan's own rule (accuracy.plan_look) applied before any item."""
+        cap = self._cap()
+        for who, ps in self._screens(inc, cand):
+            need = ps.need(self.rules.max_drop, self.rules.gate_alpha)
+            if need > cap and ps.power_at(cap, self.rules.max_drop, self.rules.gate_alpha) < FLOOR:
+                what = "the pool's" if self.item_pool and cap == self.item_pool else "optimize.gate.max_items"
+                return (f"accuracy undecided: pre-screen vs {who}: {ps.cell()}, ~{100 * ps.discordance:.1f}% of items "
+                        f"predicted to differ, ~{_count(need)} items would decide it, more than the {cap:,} {what} "
+                        f"(not spent)")
+        return ""
+
+    def _first_look(self, inc: Point, cand: Point, first: int, cap: int) -> int:
+        """The gate's first item count: eval.limit, or on pooled items the ladder's size the pre-screen's
+        predicted discordance needs (never past the cap)."""
+        needs = [ps.need(self.rules.max_drop, self.rules.gate_alpha) for _, ps in self._screens(inc, cand)]
+        if not (self.item_pool and needs and max(needs) > first):
+            return first
+        n = next_look(max(needs), 0, first, cap) or cap
+        self.echo(f"  {describe(cand, inc)}: first look at {n:,} items (the pre-screen's plan)")
+        return n
 
     def _trusted_regime(self, inc_m: Measurement, rows: list[Row]) -> str:
         """Why the incumbent's regime cannot decide a skip ('' when it can): an undecided earlier pair (the
@@ -379,7 +436,8 @@ class Chain:
                 continue
             if ok is False and self.trust_regime:
                 self.echo(f"step {i} ({step.label}): measured although the regime says '{why}': {distrust}")
-            for variant in step.variants:
+            variants = self._screened(step, inc) if not self._spent() else step.variants
+            for variant in variants:
                 stop = self._spent()
                 if stop:
                     break
@@ -387,6 +445,10 @@ class Chain:
                 if (step.key in MODEL_KEYS and (why := self._predicted_loss(inc, cand))) or (why := self._over_memory(cand)):
                     rows.append(Row(i, step.label, describe(cand, inc), SKIPPED, why, regime_before=inc_m.regime))
                     self.echo(f"step {i} ({step.label}): {describe(cand, inc)} skipped: {why}")
+                    continue
+                if why := self._hopeless(inc, cand):
+                    rows.append(Row(i, step.label, describe(cand, inc), UNDECIDED_PAIR, why, regime_before=inc_m.regime))
+                    self.echo(f"step {i} ({step.label}): {describe(cand, inc)} {why}")
                     continue
                 self.echo(f"step {i} ({step.label}): {describe(cand, inc)} vs incumbent")
                 v, ms, tries = self.measure_pair(inc, cand)

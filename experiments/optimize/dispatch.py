@@ -13,6 +13,7 @@ import json
 from typing import Any, Optional, Sequence
 
 from engine.measure.metrics import TIMINGS
+from engine.pipeline import TOP1_ARTIFACT
 
 from ..config.compose import Problem, SweepError
 from ..config.spec import TrialSpec
@@ -84,7 +85,13 @@ class TrialMeasure:
             correct = json.loads(load_text(f"{run.info.artifact_uri}/{CORRECT_ARTIFACT}"))
         except (MlflowException, OSError, ValueError):
             pass  # no eval.tasks, or a run from before per-item results were logged
-        return Measurement(point=dict(point), metrics=metrics, rounds=rounds, correct=correct,
+        top1: dict = {}
+        if "top1_agreement" in metrics:  # eval.fidelity: its argmax ids (the pre-screen compares them)
+            try:
+                top1 = json.loads(load_text(f"{run.info.artifact_uri}/{TOP1_ARTIFACT}"))
+            except (MlflowException, OSError, ValueError):
+                pass  # a run from before the ids were logged
+        return Measurement(point=dict(point), metrics=metrics, rounds=rounds, correct=correct, top1=top1,
                            labels=dict(run.data.tags), config_hash=run.data.tags.get("config_hash", ""), reused=True,
                            run_id=run.info.run_id)
 
@@ -145,4 +152,5 @@ class TrialMeasure:
                                config_hash=o.config_hash if o else "", run_id=row.get("run_id"))
         return Measurement(dict(point), metrics=dict(o.metrics), rounds=dict(o.samples) if interleaved else {},
                            correct=identified_correct(getattr(o, "correct", {}), getattr(o, "items", {})),
+                           top1=json.loads(getattr(o, "artifacts", {}).get(TOP1_ARTIFACT, "{}")),
                            labels=dict(o.labels), config_hash=o.config_hash, run_id=row.get("run_id"))

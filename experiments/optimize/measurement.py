@@ -44,6 +44,8 @@ class Measurement:
     error: str = ""
     reused: bool = False  # a FINISHED trial found in the store by hash, not run now
     run_id: Optional[str] = None
+    # eval.fidelity: {"windows": digest of the text's token ids, "top1": the argmax at each position, per window}
+    top1: dict = field(default_factory=dict)
 
     @property
     def ok(self) -> bool:

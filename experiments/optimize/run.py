@@ -274,7 +274,8 @@ def _chain(space: Space, o: OptimizeConf, objective: Objective, gate: bool, disp
               trust_regime=o.trust_regime, echo=echo, predict=predict, score_neutral=neutral,
               eval_baseline=not neutral,  # log-likelihood tasks only: the pairs measure every accuracy that decides
               item_pool=gate_pool(space.config) if gate else 0,
-              weights=WeightBytes(disp) if o.max_memory_gb else None)  # a candidate whose weights exceed it: skipped
+              weights=WeightBytes(disp) if o.max_memory_gb else None,  # a candidate whose weights exceed it: skipped
+              prescreen=o.gate.prescreen)  # the gate's fidelity pre-screen (prescreen.py)
     r: ChainResult = c.run()
     notes = order_notes(r.rows)
     if r.total is not None:

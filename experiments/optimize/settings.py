@@ -16,6 +16,7 @@ class GateConf:
     max_drop: float = 0.03  # the accuracy drop (share of items) tolerated, vs the incumbent and vs the baseline
     false_holds: float = 0.05  # P(the gate holds | the true drop is max_drop), over all its looks
     max_items: int = 1500  # the gate's looks grow from eval.limit up to this many items, as its plan needs
+    prescreen: int = 16  # the fidelity pre-screen's windows (of workload.context_len tokens) per configuration; 0: off
 
 
 @dataclass
@@ -112,6 +113,9 @@ def problems(o: OptimizeConf, space: dict[str, list[str]], config: dict[str, Any
         out.append(f"optimize.gate.false_holds: must be in (0, 0.5), got {o.gate.false_holds}")
     if o.gate.max_items < 1:
         out.append(f"optimize.gate.max_items: must be >= 1, got {o.gate.max_items}")
+    if o.gate.prescreen < 0:
+        out.append(f"optimize.gate.prescreen: windows of fixed text per configuration, >= 0 (0: off), "
+                   f"got {o.gate.prescreen}")
     if o.max_memory_gb is not None and not o.max_memory_gb > 0:
         out.append(f"optimize.max_memory_gb: a memory limit must be > 0 GB, got {o.max_memory_gb}; leave it unset "
                    f"(null) for no limit")
