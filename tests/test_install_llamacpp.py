@@ -53,16 +53,23 @@ esac
 pytestmark = pytest.mark.skipif(shutil.which("flock") is None, reason="the installer needs flock (util-linux)")
 
 
-def run_installer(tmp_path: Path, build: str, wheels: Path | None = None) -> tuple[subprocess.CompletedProcess, list[str]]:
+AMD_FLAGS = "fpu sse4_2 avx avx2 fma f16c bmi2 avx512f avx512_vnni avx512_bf16"  # an AMD EPYC seen here: no AMX
+AMX_FLAGS = AMD_FLAGS + " avx512vbmi avx_vnni amx_bf16 amx_tile amx_int8"  # the Sapphire Rapids VM
+
+
+def run_installer(tmp_path: Path, build: str, wheels: Path | None = None,
+                  cpu: str = AMD_FLAGS) -> tuple[subprocess.CompletedProcess, list[str]]:
     fake = tmp_path / "python"
     fake.write_text(FAKE_PYTHON)
     fake.chmod(0o755)
     state = tmp_path / "state"
     state.mkdir(exist_ok=True)
     log = tmp_path / "calls.log"
+    cpuinfo = tmp_path / "cpuinfo"
+    cpuinfo.write_text(f"processor\t: 0\nflags\t\t: {cpu}\n")
     env = {k: v for k, v in os.environ.items() if k not in ("CMAKE_ARGS", "CMAKE_BUILD_PARALLEL_LEVEL")}
     env.update(INFERSWEEP_WHEELS=str(wheels or tmp_path / "wheels"), FAKE_LOG=str(log), FAKE_STATE=str(state),
-               FAKE_BUILD=build)
+               FAKE_BUILD=build, INFERSWEEP_CPUINFO=str(cpuinfo))
     p = subprocess.run(["bash", str(SCRIPT), str(fake)], env=env, capture_output=True, text=True, timeout=60)
     return p, (log.read_text().splitlines() if log.exists() else [])
 
@@ -73,7 +80,7 @@ def test_empty_cache_builds_the_wheel_then_installs_it(tmp_path):
     assert p.returncode == 0, p.stdout + p.stderr
     assert f"no llama-cpp-python {VERSION} wheel in {wheels}: building it from source" in p.stdout
     pip = [c for c in calls if c.startswith("-m pip")]
-    assert pip == [f"-m pip wheel --no-deps llama-cpp-python=={VERSION} -w {wheels}",
+    assert pip == [f"-m pip wheel --no-deps --no-cache-dir llama-cpp-python=={VERSION} -w {wheels}",
                    f"-m pip install -q {wheels / WHEEL}[server]"]
     nproc = subprocess.run(["nproc"], capture_output=True, text=True, check=True).stdout.strip()
     assert f"env CMAKE_ARGS=-DGGML_NATIVE=ON CMAKE_BUILD_PARALLEL_LEVEL={nproc}" in calls  # tuned to this CPU
@@ -92,6 +99,35 @@ def test_cached_wheel_is_installed_without_a_build(tmp_path):
     assert p.returncode == 0, p.stdout + p.stderr
     assert "building" not in p.stdout
     assert [c for c in calls if c.startswith("-m pip")] == [f"-m pip install -q {wheels / WHEEL}[server]"]
+
+
+AMX_OFF = ("-DGGML_NATIVE=OFF -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF -DGGML_SSE42=ON -DGGML_AVX=ON "
+           "-DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_BMI2=ON -DGGML_AVX512=ON -DGGML_AVX512_VBMI=ON "
+           "-DGGML_AVX512_VNNI=ON -DGGML_AVX512_BF16=ON -DGGML_AVX_VNNI=ON")
+
+
+def test_a_cpu_with_amx_builds_its_isa_by_name_without_ggmls_amx_kernels(tmp_path):
+    """ggml's AMX matmuls died with SIGILL on a Sapphire Rapids VM: there every extension the CPU has is named
+    and AMX is left out; the flags are kept beside the wheel."""
+    wheels = tmp_path / "wheels"
+    p, calls = run_installer(tmp_path, "wheel", wheels, cpu=AMX_FLAGS)
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert any(c.startswith(f"env CMAKE_ARGS={AMX_OFF} ") for c in calls), calls
+    assert (wheels / f"llama_cpp_python-{VERSION}.cmake-args").read_text().strip() == AMX_OFF
+
+
+def test_a_cached_wheel_built_with_other_flags_is_rebuilt(tmp_path):
+    """The AMX machine's cache held a native wheel (it crashed): it is rebuilt with this machine's flags; a wheel
+    whose flags match is kept."""
+    wheels = tmp_path / "wheels"
+    wheels.mkdir()
+    (wheels / WHEEL).write_bytes(b"old")  # no flags file: built with -DGGML_NATIVE=ON, as before
+    p, calls = run_installer(tmp_path, "wheel", wheels, cpu=AMX_FLAGS)
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert "was built with '-DGGML_NATIVE=ON', this machine needs" in p.stdout and "rebuilding" in p.stdout
+    assert (wheels / WHEEL).read_bytes() == b""  # the fake build's wheel, not the old one
+    p, calls = run_installer(tmp_path, "fail", wheels, cpu=AMX_FLAGS)  # the flags match now: no build
+    assert p.returncode == 0 and "building" not in p.stdout
 
 
 def test_build_without_a_wheel_fails_with_a_message(tmp_path):
@@ -292,7 +328,7 @@ def test_build_check_passes_once_cmake_configured_and_stops_the_build(tmp_path):
     assert "build starts from an empty wheel cache: CMake configured it in" in p.stdout
     assert "(The CXX compiler identification is GNU 12.2.0)" in p.stdout
     calls = (tmp_path / "calls.log").read_text()
-    assert "-m pip wheel --no-deps llama-cpp-python==" in calls and "env PIP_VERBOSE=1 PIP_NO_CACHE_DIR=1" in calls  # pip's own wheel cache must not stand in for the build
+    assert "-m pip wheel --no-deps --no-cache-dir llama-cpp-python==" in calls and "env PIP_VERBOSE=1 PIP_NO_CACHE_DIR=1" in calls  # pip's own wheel cache must not stand in for the build
     # the "compiler" the build started is gone with the build: nothing keeps compiling after the check
     pid = int((state / "compiler.pid").read_text())
     deadline = time.monotonic() + 10

@@ -94,7 +94,8 @@ def served_counterpart(disp: TrialMeasure, final_point: Point, final: TrialSpec,
                            disp.in_process, echo)
     [[served]], [[mine]] = measure([Request(({},))]), disp([Request((dict(final_point),))])
     if not served.ok:
-        return Counterpart(overrides, spec, served, notes=(f"the served counterpart failed: {served.error}",))
+        said = served.error.split("\nTraceback (most recent call last)")[0].rstrip()  # what it said, not where
+        return Counterpart(overrides, spec, served, notes=(f"the served counterpart failed: {said}",))
     terms = [t for t in objective.terms if t.metric in ("tpot_ms_p50", "ttft_ms_p50")] or [
         t for t in Objective.parse("tpot").terms]
     t = terms[0]
