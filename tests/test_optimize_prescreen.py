@@ -173,3 +173,18 @@ def test_a_negative_pre_screen_is_refused_with_its_key():
     assert [x for x in problems(bad, SPACE, cfg) if x.startswith("optimize.gate.prescreen")] == [
         "optimize.gate.prescreen: windows of fixed text per configuration, >= 0 (0: off), got -1"]
     assert problems(SHIPPED, SPACE, cfg) == []
+
+
+def test_the_pre_screen_runs_where_every_engine_is_in_process_only():
+    """A served engine would start a server for every pre-screen trial: more than the look it sizes saves."""
+    from types import SimpleNamespace
+
+    from experiments.optimize.run import prescreen_of
+
+    def space(axes, backend="hf"):
+        return SimpleNamespace(axes=axes, config={"engine": {"backend": backend}})
+
+    assert prescreen_of(space({"quant": ["none", "int8-weight"], "engine": ["hf", "native-cpp"]}), SHIPPED) == 16
+    assert prescreen_of(space({"quant": ["none", "int8-weight"]}, backend="llamacpp"), SHIPPED) == 16
+    assert prescreen_of(space({"quant": ["none", "gguf-q8_0"]}, backend="llamacpp-server"), SHIPPED) == 0
+    assert prescreen_of(space({"engine": ["hf", "vllm-server"]}), SHIPPED) == 0

@@ -222,23 +222,47 @@ def score_neutral(space: Space) -> tuple[str, ...]:
     `generation_only`: the KV cache, batching, speculation), where an in-process logits engine (hf, native) scores a
     log-likelihood task teacher-forced with no cache (engine/engines/logits.py `Backend.score`). Nothing when a task
     generates or an engine scores otherwise."""
-    from engine import axes, engines
-    from engine.config import EngineConfig, EngineError
-    from engine.engines.logits import LogitsEngine
+    from engine import axes
     from engine.tasks.run import needs_generation
 
     tasks = list((space.config.get("eval") or {}).get("tasks") or [])
-    default = EngineConfig().backend
-    # the engine axis lists config group options (`native-cpp`), each naming its backend (`native`)
-    backends = ([group_backend(v) for v in space.axes["engine"]] if "engine" in space.axes else
-                [str((space.config.get("engine") or {}).get("backend", default))])
-    try:
-        logits = all(isinstance(engines.get(b), LogitsEngine) for b in backends)
-    except EngineError:  # an unknown engine: validation says so; no axis is neutral
-        return ()
-    if not tasks or any(needs_generation(t) for t in tasks) or not logits:
+    if not tasks or any(needs_generation(t) for t in tasks) or not logits_engines(space):
         return ()
     return tuple(a.key for a in axes.AXES if a.generation_only)
+
+
+def backends_of(space: Space) -> list[str]:
+    """The engines the space's trials run on: the engine axis's (config group options such as `native-cpp`, each
+    naming its backend), else the config's one."""
+    from engine.config import EngineConfig
+
+    if "engine" in space.axes:
+        return [group_backend(v) for v in space.axes["engine"]]
+    return [str((space.config.get("engine") or {}).get("backend", EngineConfig().backend))]
+
+
+def logits_engines(space: Space) -> bool:
+    """Whether every engine of the space scores from its own logits (hf, native, llamacpp: a `LogitsEngine`)."""
+    from engine import engines
+    from engine.config import EngineError
+    from engine.engines.logits import LogitsEngine
+
+    try:
+        return all(isinstance(engines.get(b), LogitsEngine) for b in backends_of(space))
+    except EngineError:  # an unknown engine: validation says so
+        return False
+
+
+def prescreen_of(space: Space, o: OptimizeConf) -> int:
+    """The gate's fidelity pre-screen windows (prescreen.py) where every engine of the space runs in this process;
+    0 (off) where one is served: each pre-screen trial would start a server, costing more than the look it sizes."""
+    from engine import engines
+    from engine.config import EngineError
+
+    try:
+        return o.gate.prescreen if all(engines.get(b).in_process for b in backends_of(space)) else 0
+    except EngineError:
+        return 0
 
 
 def model_documents(space: Space) -> tuple[str, ...]:
@@ -275,7 +299,7 @@ def _chain(space: Space, o: OptimizeConf, objective: Objective, gate: bool, disp
               eval_baseline=not neutral,  # log-likelihood tasks only: the pairs measure every accuracy that decides
               item_pool=gate_pool(space.config) if gate else 0,
               weights=WeightBytes(disp) if o.max_memory_gb else None,  # a candidate whose weights exceed it: skipped
-              prescreen=o.gate.prescreen)  # the gate's fidelity pre-screen (prescreen.py)
+              prescreen=prescreen_of(space, o))  # the gate's fidelity pre-screen (prescreen.py)
     r: ChainResult = c.run()
     notes = order_notes(r.rows)
     if r.total is not None:
