@@ -188,3 +188,31 @@ def test_the_pre_screen_runs_where_every_engine_is_in_process_only():
     assert prescreen_of(space({"quant": ["none", "int8-weight"]}, backend="llamacpp"), SHIPPED) == 16
     assert prescreen_of(space({"quant": ["none", "gguf-q8_0"]}, backend="llamacpp-server"), SHIPPED) == 0
     assert prescreen_of(space({"engine": ["hf", "vllm-server"]}), SHIPPED) == 0
+
+
+@pytest.mark.slow
+def test_a_pre_screen_trial_brings_its_argmax_back_fresh_and_from_the_store(tiny_overrides, mlflow_client):
+    """Through the production dispatcher: a pre-screen trial of the tiny model comes back with its argmax ids, and a
+    second ask finds the same trial in the MLflow store by hash and reads the same ids from its artifact."""
+    from experiments.optimize.measurement import Request, point_key
+    from experiments.optimize.prescreen import Prescreener
+    from experiments.optimize.run import prepare
+
+    space, o, disp = prepare([*tiny_overrides, "sweep_name=t-prescreen", "kv_cache=off,contiguous",
+                              "optimize.gate.enabled=false", "workload.max_new_tokens=2"])
+    disp.in_process = True
+    runs: list[Request] = []
+
+    def run(req):
+        runs.append(req)
+        (ms,) = disp([req])
+        return ms
+
+    screen = Prescreener(3, run)
+    a, b = {"kv_cache": "off"}, {"kv_cache": "contiguous"}
+    screen.measure([a, b])
+    fresh = screen.compare(a, b)
+    assert fresh is not None and fresh.positions > 0 and fresh.differ == 0  # the same weights: the same argmax
+    again = Prescreener(3, run)
+    ((m,),) = disp([Request((again.point(a),))])
+    assert m.reused and m.top1 == screen._ids[point_key(a)] and m.top1["top1"]
