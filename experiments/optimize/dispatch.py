@@ -108,7 +108,10 @@ class TrialMeasure:
         else:  # attempt 0: the newest FINISHED run of the hash; attempt k > 0 (measured again): the k-th, or run it
             picked = []
             for s in specs:
-                runs = self._finished(f"tags.config_hash = '{s.config_hash}'")
+                # measured alone: a member of an interleaved pair with the same hash is another measurement (its
+                # peak is the group's), and which is newer depends on when each was logged: a rerun must find the same
+                runs = [r for r in self._finished(f"tags.config_hash = '{s.config_hash}'")
+                        if not r.data.tags.get(INTERLEAVE_TAG)]
                 if len(runs) <= req.attempt:
                     return None
                 picked.append(runs[-1] if req.attempt == 0 else runs[req.attempt])
