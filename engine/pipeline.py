@@ -354,11 +354,12 @@ def evaluate(trial: TrialConfig, session: TrialSession, loaded: Any, metrics: di
     if not trial.eval.fidelity:
         metrics.update(perplexity_of(scores, evw))
         return {}
-    ref, cached = _reference(trial, loaded, evw.cpu())
+    cpu = evw.cpu()
+    ref, cached = _reference(trial, loaded, cpu)
     top1: list = []
     metrics.update(fidelity_of(scores, evw, ref, top1))
     metrics["fidelity_ref_cached"] = float(cached)
-    text = hashlib.sha256(evw.cpu().numpy().tobytes()).hexdigest()[:16]  # which windows: equal ids, same text
+    text = hashlib.sha256(cpu.numpy().tobytes()).hexdigest()[:16]  # which windows: equal ids, same text
     return {TOP1_ARTIFACT: json.dumps({"windows": text, "top1": [t.tolist() for t in top1]})}
 
 

@@ -34,7 +34,7 @@ from engine import axes as axis_registry
 
 from engine.measure.spread import Ratio
 
-from .accuracy import FLOOR, UNDECIDED, Prescreen, next_look, plan_look
+from .accuracy import FLOOR, UNDECIDED, Plan, Prescreen, next_look, plan_look
 from .decide import (ACCEPTED, BASELINE, MORE_ITEMS, REJECTED, REMEASURE, RUN_FAILED, SKIPPED, TOTAL, UNDECIDED_PAIR,
                      Rules, Verdict, accuracy_cell, judge_accuracy, judge_timing, loaded, memory_problem, pooled_of)
 from .measurement import EVAL_LIMIT, EVAL_OFF, Measure, Measurement, Point, Request, describe, spent
@@ -332,8 +332,7 @@ class Chain:
             open_ = [a for a in v.accuracy + v.cumulative if a.verdict == UNDECIDED]
             plan = plan_look(open_, seen, max(1, round(first * per)), cap, self.rules.max_drop, self.rules.gate_alpha)
             if plan.items is None:
-                why += "; " + plan.undecided("the pool's" if self.item_pool and cap == self.item_pool
-                                             else "optimize.gate.max_items")
+                why += "; " + plan.undecided(self._cap_name(cap))
                 break
             if stop := self._spent():
                 why += f"; stopped: {stop}"
@@ -352,15 +351,24 @@ class Chain:
         """The most items a look may take: optimize.gate.max_items, or the pool where it holds fewer."""
         return min(self.budget.max_items, self.item_pool) if self.item_pool else self.budget.max_items
 
+    def _cap_name(self, cap: int) -> str:
+        """What limits a look at `cap` items, as a plan's reason names it."""
+        return "the pool's" if self.item_pool and cap == self.item_pool else "optimize.gate.max_items"
+
+    def _refs(self, inc: Point) -> list[tuple[str, Point]]:
+        """The gate's references of a candidate on top of `inc`: the incumbent, and the baseline where its scores
+        can differ from the incumbent's."""
+        out = [("the incumbent", inc)]
+        if inc != self.baseline and not self._same_scores(self.baseline, inc):
+            out.append(("the baseline", self.baseline))
+        return out
+
     def _screens(self, inc: Point, cand: Point) -> list[tuple[str, Prescreen]]:
         """The pre-screen's comparisons of `cand` with the gate's references: the incumbent, and the baseline
         where its scores can differ from the incumbent's ([] where the pre-screen has none)."""
         if self.screen is None or self._same_scores(inc, cand):
             return []
-        refs = [("the incumbent", inc)]
-        if inc != self.baseline and not self._same_scores(self.baseline, inc):
-            refs.append(("the baseline", self.baseline))
-        return [(who, c) for who, p in refs if (c := self.screen.compare(p, cand)) is not None]
+        return [(who, c) for who, p in self._refs(inc) if (c := self.screen.compare(p, cand)) is not None]
 
     def _screened(self, step: Step, inc: Point) -> tuple[str, ...]:
         """A step's variants ordered by the pre-screen, most faithful to the incumbent first (the seed's order
@@ -368,11 +376,12 @@ class Chain:
         cands = [{**inc, step.key: v} for v in step.variants]
         if self.screen is None or step.key in MODEL_KEYS or all(self._same_scores(inc, c) for c in cands):
             return step.variants
-        refs = [inc] + ([self.baseline] if inc != self.baseline and not self._same_scores(self.baseline, inc) else [])
-        self.screen.measure(refs + cands)
-        share = {v: (s[0][1].share if (s := self._screens(inc, c)) else 1.0) for v, c in zip(step.variants, cands)}
+        self.screen.measure([p for _, p in self._refs(inc)] + cands)
+        share = {}
         for v, c in zip(step.variants, cands):
-            for who, ps in self._screens(inc, c):
+            screens = self._screens(inc, c)
+            share[v] = screens[0][1].share if screens else 1.0
+            for who, ps in screens:
                 self.echo(f"  pre-screen: {describe(c, inc)} vs {who}: {ps.cell()}, ~{100 * ps.discordance:.1f}% of "
                           f"items predicted to differ, ~{_count(ps.need(self.rules.max_drop, self.rules.gate_alpha))} "
                           f"items decide it")
@@ -385,10 +394,8 @@ class Chain:
         for who, ps in self._screens(inc, cand):
             need = ps.need(self.rules.max_drop, self.rules.gate_alpha)
             if need > cap and ps.power_at(cap, self.rules.max_drop, self.rules.gate_alpha) < FLOOR:
-                what = "the pool's" if self.item_pool and cap == self.item_pool else "optimize.gate.max_items"
-                return (f"accuracy undecided: pre-screen vs {who}: {ps.cell()}, ~{100 * ps.discordance:.1f}% of items "
-                        f"predicted to differ, ~{_count(need)} items would decide it, more than the {cap:,} {what} "
-                        f"(not spent)")
+                differ = f"pre-screen vs {who}: {ps.cell()}, ~{100 * ps.discordance:.1f}% of items predicted to differ"
+                return "accuracy undecided: " + Plan(need, None, differ, cap).undecided(self._cap_name(cap))
         return ""
 
     def _first_look(self, inc: Point, cand: Point, first: int, cap: int) -> int:
