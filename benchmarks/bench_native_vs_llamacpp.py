@@ -38,8 +38,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from engine import run_interleaved  # noqa: E402
-from engine.config import (AttentionConfig, EngineConfig, ModelConfig, QuantConfig, TinyModelConfig,  # noqa: E402
-                           TrialConfig, WorkloadConfig)
+from engine.config import (AttentionConfig, EngineConfig, EvalConfig, KVCacheConfig, ModelConfig,  # noqa: E402
+                           QuantConfig, TinyModelConfig, TrialConfig, WorkloadConfig)
 from engine.measure.spread import paired_ratio, spread  # noqa: E402
 
 SMOL = dict(name="smollm2-135m-instruct", path="prepared://smollm2-135m-instruct")
@@ -68,10 +68,14 @@ ALL = {  # name -> (backend, model dtype, attention, quant[, engine.compile_mode
     "native-w8a8-cpp": ("native", "float32", "sdpa", QuantConfig(level="int8-dynamic", skip_modules=[]), "cpp"),
     "native-int4-cpp": ("native", "float32", "sdpa", QuantConfig(level="int4-weight", kernel="gemv", skip_modules=[]), "cpp"),
     "native-int4q8-cpp": ("native", "float32", "sdpa", QuantConfig(level="int4-weight", kernel="gemv-q8", skip_modules=[]), "cpp"),
+    # issue 42 item 2: the C++ step over a bf16 K/V cache (kv_cache.dtype=bfloat16; llama.cpp's default K/V is f16)
+    "native-fp32-cpp-kvbf16": ("native", "float32", "sdpa", QuantConfig(kernel="gemv-all"), "cpp"),
+    "native-w8a8-cpp-kvbf16": ("native", "float32", "sdpa", QuantConfig(level="int8-dynamic", skip_modules=[]), "cpp"),
     "llamacpp-f32": ("llamacpp", "float32", "flash", QuantConfig()),
     "llamacpp-q8_0": ("llamacpp", "float32", "flash", QuantConfig(level="gguf-q8_0")),
     "llamacpp-q4_0": ("llamacpp", "float32", "flash", QuantConfig(level="gguf-q4_0")),
 }
+KV_DTYPE = {"native-fp32-cpp-kvbf16": "bfloat16", "native-w8a8-cpp-kvbf16": "bfloat16"}  # kv_cache.dtype, else auto
 # (label, new, base, goal): the issue's goals table, as ratios of decode tok/s
 GOALS = [
     ("native fp32 vs llama.cpp f32", "native-fp32", "llamacpp-f32", ">= x0.8"),
@@ -99,6 +103,11 @@ GOALS = [
     ("C++ step vs eager, INT4", "native-int4-cpp", "native-int4-gemv", "-"),
     ("C++ step vs eager, INT4 x Q8_0", "native-int4q8-cpp", "native-int4q8-gemv", "-"),
     ("native W8A8 vs INT8 weight-only, both C++ step", "native-w8a8-cpp", "native-int8-cpp", "-"),
+    # issue 42 item 2: long context with the K/V cache in bf16 (2 bytes an element, as llama.cpp's f16 K/V)
+    ("native fp32 + bf16 K/V, C++ step vs llama.cpp f32 (f16 K/V)", "native-fp32-cpp-kvbf16", "llamacpp-f32", ">= x1.0"),
+    ("native W8A8 + bf16 K/V, C++ step vs llama.cpp Q8_0 (f16 K/V)", "native-w8a8-cpp-kvbf16", "llamacpp-q8_0", ">= x1.0"),
+    ("bf16 K/V vs fp32 K/V, C++ step fp32", "native-fp32-cpp-kvbf16", "native-fp32-cpp", "-"),
+    ("bf16 K/V vs fp32 K/V, C++ step W8A8", "native-w8a8-cpp-kvbf16", "native-w8a8-cpp", "-"),
     ("native INT4 x Q8_0 vs INT4 weight-only, both C++ step", "native-int4q8-cpp", "native-int4-cpp", "-"),
 ]
 
@@ -137,6 +146,10 @@ def cpu_flags() -> set[str]:
         return set()
 
 
+def ppl_cell(ppl) -> str:
+    return "-" if ppl is None else f"{ppl:.2f}"
+
+
 def load() -> str:
     return " ".join(open("/proc/loadavg").read().split()[:3])
 
@@ -152,6 +165,7 @@ def runnable(names: list[str], flags: set[str]) -> list[str]:
 
 
 MODEL = SMOL  # what --shape picked
+PPL = True  # the ppl column (--ppl-up-to): 2 windows of the context, their logits [context, vocab] at once
 
 
 def trial(name: str, threads: int, wl: WorkloadConfig) -> TrialConfig:
@@ -159,8 +173,9 @@ def trial(name: str, threads: int, wl: WorkloadConfig) -> TrialConfig:
     engine = EngineConfig(backend=backend, threads=threads)
     if mode:  # a compiled decode step (issue 36: cpp)
         engine = EngineConfig(backend=backend, threads=threads, compile=True, compile_mode=mode[0])
-    return TrialConfig(model=ModelConfig(**MODEL, dtype=dtype), engine=engine,
-                       attention=AttentionConfig(impl=attn), quant=quant, workload=wl)
+    kv = KVCacheConfig(dtype=KV_DTYPE.get(name, "auto"))
+    return TrialConfig(model=ModelConfig(**MODEL, dtype=dtype), engine=engine, kv_cache=kv,
+                       attention=AttentionConfig(impl=attn), quant=quant, workload=wl, eval=EvalConfig(enabled=PPL))
 
 
 def prefill_table(a, flags: set[str]) -> dict:
@@ -205,9 +220,13 @@ def main() -> None:
     ap.add_argument("--shape", default="smollm2", choices=sorted(SHAPES),
                     help="the model: SmolLM2-135M, Gemma 3 270M (against llama.cpp's re-exports of it), or a random 1B Llama")
     ap.add_argument("--prefill-only", action="store_true", help="only the prefill group")
+    ap.add_argument("--ppl-up-to", type=int, default=2048,
+                    help="the ppl column only up to this context (its windows' logits are context x vocab floats at "
+                         "once: Gemma 3's 262k vocabulary at 8k is 8.4 GB a copy); beyond, '-' and no evaluation")
     a = ap.parse_args()
-    global MODEL
+    global MODEL, PPL
     MODEL = SHAPES[a.shape]
+    PPL = a.context <= a.ppl_up_to
     if a.prefill_only:
         torch.set_num_threads(a.threads)
         print(f"Machine: {cpu_model()}, {os.cpu_count()} CPUs, avx512_bf16={'avx512_bf16' in cpu_flags()}; "
@@ -244,7 +263,7 @@ def main() -> None:
         kern = r.info.get("quant_kernels", "")
         gbs = wb / (1e6 / statistics.median(s)) / 1e3  # bytes per token x tokens per second
         print(f"| {n} | {sp.median:.1f} [{sp.ci_lo:.1f}, {sp.ci_hi:.1f}] | {tpot:.1f} | {wb / 1e6:.0f} | {gbs:.1f} | "
-              f"{'-' if eff is None else f'{100 * eff:.0f}%'} | {r.metrics.get('ppl', float('nan')):.2f} | {kern} |")
+              f"{'-' if eff is None else f'{100 * eff:.0f}%'} | {ppl_cell(r.metrics.get('ppl'))} | {kern} |")
         out["variants"][n] = dict(decode_tok_s=s, tpot_ms=tpot, weights_bytes=wb, roofline_decode_efficiency=eff, ppl=r.metrics.get("ppl"),
                                   kernels=kern, isa=r.info.get("quant_kernel_isa", ""))
     print("\n| goal | ratio (median of per-round ratios) [95% CI] | goal | met |")

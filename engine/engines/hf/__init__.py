@@ -31,7 +31,7 @@ def own_kernels(engine: str) -> Support:
 TORCH_SUPPORT = {
     "quant.level": Support(TORCH_QUANT, "gguf-* levels are GGUF weight types written by llama.cpp (engine=llamacpp)"),
     "quant.kernel": Support(TORCH_KERNELS, "quant.kernel picks the matmul of engine/quant.py's levels"),
-    "kv_cache.dtype": Support(("auto",), "K/V stay in model.dtype on the torch engines"),
+    "kv_cache.dtype": Support(("auto",), "K/V stay in model.dtype on engine=hf (engine=native also stores them in bfloat16)"),
 }
 
 

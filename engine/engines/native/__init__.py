@@ -27,6 +27,9 @@ from ..logits import LogitsEngine, LogitsSession, torch_checks
 # static-autotune = static plus inductor max_autotune (its C++ GEMM templates; long compile);
 # cpp = the one-token step in C++ (cpp_step.py: one call per token, no torch dispatch)
 COMPILE_MODES = ("dynamic", "static", "static-autotune", "cpp")
+# kv_cache.dtype: auto = model.dtype; bfloat16 = K/V stored in bf16 under any model dtype (half of fp32's bytes per
+# cached token: the bytes a long-context decode step reads), the new keys and values rounded to bf16 on every path
+KV_DTYPES = ("auto", "bfloat16")
 
 
 class NativeEngine(LogitsEngine):
@@ -35,6 +38,7 @@ class NativeEngine(LogitsEngine):
     support = {
         **TORCH_SUPPORT,
         "engine.compile_mode": Support(COMPILE_MODES, "these are the ways our runtime's decode step is compiled"),
+        "kv_cache.dtype": Support(KV_DTYPES, "our runtime stores K/V in model.dtype (auto) or bfloat16"),
     }
     serves = True
     serving_usage = "engine=native kv_cache=paged"
@@ -59,7 +63,10 @@ class NativeEngine(LogitsEngine):
             p += _serving_checks(trial)
         if trial.engine.compile_mode != "dynamic":
             p += _static_step_checks(trial, facts)
-        return p
+        return p + _kv_dtype_checks(trial)
+
+    def kv_element_bytes(self, trial: TrialConfig):
+        return 2.0 if trial.kv_cache.dtype == "bfloat16" else None
 
     def materializes_scores(self, trial: TrialConfig) -> bool:
         return trial.attention.impl == "eager"  # our eager kernel writes softmax(QK^T); sdpa / flash fuse it
@@ -110,6 +117,20 @@ class NativeEngine(LogitsEngine):
 # either backend: switching the target to backend hf (what backend native's own error advises) fixes nothing.
 DRAFT_RUNTIME = "speculative.method=self-draft runs its draft (the target's first layers) on the native runtime"
 INSTEAD = "use speculative.method=draft or prompt-lookup with this model"
+
+
+def _kv_dtype_checks(trial: TrialConfig):
+    """Where a bf16 K/V cache under another model dtype has no path: the static compiled step (its graph reads the
+    cache in the activations' dtype) and flash-attn (its kernel takes K/V in the queries' dtype)."""
+    if trial.kv_cache.dtype == "auto" or trial.model.dtype == trial.kv_cache.dtype:
+        return []
+    why = []
+    if trial.engine.compile and trial.engine.compile_mode in ("static", "static-autotune"):
+        why.append(f"engine.compile_mode={trial.engine.compile_mode}'s compiled step reads K/V in model.dtype")
+    if trial.attention.impl == "flash":
+        why.append("flash-attn takes K/V in the queries' dtype")
+    return [("kv_cache.dtype", f"kv_cache.dtype={trial.kv_cache.dtype} under model.dtype={trial.model.dtype}: {w}; "
+                               f"use kv_cache.dtype=auto, or engine.compile_mode=cpp / attention=sdpa") for w in why]
 
 
 def _tokens_needed(trial: TrialConfig) -> int:

@@ -53,6 +53,10 @@ class TreeRow:
 
 class AttentionKernel:
     name = "base"
+    # the K/V cache's element type where it is not the activations' (kv_cache.dtype=bfloat16 under fp32): the new
+    # keys and values are rounded to it before any use, so every path -- a cache of that dtype, the paged pool, the
+    # cacheless scoring forward -- attends over the values a cache of that type holds
+    kv_dtype: torch.dtype | None = None
 
     def __init__(self) -> None:
         self.peak_bytes = 0
@@ -71,11 +75,17 @@ class AttentionKernel:
         """q [B,Hq,T,D] and the new k, v [B,Hkv,T,D]; `cache` (or None when caching is off) stores the new
         keys/values and returns all S of them. Returns [B, Hq, T, D]. A `VarlenBatch` in place of the cache
         (B = 1, T = N flattened tokens of sequences at different positions) attends per sequence."""
+        k, v = self.as_stored(k), self.as_stored(v)
         if isinstance(cache, (VarlenBatch, TreeRow)):
             return cache.attend(self, layer, q, k, v, window, scale)
         if cache is not None:
             k, v = cache.update(layer, k, v)
         return self.attend(q, k, v, start, window=window, scale=scale)
+
+    def as_stored(self, x: torch.Tensor) -> torch.Tensor:
+        """`x` (new keys or values) rounded to the K/V cache's element type, in its own dtype."""
+        kv = self.kv_dtype
+        return x if kv is None or kv == x.dtype else x.to(kv).to(x.dtype)
 
     attend_masked = None  # (q [1, Hq, N, D], k, v [1, Hkv, N, D], mask [N, N] bool, scale) -> [1, Hq, N, D]
 

@@ -32,7 +32,7 @@ class NativeSession:
         self._tokens: torch.Tensor | None = None  # [B, L] kept only when caching is off (full recompute)
         args, mode = backend.model.args, backend.trial.kv_cache.mode
         dims = (args.num_layers, batch_size, max_len, args.num_kv_heads, args.head_dim)
-        dtype, device = backend.dtype, backend.device
+        dtype, device = backend.kv_dtype, backend.device
         if mode == "contiguous" and backend.static_step:
             self.cache = backend.decode_step.new_cache(*dims, dtype=dtype, device=device)
         elif mode == "contiguous":
@@ -93,6 +93,10 @@ class NativeBackend:
         self.model = Transformer.from_hf(loaded.model, num_layers=num_layers).eval()
         self.dtype = self.model.embed_tokens.weight.dtype
         self.kernel = make_attention(trial, self.device)
+        # the K/V cache's element type: the model's, or bf16 where the trial asks (kv_cache.dtype=bfloat16)
+        self.kv_dtype = kv_dtype_of(trial.kv_cache.dtype, self.dtype)
+        if self.kv_dtype != self.dtype:
+            self.kernel.kv_dtype = self.kv_dtype
         self.decode_step = self.model
         mode = trial.engine.compile_mode
         self.cpp_step = trial.engine.compile and mode == "cpp"
@@ -148,6 +152,11 @@ class NativeBackend:
         if self.cpp_step:
             return {"cpp_step_isa": self.decode_step.isa}
         return {"cudagraphs": self.decode_step.cudagraphs} if self.static_step else {}
+
+
+def kv_dtype_of(name: str, model_dtype: torch.dtype) -> torch.dtype:
+    """The torch dtype of engine=native's K/V cache at `kv_cache.dtype` (auto: the model's)."""
+    return model_dtype if name == "auto" else getattr(torch, name)
 
 
 def compile_decode_step(model: Transformer, device: torch.device):

@@ -8,7 +8,9 @@ WeightOnlyInt8Linear, WeightOnlyInt4Linear, DynamicInt8Linear) through the kerne
 writing the new K/V into the session's contiguous cache (the tensors prefill, which stays in torch, fills).
 
 It runs: the Llama family and Gemma 3; model.dtype float32 or bfloat16 (bf16 widened exactly and rounded where
-torch rounds, so it needs no bf16 arithmetic from the CPU); one sequence (batch 1); kv_cache=contiguous; attention
+torch rounds, so it needs no bf16 arithmetic from the CPU); the K/V cache in the model's dtype or bf16
+(`kv_cache.dtype=bfloat16`: half the bytes a long-context token reads; with fp32 activations the new key and value
+are rounded to bf16 as the cache stores them, as the torch path does); one sequence (batch 1); kv_cache=contiguous; attention
 eager or sdpa (whose bf16 rounding it reproduces); on a CPU with AVX2 or AVX-512. Everything else is refused before
 launch (`problems`, called by the native engine's check) with the reason.
 
@@ -53,7 +55,7 @@ class _Layer(ctypes.Structure):
 
 class _Model(ctypes.Structure):
     _fields_ = ([(n, ctypes.c_int64) for n in ("num_layers", "hidden", "inter", "hq", "hkv", "head_dim", "vocab",
-                                               "max_len", "bf16", "gemma", "eager_attention")]
+                                               "max_len", "bf16", "gemma", "eager_attention", "kv_bf16")]
                 + [(n, ctypes.c_double) for n in ("eps", "attn_scale", "softcap", "embed_scale")]
                 + [("embed", ctypes.c_void_p), ("final_norm", ctypes.c_void_p), ("head", _Lin),
                    ("cos", ctypes.c_void_p * 2), ("sin", ctypes.c_void_p * 2), ("layers", ctypes.POINTER(_Layer))])
@@ -65,7 +67,7 @@ def _layout() -> dict[str, int | str]:
     sizes = {f"sizeof({n})": ctypes.sizeof(c) for n, c in (("Lin", _Lin), ("Layer", _Layer), ("Model", _Model))}
     offsets = {f"{n}.{f}": getattr(c, f).offset if hasattr(c, f) else "(no such field)" for n, c, fs in (
         ("Lin", _Lin, ("w", "bias")), ("Layer", _Layer, ("in_norm", "k_cache", "window", "rope")),
-        ("Model", _Model, ("eager_attention", "eps", "embed", "head", "cos", "sin", "layers"))) for f in fs}
+        ("Model", _Model, ("eager_attention", "kv_bf16", "eps", "embed", "head", "cos", "sin", "layers"))) for f in fs}
     codes = {"F32": F32, "BF16": BF16, "I8": I8, "I4": I4, "W8A8": W8A8, "W4A8": W4A8, "PHASES": len(PHASES)}
     return {**sizes, **offsets, **codes}
 
@@ -198,10 +200,11 @@ class CppDecodeStep:
         self._cache = None  # the session cache the descriptor points into
         self._logits = torch.empty(head.N, dtype=torch.float32)
 
-    def _tensor(self, t: torch.Tensor) -> int:
-        if t.dtype != self.dtype or not t.is_contiguous() or t.device.type != "cpu":
+    def _tensor(self, t: torch.Tensor, dtype: torch.dtype | None = None) -> int:
+        dtype = dtype or self.dtype
+        if t.dtype != dtype or not t.is_contiguous() or t.device.type != "cpu":
             raise EngineError(f"engine.compile_mode=cpp: a {tuple(t.shape)} {t.dtype} tensor is not a contiguous CPU "
-                              f"{self.dtype} tensor")
+                              f"{dtype} tensor")
         return t.data_ptr()  # the model (or the session's cache) owns it
 
     def _norm(self, norm) -> int:
@@ -215,8 +218,12 @@ class CppDecodeStep:
             raise EngineError("engine.compile_mode=cpp decodes one sequence over the contiguous KV cache "
                               "(kv_cache=contiguous, batch size 1)")
         model, m = self.model, self._m
+        kv = cache.k[0].dtype  # the model's dtype, or bf16 under fp32 activations (kv_cache.dtype=bfloat16)
+        if kv not in (self.dtype, torch.bfloat16):
+            raise EngineError(f"engine.compile_mode=cpp reads a K/V cache in {self.dtype} or bfloat16, not {kv}")
+        m.kv_bf16 = int(kv == torch.bfloat16)
         for i, L in enumerate(self._layers):
-            L.k_cache, L.v_cache = self._tensor(cache.k[i]), self._tensor(cache.v[i])
+            L.k_cache, L.v_cache = self._tensor(cache.k[i], kv), self._tensor(cache.v[i], kv)
         pos = torch.arange(cache.max_len)
         self._tables = []
         for j in range(len(model.rope_keys)):  # the tables the Python path computes per step, for every position

@@ -53,9 +53,10 @@ class ContiguousKVCache:
     def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         s, e = self._start, self.length
         assert k.shape[2] == e - s, (k.shape, s, e)
-        self.k[layer][:, :, s:e] = k
+        self.k[layer][:, :, s:e] = k  # cast to the cache's dtype (kv_cache.dtype) where it differs
         self.v[layer][:, :, s:e] = v
-        return self.k[layer][:, :, :e], self.v[layer][:, :, :e]
+        kc, vc = self.k[layer][:, :, :e], self.v[layer][:, :, :e]
+        return (kc, vc) if kc.dtype == k.dtype else (kc.to(k.dtype), vc.to(k.dtype))
 
     def rollback(self, n: int) -> None:
         assert 0 <= n <= self.length, (n, self.length)
@@ -130,14 +131,14 @@ class PagedKVCache:
         b, h, n, d = k.shape
         kp = self.pool.k[layer].view(-1, h, d)  # [num_blocks * block_size, Hkv, D]
         vp = self.pool.v[layer].view(-1, h, d)
-        kp.index_copy_(0, self._write_slots, k.transpose(1, 2).reshape(b * n, h, d))
-        vp.index_copy_(0, self._write_slots, v.transpose(1, 2).reshape(b * n, h, d))
+        kp.index_copy_(0, self._write_slots, k.transpose(1, 2).reshape(b * n, h, d).to(kp.dtype))
+        vp.index_copy_(0, self._write_slots, v.transpose(1, 2).reshape(b * n, h, d).to(vp.dtype))
         # Gather whole blocks through the block table (contiguous runs of block_size*Hkv*D, cheaper than
         # per-token indexing): [B*blocks, block_size, Hkv, D] -> [B, S, Hkv, D] -> [B, Hkv, S, D] (a view).
         s = self.length
         kg = self.pool.k[layer].index_select(0, self._read_blocks).view(b, -1, h, d)[:, :s]
         vg = self.pool.v[layer].index_select(0, self._read_blocks).view(b, -1, h, d)[:, :s]
-        return kg.transpose(1, 2), vg.transpose(1, 2)
+        return kg.transpose(1, 2).to(k.dtype), vg.transpose(1, 2).to(k.dtype)
 
     def rollback(self, n: int) -> None:
         assert 0 <= n <= self.length, (n, self.length)

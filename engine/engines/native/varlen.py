@@ -86,21 +86,21 @@ class VarlenBatch:
         pool = self.pool
         _, hkv, n, d = k.shape
         kp, vp = pool.k[layer], pool.v[layer]  # [num_blocks, block_size, Hkv, D]
-        kp.view(-1, hkv, d).index_copy_(0, self.slots, k[0].transpose(0, 1))
-        vp.view(-1, hkv, d).index_copy_(0, self.slots, v[0].transpose(0, 1))
+        kp.view(-1, hkv, d).index_copy_(0, self.slots, k[0].transpose(0, 1).to(kp.dtype))  # the pool's kv dtype
+        vp.view(-1, hkv, d).index_copy_(0, self.slots, v[0].transpose(0, 1).to(vp.dtype))
         out = torch.empty_like(q)
         if self.num_decodes:
             bd = self.num_decodes
-            kg = kp.index_select(0, self.dec_blocks).view(bd, -1, hkv, d).transpose(1, 2)  # [Bd, Hkv, S_max, D]
-            vg = vp.index_select(0, self.dec_blocks).view(bd, -1, hkv, d).transpose(1, 2)
+            kg = kp.index_select(0, self.dec_blocks).view(bd, -1, hkv, d).transpose(1, 2).to(q.dtype)  # [Bd, Hkv, S_max, D]
+            vg = vp.index_select(0, self.dec_blocks).view(bd, -1, hkv, d).transpose(1, 2).to(q.dtype)
             qd = q[0].index_select(1, self.dec_rows).transpose(0, 1).unsqueeze(2)  # [Bd, Hq, 1, D]
             od = kernel.attend(qd, kg, vg, 0, key_mask=self.decode_mask(window), scale=scale)  # [Bd, Hq, 1, D]
             if self.all_decode:
                 return od.squeeze(2).transpose(0, 1).unsqueeze(0)  # rows are in order: [1, Hq, N, D]
             out[0].index_copy_(1, self.dec_rows, od.squeeze(2).transpose(0, 1))
         for p in self.prefills:
-            kg = kp.index_select(0, p.blocks).view(1, -1, hkv, d)[:, : p.ctx_len].transpose(1, 2)  # [1, Hkv, ctx, D]
-            vg = vp.index_select(0, p.blocks).view(1, -1, hkv, d)[:, : p.ctx_len].transpose(1, 2)
+            kg = kp.index_select(0, p.blocks).view(1, -1, hkv, d)[:, : p.ctx_len].transpose(1, 2).to(q.dtype)  # [1, Hkv, ctx, D]
+            vg = vp.index_select(0, p.blocks).view(1, -1, hkv, d)[:, : p.ctx_len].transpose(1, 2).to(q.dtype)
             rows = slice(p.q_start, p.q_start + p.q_len)
             out[:, :, rows] = kernel.attend(q[:, :, rows], kg, vg, p.ctx_len - p.q_len, window=window, scale=scale)
         return out

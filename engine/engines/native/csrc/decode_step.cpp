@@ -52,7 +52,7 @@ struct Layer {
   const void* post_ff_norm;      // Gemma only
   const void* q_norm;            // Gemma only: per-head norms of q and k
   const void* k_norm;
-  void* k_cache;                 // [Hkv, max_len, D] of the sequence (batch row 0), activation dtype
+  void* k_cache;                 // [Hkv, max_len, D] of the sequence (batch row 0), fp32 or bf16 (Model.kv_bf16)
   void* v_cache;
   int64_t window;                // sliding window (0: global attention)
   int64_t rope;                  // which RoPE table
@@ -63,6 +63,8 @@ struct Model {
   int64_t bf16;                  // activations, norm weights, embedding and cache in bf16 (else fp32)
   int64_t gemma;                 // Gemma 3's block
   int64_t eager_attention;       // round as eager attention does (bf16 scores and probabilities); else as sdpa
+  int64_t kv_bf16;               // the K/V cache in bf16 (always with bf16 activations; fp32 activations: the
+                                 // new key and value rounded to bf16 as the cache stores them, kv_cache.dtype)
   double eps, attn_scale, softcap, embed_scale;  // softcap, embed_scale: 0 = none
   const void* embed;             // [vocab, hidden]
   const void* final_norm;
@@ -276,6 +278,8 @@ void isw_decode_step(const Model* m, int64_t token, int64_t pos, float* logits, 
   const int64_t H = m->hidden, I = m->inter, D = m->head_dim, Hq = m->hq, Hkv = m->hkv, S = m->max_len;
   const int64_t qn = Hq * D, kvn = Hkv * D;
   const bool gemma = m->gemma != 0;
+  const bool kvbf = a.bf || m->kv_bf16 != 0;  // K/V stored as bf16
+  const bool kv_round = kvbf && !a.bf;  // fp32 activations, bf16 cache: the new K/V rounded as stored
   const float scale = (float)m->attn_scale;
   // shared buffers (zero-padded to 32 inputs: the INT4 kernels read whole groups)
   std::vector<float> x(pad32(H)), q(qn), k(kvn), v(kvn), att(pad32(qn), 0.f), mid(pad32(I), 0.f), y(pad32(std::max(H, I)), 0.f);
@@ -339,6 +343,7 @@ void isw_decode_step(const Model* m, int64_t token, int64_t pos, float* logits, 
         std::memcpy(kh.data(), k.data() + g * D, D * sizeof(float));
         if (gemma) rms_norm(a, true, kh.data(), D, L.k_norm, m->eps, kh.data());
         rope(a, kh.data(), D, cs, sn, tmp.data());
+        if (kv_round) for (int64_t i = 0; i < D; ++i) kh[i] = isw::round_bf16(kh[i]);
       };
       // query heads [hh, hh + cnt) of KV group g rotated into qh; their scaled scores against keys [j0, j1) into
       // `scores` (kh: the key at pos) and each row's maximum into mx -- the vector dot of gemv.h, cnt query rows
@@ -357,7 +362,7 @@ void isw_decode_step(const Model* m, int64_t token, int64_t pos, float* logits, 
           auto dots = [&](auto rb) {
             constexpr int RB = decltype(rb)::value;
             if (j == pos) isw::dot_w<RB>(qh.data(), D, kh.data(), d);
-            else if (a.bf) isw::dot_w<RB>(qh.data(), D, (const uint16_t*)L.k_cache + base + j * D, d);
+            else if (kvbf) isw::dot_w<RB>(qh.data(), D, (const uint16_t*)L.k_cache + base + j * D, d);
             else isw::dot_w<RB>(qh.data(), D, (const float*)L.k_cache + base + j * D, d);
           };
           switch (cnt) {
@@ -374,17 +379,22 @@ void isw_decode_step(const Model* m, int64_t token, int64_t pos, float* logits, 
         }
       };
       auto value = [&](int64_t g, int64_t j) -> const float* {  // KV group g's value row j in fp32 (bf16: into tmp)
-        if (j == pos) return v.data() + g * D;
+        if (j == pos && !kv_round) return v.data() + g * D;
+        if (j == pos) {  // the new value as the bf16 cache will hold it
+          for (int64_t i = 0; i < D; ++i) tmp[i] = isw::round_bf16(v[g * D + i]);
+          return tmp.data();
+        }
         const int64_t at = g * S * D + j * D;
-        if (!a.bf) return (const float*)L.v_cache + at;
+        if (!kvbf) return (const float*)L.v_cache + at;
         const uint16_t* vr = (const uint16_t*)L.v_cache + at;
         for (int64_t i = 0; i < D; ++i) tmp[i] = isw::bf16_to_f(vr[i]);
         return tmp.data();
       };
       auto store_kv = [&](int64_t g) {  // KV group g's new key (in kh) and value into the cache at pos
+        const Act kva{kvbf};
         for (int64_t i = 0; i < D; ++i) {
-          a.st(L.k_cache, g * S * D + pos * D + i, kh[i]);
-          a.st(L.v_cache, g * S * D + pos * D + i, v[g * D + i]);
+          kva.st(L.k_cache, g * S * D + pos * D + i, kh[i]);
+          kva.st(L.v_cache, g * S * D + pos * D + i, v[g * D + i]);
         }
       };
       // --- attention ---
@@ -610,6 +620,7 @@ const char* isw_step_layout() {
     put("Layer.window", offsetof(Layer, window));
     put("Layer.rope", offsetof(Layer, rope));
     put("Model.eager_attention", offsetof(Model, eager_attention));
+    put("Model.kv_bf16", offsetof(Model, kv_bf16));
     put("Model.eps", offsetof(Model, eps));
     put("Model.embed", offsetof(Model, embed));
     put("Model.head", offsetof(Model, head));

@@ -19,7 +19,7 @@ class ModelRunner:
         self.backend = backend
         args = backend.model.args
         self.pool = KVPool(args.num_layers, num_blocks, block_size, args.num_kv_heads, args.head_dim,
-                           backend.dtype, backend.device)
+                           backend.kv_dtype, backend.device)
 
     def execute(self, batch: ScheduledBatch) -> torch.Tensor:
         """One forward pass over every chunk -> logits [R, V] float32, one row per sampling chunk in order."""
