@@ -155,8 +155,9 @@ def _static_step_checks(trial: TrialConfig, facts):
     if not trial.engine.compile:
         p.append(("engine.compile_mode", f"{mode} is how the decode step is compiled: set engine.compile=true "
                                          "(or leave compile_mode=dynamic)"))
-    if trial.kv_cache.mode != "contiguous":
-        p.append(("kv_cache.mode", f"engine.compile_mode={mode} preallocates a static contiguous cache: use kv_cache=contiguous"))
+    if trial.kv_cache.mode != "contiguous" and not (mode == "cpp" and trial.kv_cache.mode == "paged"):
+        p.append(("kv_cache.mode", f"engine.compile_mode={mode} preallocates a static contiguous cache: use kv_cache=contiguous"
+                                   + (" (or paged)" if mode == "cpp" else "")))
     if trial.attention.impl not in ("eager", "sdpa"):
         p.append(("attention.impl", f"engine.compile_mode={mode} runs attention eager or sdpa"))
     if kind is not None and kind not in STATIC_FAMILY and mode != "cpp":
@@ -175,8 +176,9 @@ def _serving_checks(trial: TrialConfig):
         p.append(("kv_cache.mode", "serving workloads need kv_cache=paged: the scheduler admits requests by free KV blocks"))
     if trial.attention.impl == "flash":
         p.append(("attention.impl", "flash has no varlen (continuous batching) path yet; use sdpa or eager"))
-    if trial.engine.compile:
-        p.append(("engine.compile", "torch.compile is not supported with serving workloads (shapes change every step)"))
+    if trial.engine.compile and trial.engine.compile_mode != "cpp":
+        p.append(("engine.compile", "torch.compile is not supported with serving workloads (shapes change every step); "
+                                    "engine.compile_mode=cpp decodes them in C++"))
     if trial.speculative.enabled:
         p.append(("speculative.method", "speculative decoding is not implemented for serving workloads"))
     if b.mode == "continuous" and not b.chunked_prefill:

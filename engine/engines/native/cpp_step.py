@@ -10,7 +10,9 @@ writing the new K/V into the session's contiguous cache (the tensors prefill, wh
 It runs: the Llama family and Gemma 3; model.dtype float32 or bfloat16 (bf16 widened exactly and rounded where
 torch rounds, so it needs no bf16 arithmetic from the CPU); the K/V cache in the model's dtype or bf16
 (`kv_cache.dtype=bfloat16`: half the bytes a long-context token reads; with fp32 activations the new key and value
-are rounded to bf16 as the cache stores them, as the torch path does); one sequence (batch 1); kv_cache=contiguous; attention
+are rounded to bf16 as the cache stores them, as the torch path does); B sequences at once -- a static batch over the
+contiguous or paged cache, or continuous batching's decode rows over the serving pool, each sequence at its own
+position (every weight row read once for all B; `decode_varlen`); attention
 eager or sdpa (whose bf16 rounding it reproduces); on a CPU with AVX2 or AVX-512. Everything else is refused before
 launch (`problems`, called by the native engine's check) with the reason.
 
@@ -61,13 +63,20 @@ class _Model(ctypes.Structure):
                    ("cos", ctypes.c_void_p * 2), ("sin", ctypes.c_void_p * 2), ("layers", ctypes.POINTER(_Layer))])
 
 
+class _KVLayout(ctypes.Structure):  # where (sequence, KV group, position) sit in a layer's cache (csrc KVLayout)
+    _fields_ = [("blocks", ctypes.c_void_p)] + [(n, ctypes.c_int64) for n in (
+        "max_blocks", "block_size", "blk_stride", "tok_stride", "head_stride")]
+
+
 def _layout() -> dict[str, int | str]:
     """What this binding assumes of csrc/decode_step.cpp, named as its `isw_step_layout` names it (read at call time:
     the structs and codes as this module holds them now)."""
-    sizes = {f"sizeof({n})": ctypes.sizeof(c) for n, c in (("Lin", _Lin), ("Layer", _Layer), ("Model", _Model))}
+    sizes = {f"sizeof({n})": ctypes.sizeof(c) for n, c in (("Lin", _Lin), ("Layer", _Layer), ("Model", _Model),
+                                                            ("KVLayout", _KVLayout))}
     offsets = {f"{n}.{f}": getattr(c, f).offset if hasattr(c, f) else "(no such field)" for n, c, fs in (
         ("Lin", _Lin, ("w", "bias")), ("Layer", _Layer, ("in_norm", "k_cache", "window", "rope")),
-        ("Model", _Model, ("eager_attention", "kv_bf16", "eps", "embed", "head", "cos", "sin", "layers"))) for f in fs}
+        ("Model", _Model, ("eager_attention", "kv_bf16", "eps", "embed", "head", "cos", "sin", "layers")),
+        ("KVLayout", _KVLayout, ("max_blocks", "head_stride"))) for f in fs}
     codes = {"F32": F32, "BF16": BF16, "I8": I8, "I4": I4, "W8A8": W8A8, "W4A8": W4A8, "PHASES": len(PHASES)}
     return {**sizes, **offsets, **codes}
 
@@ -88,8 +97,6 @@ def problems(trial, model_type: str | None) -> list[tuple[str, str]]:
     from ...quant_kernels import cpu_tiers
 
     p = []
-    if trial.workload.batch_size != 1:
-        p.append(("workload.batch_size", f"engine.compile_mode=cpp runs one sequence (batch 1), got {trial.workload.batch_size}"))
     if trial.model.dtype not in DTYPES:
         p.append(("model.dtype", f"engine.compile_mode=cpp runs {' or '.join(DTYPES)}, not {trial.model.dtype}"))
     if trial.quant.level not in LEVELS:
@@ -197,8 +204,8 @@ class CppDecodeStep:
         m.embed, m.final_norm, m.head = self._tensor(model.embed_tokens.weight), self._norm(model.norm), head
         m.layers = layers
         self._m = m
-        self._cache = None  # the session cache the descriptor points into
-        self._logits = torch.empty(head.N, dtype=torch.float32)
+        self._cache = None  # the cache (or serving pool) the descriptor points into
+        self._tables: list = []  # RoPE cos/sin per table for every position of that cache
 
     def _tensor(self, t: torch.Tensor, dtype: torch.dtype | None = None) -> int:
         dtype = dtype or self.dtype
@@ -211,35 +218,73 @@ class CppDecodeStep:
         return self._tensor(norm.weight)
 
     def _bind(self, cache) -> None:
-        """Point the descriptor at a session's cache (per layer [1, Hkv, max_len, D]) and its RoPE tables."""
-        from .kv_cache import ContiguousKVCache
+        """Point the descriptor at a cache's per-layer K/V tensors -- a static batch's contiguous [B, Hkv, max_len, D]
+        or paged cache, or the serving pool ([blocks, block_size, Hkv, D]) -- and RoPE tables for every position it
+        can hold; then the layout that addresses it."""
+        from .kv_cache import ContiguousKVCache, KVPool, PagedKVCache
 
-        if not isinstance(cache, ContiguousKVCache) or cache.batch_size != 1:
-            raise EngineError("engine.compile_mode=cpp decodes one sequence over the contiguous KV cache "
-                              "(kv_cache=contiguous, batch size 1)")
+        pool = cache.pool if isinstance(cache, PagedKVCache) else cache
+        if isinstance(cache, ContiguousKVCache):
+            ks, vs, capacity = cache.k, cache.v, cache.max_len
+        elif isinstance(pool, KVPool):
+            ks, vs, capacity = pool.k, pool.v, pool.num_blocks * pool.block_size
+        else:
+            raise EngineError(f"engine.compile_mode=cpp decodes over the native engine's caches, not {type(cache).__name__}")
         model, m = self.model, self._m
-        kv = cache.k[0].dtype  # the model's dtype, or bf16 under fp32 activations (kv_cache.dtype=bfloat16)
+        kv = ks[0].dtype  # the model's dtype, or bf16 under fp32 activations (kv_cache.dtype=bfloat16)
         if kv not in (self.dtype, torch.bfloat16):
             raise EngineError(f"engine.compile_mode=cpp reads a K/V cache in {self.dtype} or bfloat16, not {kv}")
         m.kv_bf16 = int(kv == torch.bfloat16)
         for i, L in enumerate(self._layers):
-            L.k_cache, L.v_cache = self._tensor(cache.k[i], kv), self._tensor(cache.v[i], kv)
-        pos = torch.arange(cache.max_len)
-        self._tables = []
-        for j in range(len(model.rope_keys)):  # the tables the Python path computes per step, for every position
-            cos, sin = rope_cos_sin(getattr(model, f"inv_freq{j}"), pos, torch.float32)
-            self._tables += [cos.contiguous(), sin.contiguous()]
-            m.cos[j], m.sin[j] = self._tables[-2].data_ptr(), self._tables[-1].data_ptr()
-        m.max_len = cache.max_len
+            L.k_cache, L.v_cache = self._tensor(ks[i], kv), self._tensor(vs[i], kv)
+        if capacity != m.max_len or not self._tables:
+            pos = torch.arange(capacity)
+            self._tables = []
+            for j in range(len(model.rope_keys)):  # the tables the Python path computes per step, for every position
+                cos, sin = rope_cos_sin(getattr(model, f"inv_freq{j}"), pos, torch.float32)
+                self._tables += [cos.contiguous(), sin.contiguous()]
+                m.cos[j], m.sin[j] = self._tables[-2].data_ptr(), self._tables[-1].data_ptr()
+            m.max_len = capacity
+        args = model.args
+        hkv, d = args.num_kv_heads, args.head_dim
+        if isinstance(cache, ContiguousKVCache):  # block b = sequence b's whole row [Hkv, max_len, D], head-major
+            self._blocks = torch.arange(cache.batch_size, dtype=torch.int32)
+            self._kv = _KVLayout(self._blocks.data_ptr(), 1, capacity, hkv * capacity * d, d, capacity * d)
+        else:  # pool blocks [block_size, Hkv, D], token-major, through each sequence's block table
+            bs = pool.block_size
+            self._kv = _KVLayout(0, 0, bs, bs * hkv * d, hkv * d, d)
         self._cache = cache
 
+    def _run(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """tokens, positions int64 [B] -> logits float32 [B, V] (a new tensor)."""
+        b = int(tokens.shape[0])
+        logits = torch.empty(b, self._m.vocab, dtype=torch.float32)
+        tokens, positions = tokens.to(torch.int64).contiguous(), positions.to(torch.int64).contiguous()
+        self.lib.isw_decode_batch(ctypes.addressof(self._m), b, tokens.data_ptr(), positions.data_ptr(),
+                                  ctypes.addressof(self._kv), logits.data_ptr(), torch.get_num_threads())
+        return logits
+
     def __call__(self, tokens: torch.Tensor, start: int, kernel, cache) -> torch.Tensor:
+        """A static batch's step: tokens [B, 1] at position `start` of every sequence -> logits [B, 1, V]."""
+        from .kv_cache import PagedKVCache
+
         if cache is not self._cache:
             self._bind(cache)
-        assert tokens.shape == (1, 1), tokens.shape
-        self.lib.isw_decode_step(ctypes.addressof(self._m), int(tokens[0, 0]), start, self._logits.data_ptr(),
-                                 torch.get_num_threads())
-        return self._logits.clone().view(1, 1, -1)
+        assert tokens.dim() == 2 and tokens.shape[1] == 1, tokens.shape
+        b = int(tokens.shape[0])
+        if isinstance(cache, PagedKVCache):  # its tables grow as the sequences do
+            self._blocks = cache.block_table_tensor(torch.int32).contiguous()
+            self._kv.blocks, self._kv.max_blocks = self._blocks.data_ptr(), int(self._blocks.shape[1])
+        return self._run(tokens[:, 0], torch.full((b,), start, dtype=torch.int64)).view(b, 1, -1)
+
+    def decode_varlen(self, tokens: torch.Tensor, positions: torch.Tensor, tables: torch.Tensor, pool) -> torch.Tensor:
+        """Continuous batching's decode rows: sequence i's token tokens[i] at positions[i], its K/V in the pool's
+        blocks tables[i] (int32 [B, width]) -> logits [B, V]."""
+        if pool is not self._cache:
+            self._bind(pool)
+        self._blocks = tables.to(torch.int32).contiguous()
+        self._kv.blocks, self._kv.max_blocks = self._blocks.data_ptr(), int(self._blocks.shape[1])
+        return self._run(tokens, positions)
 
     def profile(self) -> dict[str, float]:
         """Milliseconds per step in each phase (thread 0's wall time between the region's barriers, so a phase's

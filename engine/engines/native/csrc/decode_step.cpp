@@ -110,46 +110,88 @@ inline void rms_norm(const Act& a, bool gemma, const float* x, int64_t n, const 
   }
 }
 
-// The input of a linear layer in every form its kernels read (fp32 padded to 32, int8 per row, Q8_0 per block)
+// The input of a linear layer in every form its kernels read: R rows of K values, each row zero-padded to pad32(K)
+// (the INT4 kernels' stride, and the step's buffers'); packed at stride K for the dense kernels where R > 1 and K is
+// not a multiple of 32; int8 per row (W8A8); Q8_0 per block (INT4 x Q8_0)
 struct Input {
   const float* x = nullptr;
-  int64_t K = 0;
+  int64_t K = 0, R = 1;
+  std::vector<float> dense_rows;
   std::vector<int8_t> q;
-  float row_scale = 0.f;
+  std::vector<float> row_scale;
   std::vector<float> bs;
   std::vector<int32_t> bsum;
-  bool have_row = false, have_blocks = false;
+  bool have_dense = false, have_row = false, have_blocks = false;
 
-  void set(const float* x_, int64_t K_) { x = x_; K = K_; have_row = have_blocks = false; }
+  void set(const float* x_, int64_t K_, int64_t R_ = 1) {
+    x = x_; K = K_; R = R_; have_dense = have_row = have_blocks = false;
+  }
+  const float* dense() {  // the rows at stride K
+    if (R == 1 || K % 32 == 0) return x;
+    if (!have_dense) {
+      dense_rows.resize(R * K);
+      for (int64_t r = 0; r < R; ++r) std::memcpy(dense_rows.data() + r * K, x + r * pad32(K), K * sizeof(float));
+      have_dense = true;
+    }
+    return dense_rows.data();
+  }
   void need(int64_t kind) {
     if (kind == W8A8 && !have_row) {
-      q.resize(pad32(K)); row_scale = isw::quantize_row_i8(x, K, q.data()); have_row = true; have_blocks = false;
+      q.resize(R * K + 32); row_scale.resize(R);
+      for (int64_t r = 0; r < R; ++r) row_scale[r] = isw::quantize_row_i8(x + r * pad32(K), K, q.data() + r * K);
+      have_row = true; have_blocks = false;
     } else if (kind == W4A8 && !have_blocks) {
       const int64_t G = pad32(K) / 32;
-      q.resize(G * 32); bs.resize(G); bsum.resize(G);
-      isw::quantize_row_q8_0(x, G, q.data(), bs.data(), bsum.data()); have_blocks = true; have_row = false;
+      q.resize(R * G * 32); bs.resize(R * G); bsum.resize(R * G);
+      for (int64_t r = 0; r < R; ++r)
+        isw::quantize_row_q8_0(x + r * G * 32, G, q.data() + r * G * 32, bs.data() + r * G, bsum.data() + r * G);
+      have_blocks = true; have_row = false;
     }
   }
 };
 
-// rows [n0, n1) of y = L(x), rounded as the Python modules round (bias after the activation-dtype cast, except
-// W8A8 which adds it in fp32 first)
+// Where the K/V of (sequence b, KV group g, position j) sit in a layer's cache, in elements: one layout for both of
+// the engine's caches -- contiguous [B, Hkv, max_len, D] (block b of max_len tokens per sequence, head-major) and the
+// paged pool [blocks, block_size, Hkv, D] (a block table per sequence, token-major)
+struct KVLayout {
+  const int32_t* blocks;        // [B, max_blocks] block ids
+  int64_t max_blocks, block_size, blk_stride, tok_stride, head_stride;
+  // f(j, offset) for keys j in [j0, j1), block by block (no division per key)
+  template <class F> void each(int64_t b, int64_t g, int64_t j0, int64_t j1, F&& f) const {
+    for (int64_t j = j0; j < j1;) {
+      const int64_t blk = j / block_size, end = std::min(j1, (blk + 1) * block_size);
+      int64_t off = (int64_t)blocks[b * max_blocks + blk] * blk_stride + (j - blk * block_size) * tok_stride + g * head_stride;
+      for (; j < end; ++j, off += tok_stride) f(j, off);
+    }
+  }
+  int64_t at(int64_t b, int64_t g, int64_t j) const {
+    const int64_t blk = j / block_size;
+    return (int64_t)blocks[b * max_blocks + blk] * blk_stride + (j - blk * block_size) * tok_stride + g * head_stride;
+  }
+};
+
+// rows [n0, n1) of y [R, N] = L(x) for the input's R rows, rounded as the Python modules round (bias after the
+// activation-dtype cast, except W8A8 which adds it in fp32 first)
 inline void lin_rows(const Act& a, const Lin& L, Input& in, float* y, int64_t n0, int64_t n1) {
   if (n0 >= n1) return;
   in.need(L.kind);
+  const int64_t R = in.R, N = L.N;
   switch (L.kind) {
-    case F32: isw::rows_w(in.x, 1, L.K, (const float*)L.w, nullptr, y, L.N, n0, n1); break;
-    case BF16: isw::rows_w(in.x, 1, L.K, (const uint16_t*)L.w, nullptr, y, L.N, n0, n1); break;
-    case I8: isw::rows_w(in.x, 1, L.K, (const int8_t*)L.w, L.s, y, L.N, n0, n1); break;
-    case I4: isw::rows_i4(in.x, 1, L.G, (const uint8_t*)L.w, L.s, y, L.N, n0, n1); break;
-    case W8A8: isw::rows_w8a8(in.q.data(), &in.row_scale, 1, L.K, (const int8_t*)L.w, L.s, y, L.N, n0, n1); break;
-    case W4A8: isw::rows_w4a8(in.q.data(), in.bs.data(), in.bsum.data(), 1, L.G, (const uint8_t*)L.w, L.s, y, L.N, n0, n1); break;
+    case F32: isw::rows_w(in.dense(), R, L.K, (const float*)L.w, nullptr, y, N, n0, n1); break;
+    case BF16: isw::rows_w(in.dense(), R, L.K, (const uint16_t*)L.w, nullptr, y, N, n0, n1); break;
+    case I8: isw::rows_w(in.dense(), R, L.K, (const int8_t*)L.w, L.s, y, N, n0, n1); break;
+    case I4: isw::rows_i4(in.x, R, L.G, (const uint8_t*)L.w, L.s, y, N, n0, n1); break;
+    case W8A8: isw::rows_w8a8(in.q.data(), in.row_scale.data(), R, L.K, (const int8_t*)L.w, L.s, y, N, n0, n1); break;
+    case W4A8: isw::rows_w4a8(in.q.data(), in.bs.data(), in.bsum.data(), R, L.G, (const uint8_t*)L.w, L.s, y, N, n0, n1); break;
   }
-  for (int64_t n = n0; n < n1; ++n) {
-    float v = y[n];
-    if (L.bias) v = L.kind == W8A8 ? a.rnd(v + L.bias[n]) : a.rnd(a.rnd(v) + L.bias[n]);
-    else v = a.rnd(v);
-    y[n] = v;
+  for (int64_t r = 0; r < R; ++r) {
+    float* yr = y + r * N;
+    for (int64_t n = n0; n < n1; ++n) {
+      float v = yr[n];
+      if (L.bias) v = L.kind == W8A8 ? a.rnd(v + L.bias[n]) : a.rnd(a.rnd(v) + L.bias[n]);
+      else v = a.rnd(v);
+      yr[n] = v;
+    }
   }
 }
 
@@ -271,35 +313,41 @@ inline float gelu_tanh(float x) {
 
 extern "C" {
 
-// One decode step: `token` at position `pos` (the cache already holds positions < pos) -> logits fp32 [vocab].
-// The new K/V are written into each layer's cache at `pos`.
-void isw_decode_step(const Model* m, int64_t token, int64_t pos, float* logits, int threads) {
+// One decode step of B sequences: token tokens[b] at position pos[b] of sequence b (its cache already holds the
+// positions before) -> logits fp32 [B, vocab]. The new K/V are written into each layer's cache at pos[b], where
+// `kv` says (the contiguous cache of a static batch, or the paged pool through block tables: continuous batching).
+// Every linear reads each weight row once for all B rows (the kernels' R rows); attention runs per sequence and
+// KV group. One sequence past g_split_min positions splits its attention along the sequence (flash-decoding).
+void isw_decode_batch(const Model* m, int64_t B, const int64_t* tokens, const int64_t* pos, const KVLayout* kv,
+                      float* logits, int threads) {
   const Act a{m->bf16 != 0};
   const int64_t H = m->hidden, I = m->inter, D = m->head_dim, Hq = m->hq, Hkv = m->hkv, S = m->max_len;
-  const int64_t qn = Hq * D, kvn = Hkv * D;
+  const int64_t qn = Hq * D, kvn = Hkv * D, V = m->head.N;
+  const int64_t Hs = pad32(H), Is = pad32(I), Qs = pad32(qn);  // row strides of the buffers linears read
   const bool gemma = m->gemma != 0;
   const bool kvbf = a.bf || m->kv_bf16 != 0;  // K/V stored as bf16
   const bool kv_round = kvbf && !a.bf;  // fp32 activations, bf16 cache: the new K/V rounded as stored
   const float scale = (float)m->attn_scale;
-  // shared buffers (zero-padded to 32 inputs: the INT4 kernels read whole groups)
-  std::vector<float> x(pad32(H)), q(qn), k(kvn), v(kvn), att(pad32(qn), 0.f), mid(pad32(I), 0.f), y(pad32(std::max(H, I)), 0.f);
-  std::vector<float> ybuf(pad32(H), 0.f);
-  for (int64_t i = 0; i < H; ++i) {
-    float e = a.ld(m->embed, token * H + i);
-    x[i] = m->embed_scale != 0.0 ? a.rnd(e * (float)m->embed_scale) : e;
-  }
+  // shared buffers, B rows each (zero-padded to 32 inputs: the INT4 kernels read whole groups)
+  std::vector<float> x(B * Hs, 0.f), q(B * qn), k(B * kvn), v(B * kvn), att(B * Qs, 0.f), mid(B * Is, 0.f);
+  std::vector<float> y(B * std::max(H, I), 0.f);
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t i = 0; i < H; ++i) {
+      float e = a.ld(m->embed, tokens[b] * H + i);
+      x[b * Hs + i] = m->embed_scale != 0.0 ? a.rnd(e * (float)m->embed_scale) : e;
+    }
   const int nt = std::max(1, threads);
   const bool chunked = g_sync == 0 && nt > 1;
   const int64_t group = Hq / Hkv;
   // chunks a phase is cut into: GEMV rows CHUNKS_PER_THREAD per thread; attention whole query heads, each KV group
-  // in up to `att_s` parts (a part's heads read their shared keys and values once)
+  // of each sequence in up to `att_s` parts (a part's heads read their shared keys and values once)
   const int lin_C = chunked ? CHUNKS_PER_THREAD * nt : nt;
-  const int64_t att_s = chunked ? std::min<int64_t>(group, std::max<int64_t>(1, (CHUNKS_PER_THREAD / 2 * nt + Hkv - 1) / Hkv)) : 1;
-  const int att_C = chunked ? (int)(Hkv * att_s) : nt;
+  const int64_t att_s = chunked ? std::min<int64_t>(group, std::max<int64_t>(1, (CHUNKS_PER_THREAD / 2 * nt + B * Hkv - 1) / (B * Hkv))) : 1;
+  const int att_C = chunked ? (int)(B * Hkv * att_s) : nt;
   Phases ph(chunked ? m->num_layers * 8 + 2 : 0, nt);
   // the split attention's blocks per KV group (enough chunks for two per thread) and their partials, per query head
-  const int64_t nb_max = chunked ? std::min<int64_t>(64, std::max<int64_t>(2, (2 * nt + Hkv - 1) / Hkv)) : 1;
-  std::vector<float> part_m(chunked ? Hq * nb_max : 0), part_l(part_m.size()), part_o(part_m.size() * D);
+  const int64_t nb_max = chunked && B == 1 ? std::min<int64_t>(64, std::max<int64_t>(2, (2 * nt + Hkv - 1) / Hkv)) : 1;
+  std::vector<float> part_m(chunked && B == 1 ? Hq * nb_max : 0), part_l(part_m.size()), part_o(part_m.size() * D);
   const double t_start = now();
   double inside = 0.0;
 #pragma omp parallel num_threads(nt)
@@ -308,10 +356,10 @@ void isw_decode_step(const Model* m, int64_t token, int64_t pos, float* logits, 
     const bool chunks = chunked && n_t == nt;  // this region's threads take chunks (else: the static split)
     double mark = now(), region0 = mark;
     auto lap = [&](int phase) {  // thread 0 only: the time since the last mark to `phase`
-      if (t == 0) { const double x = now(); g_prof[phase] += x - mark; mark = x; }
+      if (t == 0) { const double x_ = now(); g_prof[phase] += x_ - mark; mark = x_; }
     };
-    std::vector<float> h(pad32(std::max(H, I)), 0.f), kh(D), qh(4 * D), tmp(D), scores(4 * S), outh(4 * D);
-    std::vector<float> gate(pad32(I)), up(pad32(I)), attp(chunked ? pad32(qn) : 0, 0.f);
+    std::vector<float> h(B * Hs, 0.f), kh(D), qh(4 * D), tmp(D), scores(4 * S), outh(4 * D);
+    std::vector<float> gate(B * I), up(B * I), attp(chunked && B == 1 ? Qs : 0, 0.f);
     Input in;
     int64_t p = 0;  // this thread's phase
     const int64_t n_phases = m->num_layers * (gemma ? 7 : 5) + 1;
@@ -335,35 +383,39 @@ void isw_decode_step(const Model* m, int64_t token, int64_t pos, float* logits, 
     };
     auto none = [] {};
     auto rows = [](int64_t n, int c, int C, int64_t& n0, int64_t& n1) { split(n, c, C, n0, n1); };
+    // the norm of each of the B rows of src (row stride ss) into h (stride Hs)
+    auto norm_rows = [&](bool gem, const float* src, int64_t ss, const void* w) {
+      for (int64_t b = 0; b < B; ++b) rms_norm(a, gem, src + b * ss, H, w, m->eps, h.data() + b * Hs);
+    };
     for (int64_t l = 0; l < m->num_layers; ++l) {
       const Layer& L = m->layers[l];
-      const float* cs = m->cos[L.rope] + pos * D;
-      const float* sn = m->sin[L.rope] + pos * D;
-      auto new_key = [&](int64_t g) {  // KV group g's new key into kh: normed (Gemma), rotated
-        std::memcpy(kh.data(), k.data() + g * D, D * sizeof(float));
+      const float* ctab = m->cos[L.rope];
+      const float* stab = m->sin[L.rope];
+      auto new_key = [&](int64_t b, int64_t g) {  // sequence b's new key of KV group g into kh: normed (Gemma), rotated
+        std::memcpy(kh.data(), k.data() + b * kvn + g * D, D * sizeof(float));
         if (gemma) rms_norm(a, true, kh.data(), D, L.k_norm, m->eps, kh.data());
-        rope(a, kh.data(), D, cs, sn, tmp.data());
+        rope(a, kh.data(), D, ctab + pos[b] * D, stab + pos[b] * D, tmp.data());
         if (kv_round) for (int64_t i = 0; i < D; ++i) kh[i] = isw::round_bf16(kh[i]);
       };
-      // query heads [hh, hh + cnt) of KV group g rotated into qh; their scaled scores against keys [j0, j1) into
-      // `scores` (kh: the key at pos) and each row's maximum into mx -- the vector dot of gemv.h, cnt query rows
-      // against one key (fp32 accumulation; bf16 keys widened exactly)
-      auto score = [&](int64_t g, int64_t hh, int cnt, int64_t j0, int64_t j1, float* mx) {
+      // query heads [hh, hh + cnt) of sequence b (KV group g) rotated into qh; their scaled scores against keys
+      // [j0, j1) into `scores` (kh: the key at pos[b]) and each row's maximum into mx -- the vector dot of gemv.h, cnt
+      // query rows against one key (fp32 accumulation; bf16 keys widened exactly)
+      auto score = [&](int64_t b, int64_t g, int64_t hh, int cnt, int64_t j0, int64_t j1, float* mx) {
+        const int64_t P = pos[b];
         for (int r = 0; r < cnt; ++r) {
           float* qr = qh.data() + r * D;
-          std::memcpy(qr, q.data() + (hh + r) * D, D * sizeof(float));
+          std::memcpy(qr, q.data() + b * qn + (hh + r) * D, D * sizeof(float));
           if (gemma) rms_norm(a, true, qr, D, L.q_norm, m->eps, qr);
-          rope(a, qr, D, cs, sn, tmp.data());
+          rope(a, qr, D, ctab + P * D, stab + P * D, tmp.data());
         }
-        const int64_t base = g * S * D;
         float d[4];
         for (int r = 0; r < cnt; ++r) mx[r] = -INFINITY;
-        for (int64_t j = j0; j < j1; ++j) {
+        kv->each(b, g, j0, j1, [&](int64_t j, int64_t off) {
           auto dots = [&](auto rb) {
             constexpr int RB = decltype(rb)::value;
-            if (j == pos) isw::dot_w<RB>(qh.data(), D, kh.data(), d);
-            else if (kvbf) isw::dot_w<RB>(qh.data(), D, (const uint16_t*)L.k_cache + base + j * D, d);
-            else isw::dot_w<RB>(qh.data(), D, (const float*)L.k_cache + base + j * D, d);
+            if (j == P) isw::dot_w<RB>(qh.data(), D, kh.data(), d);
+            else if (kvbf) isw::dot_w<RB>(qh.data(), D, (const uint16_t*)L.k_cache + off, d);
+            else isw::dot_w<RB>(qh.data(), D, (const float*)L.k_cache + off, d);
           };
           switch (cnt) {
             case 1: dots(std::integral_constant<int, 1>{}); break;
@@ -376,53 +428,61 @@ void isw_decode_step(const Model* m, int64_t token, int64_t pos, float* logits, 
             scores[r * S + j] = v_;
             mx[r] = std::max(mx[r], v_);
           }
-        }
+        });
       };
-      auto value = [&](int64_t g, int64_t j) -> const float* {  // KV group g's value row j in fp32 (bf16: into tmp)
-        if (j == pos && !kv_round) return v.data() + g * D;
-        if (j == pos) {  // the new value as the bf16 cache will hold it
-          for (int64_t i = 0; i < D; ++i) tmp[i] = isw::round_bf16(v[g * D + i]);
-          return tmp.data();
-        }
-        const int64_t at = g * S * D + j * D;
-        if (!kvbf) return (const float*)L.v_cache + at;
-        const uint16_t* vr = (const uint16_t*)L.v_cache + at;
-        for (int64_t i = 0; i < D; ++i) tmp[i] = isw::bf16_to_f(vr[i]);
-        return tmp.data();
+      // f(j, value row j in fp32) for values [j0, j1) of sequence b, KV group g (bf16: widened into tmp)
+      auto values = [&](int64_t b, int64_t g, int64_t j0, int64_t j1, auto&& f) {
+        const int64_t P = pos[b];
+        kv->each(b, g, j0, j1, [&](int64_t j, int64_t off) {
+          const float* vf;
+          if (j == P && !kv_round) {
+            vf = v.data() + b * kvn + g * D;
+          } else if (j == P) {  // the new value as the bf16 cache will hold it
+            for (int64_t i = 0; i < D; ++i) tmp[i] = isw::round_bf16(v[b * kvn + g * D + i]);
+            vf = tmp.data();
+          } else if (!kvbf) {
+            vf = (const float*)L.v_cache + off;
+          } else {
+            const uint16_t* vr = (const uint16_t*)L.v_cache + off;
+            for (int64_t i = 0; i < D; ++i) tmp[i] = isw::bf16_to_f(vr[i]);
+            vf = tmp.data();
+          }
+          f(j, vf);
+        });
       };
-      auto store_kv = [&](int64_t g) {  // KV group g's new key (in kh) and value into the cache at pos
+      auto store_kv = [&](int64_t b, int64_t g) {  // sequence b's new key (in kh) and value of group g into the cache
         const Act kva{kvbf};
+        const int64_t at = kv->at(b, g, pos[b]);
         for (int64_t i = 0; i < D; ++i) {
-          kva.st(L.k_cache, g * S * D + pos * D + i, kh[i]);
-          kva.st(L.v_cache, g * S * D + pos * D + i, v[g * D + i]);
+          kva.st(L.k_cache, at + i, kh[i]);
+          kva.st(L.v_cache, at + i, v[b * kvn + g * D + i]);
         }
       };
       // --- attention ---
-      phase(lin_C, [&] { rms_norm(a, gemma, x.data(), H, L.in_norm, m->eps, h.data()); in.set(h.data(), H); },
+      phase(lin_C, [&] { norm_rows(gemma, x.data(), Hs, L.in_norm); in.set(h.data(), H, B); },
             [&](int c, int C) {
               const Lin* ls[3] = {&L.q, &L.k, &L.v};
               float* ys[3] = {q.data(), k.data(), v.data()};
               lin_group(a, ls, ys, 3, in, c, C);
             });
       lap(0);
-      const int64_t lo = L.window > 0 ? std::max<int64_t>(0, pos - L.window + 1) : 0;
-      const int64_t nb = chunks && pos - lo + 1 >= g_split_min
-                             ? std::min<int64_t>(nb_max, (pos - lo + 1) / g_split_block) : 0;
-      if (nb > 1) {  // flash-decoding: chunk c = block c % nb of KV group c / nb, each a partial softmax
+      const int64_t lo0 = L.window > 0 ? std::max<int64_t>(0, pos[0] - L.window + 1) : 0;
+      const int64_t nb = B == 1 && chunks && pos[0] - lo0 + 1 >= g_split_min
+                             ? std::min<int64_t>(nb_max, (pos[0] - lo0 + 1) / g_split_block) : 0;
+      if (nb > 1) {  // flash-decoding (one sequence): chunk c = block c % nb of KV group c / nb, each a partial softmax
         phase((int)(Hkv * nb), none, [&](int c, int) {
-          const int64_t g = c / nb, b = c % nb;
+          const int64_t g = c / nb, bl = c % nb;
           int64_t j0, j1;
-          split(pos - lo + 1, (int)b, (int)nb, j0, j1);
-          j0 += lo, j1 += lo;
-          new_key(g);
+          split(pos[0] - lo0 + 1, (int)bl, (int)nb, j0, j1);
+          j0 += lo0, j1 += lo0;
+          new_key(0, g);
           for (int64_t hh = g * group; hh < (g + 1) * group;) {
             const int cnt = (int)std::min<int64_t>((g + 1) * group - hh, 4);
             float mx[4];
-            score(g, hh, cnt, j0, j1, mx);
+            score(0, g, hh, cnt, j0, j1, mx);
             std::fill(outh.begin(), outh.begin() + cnt * D, 0.f);
             float sum[4] = {0.f, 0.f, 0.f, 0.f};
-            for (int64_t j = j0; j < j1; ++j) {
-              const float* vf = value(g, j);
+            values(0, g, j0, j1, [&](int64_t j, const float* vf) {
               for (int r = 0; r < cnt; ++r) {
                 const float e = std::exp(scores[r * S + j] - mx[r]);
                 sum[r] += e;
@@ -430,39 +490,40 @@ void isw_decode_step(const Model* m, int64_t token, int64_t pos, float* logits, 
                 float* o = outh.data() + r * D;
                 for (int64_t i = 0; i < D; ++i) o[i] += p_ * vf[i];
               }
-            }
+            });
             for (int r = 0; r < cnt; ++r) {
-              const int64_t at = (hh + r) * nb_max + b;
+              const int64_t at = (hh + r) * nb_max + bl;
               part_m[at] = mx[r];
               part_l[at] = sum[r];
               std::memcpy(part_o.data() + at * D, outh.data() + r * D, D * sizeof(float));
             }
             hh += cnt;
           }
-          if (b == 0) store_kv(g);  // the new K/V into the cache (no chunk reads position pos from it)
+          if (bl == 0) store_kv(0, g);  // the new K/V into the cache (no chunk reads position pos from it)
         });
       } else
       phase(chunks ? att_C : n_t, none, [&](int c, int C) {
-        int64_t h0, h1;
-        if (chunks) {  // part c % att_s of KV group c / att_s
-          const int64_t g = c / att_s;
+        int64_t h0, h1;  // over the B * Hq (sequence, query head) pairs
+        if (chunks) {  // part c % att_s of (sequence, KV group) c / att_s
+          const int64_t bg = c / att_s, b = bg / Hkv, g = bg % Hkv;
           int64_t a0, a1;
           split(group, (int)(c % att_s), (int)att_s, a0, a1);
-          h0 = g * group + a0, h1 = g * group + a1;
+          h0 = b * Hq + g * group + a0, h1 = b * Hq + g * group + a1;
         } else {
-          split(Hq, c, C, h0, h1);
+          split(B * Hq, c, C, h0, h1);
         }
         // a run of up to 4 of this chunk's query heads sharing one KV head reads each key and value once
-        for (int64_t hh = h0; hh < h1;) {
-          const int64_t g = hh / group;
-          const int cnt = (int)std::min<int64_t>({h1 - hh, (g + 1) * group - hh, (int64_t)4});
-          new_key(g);
+        for (int64_t fh = h0; fh < h1;) {
+          const int64_t b = fh / Hq, hh = fh % Hq, g = hh / group, P = pos[b];
+          const int64_t lo = L.window > 0 ? std::max<int64_t>(0, P - L.window + 1) : 0;
+          const int cnt = (int)std::min<int64_t>({h1 - fh, (g + 1) * group - hh, (int64_t)4});
+          new_key(b, g);
           float mx[4];
-          score(g, hh, cnt, lo, pos + 1, mx);
+          score(b, g, hh, cnt, lo, P + 1, mx);
           float inv[4];
           for (int r = 0; r < cnt; ++r) {
             float sum = 0.f;
-            for (int64_t j = lo; j <= pos; ++j) {
+            for (int64_t j = lo; j <= P; ++j) {
               const float e = std::exp(scores[r * S + j] - mx[r]);
               sum += e;
               scores[r * S + j] = e;
@@ -470,103 +531,109 @@ void isw_decode_step(const Model* m, int64_t token, int64_t pos, float* logits, 
             inv[r] = 1.0f / sum;
           }
           std::fill(outh.begin(), outh.begin() + cnt * D, 0.f);
-          for (int64_t j = lo; j <= pos; ++j) {
-            const float* vf = value(g, j);  // bf16 values widened once for the run
+          values(b, g, lo, P + 1, [&](int64_t j, const float* vf) {  // bf16 values widened once for the run
             for (int r = 0; r < cnt; ++r) {
               // eager: probabilities normalized, then rounded (bf16); sdpa: unnormalized exp rounded, divided at the end
               const float p_ = m->eager_attention ? a.rnd(scores[r * S + j] * inv[r]) : a.rnd(scores[r * S + j]);
               float* o = outh.data() + r * D;
               for (int64_t i = 0; i < D; ++i) o[i] += p_ * vf[i];
             }
-          }
+          });
+          float* ao = att.data() + b * Qs;
           for (int r = 0; r < cnt; ++r)
             for (int64_t i = 0; i < D; ++i)
-              att[(hh + r) * D + i] = a.rnd(m->eager_attention ? outh[r * D + i] : outh[r * D + i] * inv[r]);
-          hh += cnt;
+              ao[(hh + r) * D + i] = a.rnd(m->eager_attention ? outh[r * D + i] : outh[r * D + i] * inv[r]);
+          fh += cnt;
         }
-        // the new K/V into the cache, each head group by one chunk (no one reads position pos from the cache)
-        for (int64_t g = chunks ? (c % att_s == 0 ? c / att_s : Hkv) : c; g < Hkv; g += chunks ? Hkv : C) {
-          new_key(g);
-          store_kv(g);
+        // the new K/V into the cache, each (sequence, head group) by one chunk (no one reads position pos from the cache)
+        for (int64_t bg = chunks ? (c % att_s == 0 ? c / att_s : B * Hkv) : c; bg < B * Hkv; bg += chunks ? B * Hkv : C) {
+          new_key(bg / Hkv, bg % Hkv);
+          store_kv(bg / Hkv, bg % Hkv);
         }
       });
       lap(1);
       phase(lin_C, [&] {
         if (nb <= 1) {
-          in.set(att.data(), qn);
+          in.set(att.data(), qn, B);
           return;
         }
         for (int64_t hq = 0; hq < Hq; ++hq) {  // the split attention's partials combined, on this thread
           const int64_t at = hq * nb_max;
           float M = -INFINITY, Lsum = 0.f, w[64];
-          for (int64_t b = 0; b < nb; ++b) M = std::max(M, part_m[at + b]);
-          for (int64_t b = 0; b < nb; ++b) Lsum += (w[b] = std::exp(part_m[at + b] - M)) * part_l[at + b];
+          for (int64_t bl = 0; bl < nb; ++bl) M = std::max(M, part_m[at + bl]);
+          for (int64_t bl = 0; bl < nb; ++bl) Lsum += (w[bl] = std::exp(part_m[at + bl] - M)) * part_l[at + bl];
           const float inv = 1.0f / Lsum;
           for (int64_t i = 0; i < D; ++i) {
             float o = 0.f;
-            for (int64_t b = 0; b < nb; ++b) o += w[b] * part_o[(at + b) * D + i];
+            for (int64_t bl = 0; bl < nb; ++bl) o += w[bl] * part_o[(at + bl) * D + i];
             attp[hq * D + i] = a.rnd(o * inv);
           }
         }
-        in.set(attp.data(), qn);
+        in.set(attp.data(), qn, 1);
       }, [&](int c, int C) {
         int64_t n0, n1;
         rows(L.o.N, c, C, n0, n1);
         lin_rows(a, L.o, in, y.data(), n0, n1);
         if (!gemma) {
-          for (int64_t n = n0; n < n1; ++n) x[n] = a.rnd(x[n] + y[n]);
+          for (int64_t b = 0; b < B; ++b)
+            for (int64_t n = n0; n < n1; ++n) x[b * Hs + n] = a.rnd(x[b * Hs + n] + y[b * H + n]);
         }
       });
       lap(2);
       if (gemma) {  // x += post_attention_layernorm(attn): the norm needs every row of the output
-        phase(lin_C, [&] { rms_norm(a, true, y.data(), H, L.post_attn_norm, m->eps, h.data()); }, [&](int c, int C) {
+        phase(lin_C, [&] { norm_rows(true, y.data(), H, L.post_attn_norm); }, [&](int c, int C) {
           int64_t n0, n1;
           rows(H, c, C, n0, n1);
-          for (int64_t n = n0; n < n1; ++n) x[n] = a.rnd(x[n] + h[n]);
+          for (int64_t b = 0; b < B; ++b)
+            for (int64_t n = n0; n < n1; ++n) x[b * Hs + n] = a.rnd(x[b * Hs + n] + h[b * Hs + n]);
         });
       }
       // --- MLP ---
       phase(lin_C, [&] {
-        rms_norm(a, gemma, x.data(), H, gemma ? L.pre_ff_norm : L.post_attn_norm, m->eps, h.data());
-        in.set(h.data(), H);
+        norm_rows(gemma, x.data(), Hs, gemma ? L.pre_ff_norm : L.post_attn_norm);
+        in.set(h.data(), H, B);
       }, [&](int c, int C) {
         int64_t n0, n1;
         rows(I, c, C, n0, n1);
         lin_rows(a, L.gate, in, gate.data(), n0, n1);
         lin_rows(a, L.up, in, up.data(), n0, n1);
-        for (int64_t n = n0; n < n1; ++n) {
-          const float gv = gate[n];
-          const float act = gemma ? gelu_tanh(gv) : gv / (1.0f + std::exp(-gv));
-          mid[n] = a.rnd(a.rnd(act) * up[n]);
-        }
+        for (int64_t b = 0; b < B; ++b)
+          for (int64_t n = n0; n < n1; ++n) {
+            const float gv = gate[b * I + n];
+            const float act = gemma ? gelu_tanh(gv) : gv / (1.0f + std::exp(-gv));
+            mid[b * Is + n] = a.rnd(a.rnd(act) * up[b * I + n]);
+          }
       });
       lap(3);
-      phase(lin_C, [&] { in.set(mid.data(), I); }, [&](int c, int C) {
+      phase(lin_C, [&] { in.set(mid.data(), I, B); }, [&](int c, int C) {
         int64_t n0, n1;
         rows(H, c, C, n0, n1);
         lin_rows(a, L.down, in, y.data(), n0, n1);
         if (!gemma) {
-          for (int64_t n = n0; n < n1; ++n) x[n] = a.rnd(x[n] + y[n]);
+          for (int64_t b = 0; b < B; ++b)
+            for (int64_t n = n0; n < n1; ++n) x[b * Hs + n] = a.rnd(x[b * Hs + n] + y[b * H + n]);
         }
       });
       lap(4);
       if (gemma) {
-        phase(lin_C, [&] { rms_norm(a, true, y.data(), H, L.post_ff_norm, m->eps, h.data()); }, [&](int c, int C) {
+        phase(lin_C, [&] { norm_rows(true, y.data(), H, L.post_ff_norm); }, [&](int c, int C) {
           int64_t n0, n1;
           rows(H, c, C, n0, n1);
-          for (int64_t n = n0; n < n1; ++n) x[n] = a.rnd(x[n] + h[n]);
+          for (int64_t b = 0; b < B; ++b)
+            for (int64_t n = n0; n < n1; ++n) x[b * Hs + n] = a.rnd(x[b * Hs + n] + h[b * Hs + n]);
         });
       }
     }
     // --- final norm and LM head ---
-    phase(lin_C, [&] { rms_norm(a, gemma, x.data(), H, m->final_norm, m->eps, h.data()); in.set(h.data(), H); },
+    phase(lin_C, [&] { norm_rows(gemma, x.data(), Hs, m->final_norm); in.set(h.data(), H, B); },
           [&](int c, int C) {
             int64_t n0, n1;
-            rows(m->head.N, c, C, n0, n1);
+            rows(V, c, C, n0, n1);
             lin_rows(a, m->head, in, logits, n0, n1);
             if (m->softcap != 0.0) {
               const float cap = (float)m->softcap;
-              for (int64_t n = n0; n < n1; ++n) logits[n] = std::tanh(logits[n] / cap) * cap;
+              for (int64_t b = 0; b < B; ++b)
+                for (int64_t n = n0; n < n1; ++n) logits[b * V + n] = std::tanh(logits[b * V + n] / cap) * cap;
             }
           });
     lap(5);
@@ -574,6 +641,14 @@ void isw_decode_step(const Model* m, int64_t token, int64_t pos, float* logits, 
   }
   g_prof[6] += (now() - t_start) - inside;
   ++g_prof_steps;
+}
+
+// One decode step of one sequence over its contiguous cache ([Hkv, max_len, D] per layer): `token` at position `pos`
+// -> logits fp32 [vocab]
+void isw_decode_step(const Model* m, int64_t token, int64_t pos, float* logits, int threads) {
+  const int32_t block0 = 0;
+  const KVLayout kv{&block0, 1, m->max_len, m->hkv * m->max_len * m->head_dim, m->head_dim, m->max_len * m->head_dim};
+  isw_decode_batch(m, 1, &token, &pos, &kv, logits, threads);
 }
 
 // How the threads meet between phases (0: chunks and futex waits, the default; 1: static split, OpenMP barriers);
@@ -613,6 +688,7 @@ const char* isw_step_layout() {
     put("sizeof(Lin)", sizeof(Lin));
     put("sizeof(Layer)", sizeof(Layer));
     put("sizeof(Model)", sizeof(Model));
+    put("sizeof(KVLayout)", sizeof(KVLayout));
     put("Lin.w", offsetof(Lin, w));
     put("Lin.bias", offsetof(Lin, bias));
     put("Layer.in_norm", offsetof(Layer, in_norm));
@@ -627,6 +703,8 @@ const char* isw_step_layout() {
     put("Model.cos", offsetof(Model, cos));
     put("Model.sin", offsetof(Model, sin));
     put("Model.layers", offsetof(Model, layers));
+    put("KVLayout.max_blocks", offsetof(KVLayout, max_blocks));
+    put("KVLayout.head_stride", offsetof(KVLayout, head_stride));
     put("F32", F32);
     put("BF16", BF16);
     put("I8", I8);

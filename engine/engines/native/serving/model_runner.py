@@ -1,5 +1,7 @@
 """The only place that turns a scheduled batch into tensors: it owns the KV pool and runs the native
-model's varlen forward (engine/engines/native/varlen.py) over the flattened chunks of every scheduled sequence.
+model's varlen forward (engine/engines/native/varlen.py) over the flattened chunks of every scheduled sequence --
+or, with the C++ decode step (engine.compile_mode=cpp), a step whose every chunk is one decode token in one C++ call
+(cpp_step.py `decode_varlen`: each sequence at its own position, through its block table); prefill stays in torch.
 """
 from __future__ import annotations
 
@@ -14,7 +16,7 @@ from .scheduler import ScheduledBatch
 
 class ModelRunner:
     def __init__(self, backend: NativeBackend, num_blocks: int, block_size: int):
-        if backend.trial.engine.compile:
+        if backend.trial.engine.compile and not backend.cpp_step:
             raise EngineError("engine.compile is not supported with serving workloads (shapes change every step)")
         self.backend = backend
         args = backend.model.args
@@ -27,6 +29,14 @@ class ModelRunner:
         assert chunks, "an empty batch"
         dev = self.backend.device
         tokens = torch.tensor([t for c in chunks for t in c.tokens], dtype=torch.long, device=dev)  # [N]
+        be = self.backend
+        if be.cpp_step and all(len(c.tokens) == 1 and c.sample for c in chunks):
+            width = max(len(c.block_table) for c in chunks)
+            tables = torch.tensor([list(c.block_table) + [0] * (width - len(c.block_table)) for c in chunks],
+                                  dtype=torch.int32)
+            positions = torch.tensor([c.end - 1 for c in chunks], dtype=torch.long)
+            with torch.inference_mode():
+                return be.decode_step.decode_varlen(tokens, positions, tables, self.pool)
         meta = VarlenBatch(self.pool, [len(c.tokens) for c in chunks], [c.end for c in chunks],
                            [list(c.block_table) for c in chunks])
         rows, row = [], 0
@@ -34,6 +44,5 @@ class ModelRunner:
             row += len(c.tokens)
             if c.sample:
                 rows.append(row - 1)  # the chunk's last token predicts the next one
-        be = self.backend
         with torch.inference_mode():
             return be.model.forward_varlen(tokens, meta, be.kernel, torch.tensor(rows, dtype=torch.long, device=dev))
