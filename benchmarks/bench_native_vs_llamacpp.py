@@ -6,7 +6,7 @@ on one machine.
                                                   [--shape smollm2|gemma3|1b]
 
 Every variant is a trial of the platform (engine.run_interleaved: each warms up, then every round runs one
-timed repeat of each, ABBA order), SmolLM2-135M-Instruct (the prepared checkpoint), batch 1, context 128,
+timed repeat of each, ABBA order), SmolLM2-135M-Instruct (the prepared checkpoint), batch 1 (`--batch B`: B sequences decoded together), context 128,
 32 new tokens, greedy, the same engine.threads for all. Reported per variant: decode tok/s (median of the
 rounds, 95% interval of the median), TPOT, the share of the cost model's bandwidth roofline
 (`roofline_decode_efficiency`: predicted decode time / measured), and the goals' ratios as per-round paired
@@ -210,6 +210,9 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--context", type=int, default=128)
+    ap.add_argument("--batch", type=int, default=1,
+                    help="sequences decoded together (a static batch: native's C++ step takes all B rows in one call, "
+                         "llama.cpp B parallel sequences in one llama_decode); tok/s are the batch's")
     ap.add_argument("--new-tokens", type=int, default=32)
     ap.add_argument("--variants", default=",".join(ALL))
     ap.add_argument("--prefill-context", type=int, default=512,
@@ -236,7 +239,7 @@ def main() -> None:
     flags = cpu_flags()
     names = runnable(a.variants.split(","), flags)
     torch.set_num_threads(a.threads)
-    wl = WorkloadConfig(context_len=a.context, max_new_tokens=a.new_tokens, batch_size=1, warmup=1, repeats=1)
+    wl = WorkloadConfig(context_len=a.context, max_new_tokens=a.new_tokens, batch_size=a.batch, warmup=1, repeats=1)
     trials = [trial(n, a.threads, wl) for n in names]
     start = datetime.datetime.now(datetime.timezone.utc)
     load0 = load()
@@ -249,10 +252,11 @@ def main() -> None:
     print(f"Machine: {cpu_model()}, {os.cpu_count()} CPUs, avx512f={'avx512f' in flags}, avx512_bf16={'avx512_bf16' in flags}; "
           f"torch {torch.__version__}; {a.threads} threads for every engine.  ")
     print(f"Run: {start:%Y-%m-%d %H:%M} UTC, {wall:.0f} s, load average {load0} at start, {load1} at end; "
-          f"{MODEL['name']}, batch 1, context {a.context}, {a.new_tokens} new tokens, greedy, {a.rounds} interleaved rounds.\n")
+          f"{MODEL['name']}, batch {a.batch}, context {a.context}, {a.new_tokens} new tokens, greedy, {a.rounds} interleaved rounds.\n")
     print("| variant | decode tok/s median [95% CI] | TPOT ms | weights MB | weights GB/s | roofline % (decode) | ppl (2 windows) | kernels |")
     print("|---|---|---:|---:|---:|---:|---:|---|")
     out = {"machine": cpu_model(), "threads": a.threads, "date": f"{start:%Y-%m-%d %H:%M}", "load": [load0, load1],
+           "batch": a.batch, "context": a.context,
            "rounds": a.rounds, "model": MODEL["name"], "variants": {}, "goals": []}
     for n, r in res.items():
         s = r.samples["decode_tok_s"]

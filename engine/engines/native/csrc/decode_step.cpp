@@ -118,6 +118,7 @@ struct Input {
   int64_t K = 0, R = 1;
   std::vector<float> dense_rows;
   std::vector<int8_t> q;
+  std::vector<uint8_t> qu;  // W8A8 at 4+ rows: q + 128 (the tiled VNNI kernel's unsigned operand)
   std::vector<float> row_scale;
   std::vector<float> bs;
   std::vector<int32_t> bsum;
@@ -139,6 +140,12 @@ struct Input {
     if (kind == W8A8 && !have_row) {
       q.resize(R * K + 32); row_scale.resize(R);
       for (int64_t r = 0; r < R; ++r) row_scale[r] = isw::quantize_row_i8(x + r * pad32(K), K, q.data() + r * K);
+#if defined(ISW_VNNI)
+      if (R >= 4) {
+        qu.resize(R * K);
+        for (int64_t i = 0; i < R * K; ++i) qu[i] = (uint8_t)(q[i] + 128);
+      }
+#endif
       have_row = true; have_blocks = false;
     } else if (kind == W4A8 && !have_blocks) {
       const int64_t G = pad32(K) / 32;
@@ -181,7 +188,15 @@ inline void lin_rows(const Act& a, const Lin& L, Input& in, float* y, int64_t n0
     case BF16: isw::rows_w(in.dense(), R, L.K, (const uint16_t*)L.w, nullptr, y, N, n0, n1); break;
     case I8: isw::rows_w(in.dense(), R, L.K, (const int8_t*)L.w, L.s, y, N, n0, n1); break;
     case I4: isw::rows_i4(in.x, R, L.G, (const uint8_t*)L.w, L.s, y, N, n0, n1); break;
-    case W8A8: isw::rows_w8a8(in.q.data(), in.row_scale.data(), R, L.K, (const int8_t*)L.w, L.s, y, N, n0, n1); break;
+    case W8A8:
+#if defined(ISW_VNNI)
+      if (R >= 4) {  // 4 x 4 tiles (bit-identical to rows_w8a8)
+        isw::rows_w8a8_tiled(in.q.data(), in.qu.data(), in.row_scale.data(), R, L.K, (const int8_t*)L.w, L.s, y, N, n0, n1);
+        break;
+      }
+#endif
+      isw::rows_w8a8(in.q.data(), in.row_scale.data(), R, L.K, (const int8_t*)L.w, L.s, y, N, n0, n1);
+      break;
     case W4A8: isw::rows_w4a8(in.q.data(), in.bs.data(), in.bsum.data(), R, L.G, (const uint8_t*)L.w, L.s, y, N, n0, n1); break;
   }
   for (int64_t r = 0; r < R; ++r) {
