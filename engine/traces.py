@@ -33,6 +33,9 @@ class DecodeSession(Protocol):
         """Forget the last `num_tokens` positions (rejected speculative tokens)."""
         ...
 
+    # optional: prefill(tokens [B, T]) -> the last position's logits [B, V] (generate's prefill uses it where a
+    # session has it: engine=native never materializes a long prompt's [B, T, V] logits)
+
     def kv_cache_bytes(self) -> tuple[int, int]:
         """(allocated, used) bytes of the KV cache; (0, 0) when caching is off."""
         ...

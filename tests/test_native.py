@@ -451,3 +451,16 @@ def test_smollm2_greedy_tokens_identical_to_hf(smol, smol_ids):
             be = native(smol, attn=attn, kv=kv, block=10)
             got = generate(be.new_session(2, 88), prompt, 24, SamplingConfig(), 0, lambda: None).tokens
             assert torch.equal(got, ref), (attn, kv)
+
+
+@pytest.mark.parametrize("kv", ["off", "contiguous", "paged"])
+def test_prefill_gives_the_last_positions_logits_without_the_others(variants, kv):
+    """generate's prefill asks only for the next token's logits: the same values as forward's last row, the cache
+    left as forward leaves it (the next step's logits agree too)."""
+    ids = torch.randint(3, 320, (2, 12), generator=torch.Generator().manual_seed(7))
+    be = native(variants["gemma3"], kv=kv)
+    a, b = be.new_session(2, 16), be.new_session(2, 16)
+    torch.testing.assert_close(a.prefill(ids), b.forward(ids)[:, -1], atol=1e-5, rtol=1e-5)
+    assert a.length == b.length == 12
+    nxt = torch.tensor([[5], [9]])
+    torch.testing.assert_close(a.forward(nxt), b.forward(nxt), atol=1e-5, rtol=1e-5)
