@@ -174,3 +174,52 @@ def test_continuous_batching_decodes_in_cpp_with_each_requests_own_tokens(kv_dty
     assert [list(r.output) for r in trace.requests] == ref
     assert trace.step_seqs / trace.steps > 1.5  # really batched
     assert be.decode_step.profile()["steps"] >= trace.steps // 2  # most steps decoded in C++
+
+
+def _real(name: str, dtype: str = "float32"):
+    from conftest import need_prepared
+    from engine.models import prepare_model
+
+    need_prepared(name)
+    prepare_model(name)
+    model = ModelConfig(name=name, path=f"prepared://{name}", dtype=dtype)
+    return model, load_model(model, attention="sdpa", quant=QuantConfig(kernel="gemv-all"))
+
+
+@pytest.mark.slow
+def test_gemma3_batch_past_its_window_decodes_the_eager_engines_tokens():
+    """The real Gemma 3 270M, 3 sequences of 600 tokens (past its 512-token sliding window: the windowed layers drop
+    keys, the global ones keep them), 8 greedy tokens, fp32: the C++ step's batch and the eager engine's, the same
+    tokens."""
+    model, loaded = _real("gemma-3-270m")
+    ids = torch.randint(1000, 50000, (3, 600), generator=torch.Generator().manual_seed(11))
+    tokens = {}
+    for mode, compile in (("dynamic", False), ("cpp", True)):
+        be = make_backend(loaded, _trial(model, mode=mode, compile=compile, quant=QuantConfig(kernel="gemv-all")))
+        tokens[mode] = torch.as_tensor(generate(be.new_session(3, 608), ids, 8, GREEDY, seed=0, sync=lambda: None).tokens)
+    assert torch.equal(tokens["cpp"], tokens["dynamic"])
+
+
+@pytest.mark.slow
+def test_smollm2_continuous_batching_on_the_cpp_step_gives_each_request_its_own_tokens():
+    """The real SmolLM2-135M serving 8 requests of different lengths (prompts 20-120 tokens, 4-16 new) under
+    continuous batching with the C++ decode step: each request's greedy tokens equal the eager engine's alone."""
+    from engine.engines.native.serving.serve import ServingSetup
+    from engine.serving.requests import make_requests
+    from test_serving import serving
+
+    model, loaded = _real("smollm2-135m-instruct")
+    corpus = torch.randint(1000, 40000, (5000,), generator=torch.Generator().manual_seed(12))
+    spec = serving(n=8, inp=(20, 120), out=(4, 16))
+    requests = make_requests(spec, corpus, 0)
+    alone = make_backend(loaded, make_trial(model, backend="native", quant=QuantConfig(kernel="gemv-all")))
+    ref = [generate(alone.new_session(1, r.prompt_len + r.max_new_tokens), torch.tensor([r.prompt]),
+                    r.max_new_tokens, GREEDY, 0, lambda: None).tokens[0].tolist() for r in requests]
+    trial = make_trial(model, backend="native", kv_cache="paged", serving=spec, compile=True,
+                       quant=QuantConfig(kernel="gemv-all"), batching=BatchingConfig("continuous", 4, 2048, False))
+    trial = replace(trial, "engine.compile_mode", "cpp")
+    be = make_backend(loaded, trial)
+    be.decode_step.profile()
+    trace = ServingSetup(trial, be, check_invariants=True).run(requests)
+    assert [list(r.output) for r in trace.requests] == ref
+    assert be.decode_step.profile()["steps"] > 0
