@@ -464,3 +464,19 @@ def test_prefill_gives_the_last_positions_logits_without_the_others(variants, kv
     assert a.length == b.length == 12
     nxt = torch.tensor([[5], [9]])
     torch.testing.assert_close(a.forward(nxt), b.forward(nxt), atol=1e-5, rtol=1e-5)
+
+
+def test_a_long_prefill_runs_in_chunks_with_the_same_logits(variants, monkeypatch):
+    """Chunks of 5 positions through the cache (PREFILL_CHUNK, 2048 shipped) give the whole prompt's last logits and
+    the same cache: Gemma 3's window of 8 crossed inside and between chunks."""
+    from engine.engines.native import backend as nb
+
+    ids = torch.randint(3, 320, (2, 23), generator=torch.Generator().manual_seed(8))
+    be = native(variants["gemma3"])
+    whole = be.new_session(2, 30)
+    ref = whole.prefill(ids)
+    monkeypatch.setattr(nb, "PREFILL_CHUNK", 5)
+    chunked = be.new_session(2, 30)
+    torch.testing.assert_close(chunked.prefill(ids), ref, atol=1e-5, rtol=1e-5)
+    nxt = torch.tensor([[5], [9]])
+    torch.testing.assert_close(chunked.forward(nxt), whole.forward(nxt), atol=1e-5, rtol=1e-5)

@@ -22,6 +22,9 @@ from .model import Transformer
 from .support import window_exceeded
 
 
+PREFILL_CHUNK = 2048  # prompt positions a prefill computes at once (NativeSession.prefill)
+
+
 class NativeSession:
     """One static batch of B sequences; the KV cache (if any) is the single owner of their length."""
 
@@ -65,7 +68,9 @@ class NativeSession:
 
     def prefill(self, tokens: torch.Tensor) -> torch.Tensor:
         """`forward` for a prompt whose next token is all the caller needs: the last position's logits [B, V] only
-        (a long prompt's [B, T, V] is never materialized: Gemma 3's 262k vocabulary at 16k tokens would be 17 GB)."""
+        (a long prompt's [B, T, V] is never materialized: Gemma 3's 262k vocabulary at 16k tokens would be 17 GB),
+        computed PREFILL_CHUNK positions at a time through the cache (attention's transient memory is chunk x
+        context, not context^2: sdpa under Gemma 3's window mask materializes its scores, 4 GB a layer at 16k)."""
         n = tokens.shape[1]
         if n == 1 or self.cache is None:
             return self.forward(tokens)[:, -1]
@@ -73,8 +78,11 @@ class NativeSession:
             raise EngineError(f"sequence would exceed the session's max_len {self._max_len}")
         be = self._backend
         with torch.inference_mode():
-            start = self.cache.append(n)
-            return be.model(tokens, start, be.kernel, self.cache, num_logits=1)[:, -1]
+            for i in range(0, n, PREFILL_CHUNK):
+                part = tokens[:, i:i + PREFILL_CHUNK]
+                start = self.cache.append(part.shape[1])
+                logits = be.model(part, start, be.kernel, self.cache, num_logits=1)
+            return logits[:, -1]
 
     def rollback(self, num_tokens: int) -> None:
         if num_tokens <= 0:

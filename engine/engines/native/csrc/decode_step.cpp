@@ -1,8 +1,9 @@
 // The native engine's decode step in C++ (engine.compile_mode=cpp, engine/engines/native/cpp_step.py): the whole
-// layer loop of one token of one sequence -- embedding, RMSNorm, the QKV / output / MLP GEMVs through the kernels of
-// engine/kernels/gemv.h (the same ones the Python path calls), RoPE, attention over the engine's contiguous KV cache
-// (the tensors the Python path writes), residuals, final norm and LM head -- in one call, one OpenMP parallel region,
-// no Python and no torch dispatch inside. Prefill stays in torch and fills the same cache.
+// layer loop of one token of each of B sequences -- embedding, RMSNorm, the QKV / output / MLP GEMVs through the
+// kernels of engine/kernels/gemv.h (the same ones the Python path calls; each weight row read once for the B rows),
+// RoPE, attention over the engine's KV cache (the contiguous cache or the paged pool the Python path writes, through
+// KVLayout), residuals, final norm and LM head -- in one call, one OpenMP parallel region, no Python and no torch
+// dispatch inside. Prefill stays in torch and fills the same cache.
 //
 // Numerics follow the eager native path (model.py): in bf16, every value torch rounds to bf16 is rounded here at the
 // same point (norm outputs, GEMV outputs, RoPE products and sums, residual sums, attention output; eager attention's
@@ -656,14 +657,6 @@ void isw_decode_batch(const Model* m, int64_t B, const int64_t* tokens, const in
   }
   g_prof[6] += (now() - t_start) - inside;
   ++g_prof_steps;
-}
-
-// One decode step of one sequence over its contiguous cache ([Hkv, max_len, D] per layer): `token` at position `pos`
-// -> logits fp32 [vocab]
-void isw_decode_step(const Model* m, int64_t token, int64_t pos, float* logits, int threads) {
-  const int32_t block0 = 0;
-  const KVLayout kv{&block0, 1, m->max_len, m->hkv * m->max_len * m->head_dim, m->head_dim, m->max_len * m->head_dim};
-  isw_decode_batch(m, 1, &token, &pos, &kv, logits, threads);
 }
 
 // How the threads meet between phases (0: chunks and futex waits, the default; 1: static split, OpenMP barriers);
