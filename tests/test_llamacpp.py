@@ -336,3 +336,21 @@ def test_smollm2_greedy_tokens_equal_transformers():
     gg = load_gguf_model(spec, QuantConfig(), threads=2)
     got = _greedy(_backend(gg, attention="flash"), prompt, 24)
     assert got.tolist() == ref.tolist()
+
+
+@pytest.mark.llamacpp
+@needs_llamacpp
+def test_prefill_keeps_each_rows_last_logits_only(tiny_f32):
+    """generate's prefill: each row's last position's logits, the same as forward's, across llama_decode calls of
+    n_batch tokens (batching.max_batch_tokens=128: 3 rows of 200 tokens in 5 calls); row ends inside and between."""
+    from engine.engines import make_backend
+
+    be = make_backend(tiny_f32, replace(make_trial(tiny_f32.spec, backend="llamacpp", threads=2),
+                                        "batching.max_batch_tokens", 128))
+    assert be.n_batch == 128
+    ids = _ids(3, 200, seed=9)
+    a = be.new_session(3, 210)
+    last = a.prefill(ids)
+    b = be.new_session(3, 210)  # a new session resets the context: `a` is done
+    torch.testing.assert_close(last, b.forward(ids)[:, -1], atol=1e-5, rtol=1e-5)
+    assert last.shape == (3, be.n_vocab) and b.length == 200

@@ -130,6 +130,18 @@ class LlamaCppSession:
         self._length += n
         return logits
 
+    def prefill(self, tokens: torch.Tensor) -> torch.Tensor:
+        """`forward` keeping only each row's last logits [B, V] (generate's prefill: a 16k-token Gemma 3 prompt's
+        [T, V] would be 17 GB)."""
+        assert tokens.dim() == 2 and tokens.shape[0] == self._batch_size, tokens.shape
+        self._backend._check_epoch(self._epoch)
+        n = int(tokens.shape[1])
+        if self._length + n > self._max_len:
+            raise EngineError(f"sequence would exceed the session's max_len {self._max_len}")
+        logits = self._backend._decode(tokens, self._length, last_only=True)
+        self._length += n
+        return logits
+
     def rollback(self, num_tokens: int) -> None:
         if num_tokens <= 0:
             return
@@ -246,15 +258,16 @@ class LlamaCppBackend:
         if epoch != self._epoch:
             raise EngineError(f"{LABEL}: this session's context was taken by a newer session or score call")
 
-    def _decode(self, tokens: torch.Tensor, start: int) -> torch.Tensor:
-        """tokens [B, T] at positions start.. of every row -> logits [B, T, V] (split into n_batch calls)."""
+    def _decode(self, tokens: torch.Tensor, start: int, last_only: bool = False) -> torch.Tensor:
+        """tokens [B, T] at positions start.. of every row -> logits [B, T, V] (split into n_batch calls); with
+        `last_only`, each row's last position's [B, V] (the others are read from llama.cpp's buffer, never kept)."""
         cpp, b = self.cpp, self._batch
         rows, t = int(tokens.shape[0]), int(tokens.shape[1])
         n = rows * t
         flat = tokens.reshape(-1).to(torch.int32).cpu().numpy()
         pos = np.tile(np.arange(start, start + t, dtype=np.int32), rows)
         seq = np.repeat(np.arange(rows, dtype=np.int32), t)
-        out = torch.empty(n, self.n_vocab, dtype=torch.float32)
+        out = torch.empty(rows if last_only else n, self.n_vocab, dtype=torch.float32)
         # llama.cpp clamps a context's n_batch to the n_ctx asked for (before padding it), so a reused context
         # made for shorter rows takes fewer tokens per call than n_batch (more aborts the process)
         cap = min(b.cap, int(cpp.llama_n_batch(self._ctx)))
@@ -267,8 +280,12 @@ class LlamaCppBackend:
             if rc != 0:
                 raise EngineError(f"llama_decode failed (code {rc}) on {m} tokens at position {start}{last_problem()}")
             logits = np.ctypeslib.as_array(cpp.llama_get_logits(self._ctx), shape=(m, self.n_vocab))
-            out[c0:c1] = torch.from_numpy(logits)
-        return out.view(rows, t, self.n_vocab)
+            if last_only:  # the flat positions in this call that end a row
+                ends = np.arange(c0 + (t - 1 - c0 % t) % t, c1, t)
+                out[ends // t] = torch.from_numpy(logits[ends - c0])
+            else:
+                out[c0:c1] = torch.from_numpy(logits)
+        return out if last_only else out.view(rows, t, self.n_vocab)
 
     def _forget_from(self, position: int) -> None:
         if not self.cpp.llama_memory_seq_rm(self.cpp.llama_get_memory(self._ctx), -1, position, -1):
