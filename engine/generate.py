@@ -34,8 +34,7 @@ def stream(
 ) -> Iterator[tuple[torch.Tensor, float]]:
     """Yield (tokens [B], seconds since start) for each of `max_new_tokens` steps. prompt: [B, T]."""
     t0 = time.perf_counter()
-    first = getattr(session, "prefill", None)  # a session that can skip the prompt's other logits (native)
-    logits = first(prompt) if first is not None else session.forward(prompt)[:, -1]  # prefill: [B, V]
+    logits = session.prefill(prompt)  # [B, V]
     for step in range(max_new_tokens):
         nxt = sample(logits, sampling, generator)
         sync()

@@ -33,8 +33,10 @@ class DecodeSession(Protocol):
         """Forget the last `num_tokens` positions (rejected speculative tokens)."""
         ...
 
-    # optional: prefill(tokens [B, T]) -> the last position's logits [B, V] (generate's prefill uses it where a
-    # session has it: engine=native never materializes a long prompt's [B, T, V] logits)
+    def prefill(self, tokens: torch.Tensor) -> torch.Tensor:
+        """`forward` for a prompt whose next token is all the caller needs: each row's last logits [B, V] (native and
+        llama.cpp never keep a long prompt's [B, T, V]: Gemma 3's 262k vocabulary at 16k tokens is 17 GB)."""
+        ...
 
     def kv_cache_bytes(self) -> tuple[int, int]:
         """(allocated, used) bytes of the KV cache; (0, 0) when caching is off."""

@@ -48,7 +48,7 @@ def test_engines_contribute_their_own_axis_values():
     """An axis value that belongs to one engine (llama.cpp's GGUF levels and K/V types, vLLM's fp8 K/V) is in that
     engine's support table only; validation accepts the registry's union, in the registry's order."""
     assert engines.values("quant.level") == QUANT_LEVELS + ("gguf-q8_0", "gguf-q4_0", "gguf-q4_k_m", "gguf-shipped")
-    assert engines.values("kv_cache.dtype") == ("auto", "f32", "f16", "q8_0", "q4_0", "fp8")
+    assert engines.values("kv_cache.dtype") == ("auto", "bfloat16", "f32", "f16", "q8_0", "q4_0", "fp8")
     assert not any(v.startswith("gguf-") for v in QUANT_LEVELS)
     from engine.validation import check_trial
 
@@ -57,7 +57,7 @@ def test_engines_contribute_their_own_axis_values():
         assert "not allowed" not in probs.get(key, "") and "engine=hf cannot honour" in probs[key]
     msgs = [m for k, m in check_trial(replace(_trial("hf"), "kv_cache.dtype", "q5_1"), gpu_available=False)
             if k == "kv_cache.dtype"]
-    assert msgs[0] == "'q5_1' is not allowed; choose one of auto, f32, f16, q8_0, q4_0, fp8"
+    assert msgs[0] == "'q5_1' is not allowed; choose one of auto, bfloat16, f32, f16, q8_0, q4_0, fp8"
 
 
 def test_native_declares_its_compile_modes_and_the_torch_engines_their_kernels():

@@ -170,7 +170,7 @@ def test_validation_names_what_vllm_cannot_honour():
     with pytest.raises(SweepError) as ei:
         expand(TINY32_OVERRIDES + ["engine=hf", "kv_cache.dtype=fp8"])
     assert ei.value.problems == ["kv_cache.dtype: engine=hf cannot honour kv_cache.dtype=fp8: K/V stay in model.dtype "
-                                 "on the torch engines (it supports auto)"]
+                                 "on engine=hf (engine=native also stores them in bfloat16) (it supports auto)"]
     with pytest.raises(SweepError) as ei:
         expand(TINY32_OVERRIDES + ["engine=vllm", "workload=serving-burst", "batching=static"])
     assert any(p.startswith("batching.mode: engine=vllm always schedules continuously") for p in ei.value.problems)

@@ -103,7 +103,7 @@ def generate_speculative(
     stats = SpeculativeStats(k=k)
     clock = time.perf_counter
     t0 = clock()
-    first = sample(session.forward(prompt)[:, -1], sampling, gen)  # prefill: [1]
+    first = sample(session.prefill(prompt), sampling, gen)  # prefill: [1]
     sync()
     times = [clock() - t0]
     out = [int(first)]

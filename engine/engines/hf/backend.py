@@ -85,6 +85,9 @@ class HFSession:
             out = self._model(input_ids=self._tokens, use_cache=False, logits_to_keep=n_new)
             return out.logits.float()
 
+    def prefill(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.forward(tokens)[:, -1]
+
     def rollback(self, num_tokens: int) -> None:
         if num_tokens <= 0:
             return
