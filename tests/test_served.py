@@ -16,6 +16,7 @@ import shlex
 import signal
 import socket
 import subprocess
+import statistics
 import sys
 import threading
 import time
@@ -235,13 +236,15 @@ def test_streamed_timings_follow_the_servers_delays_and_arrivals(sse):
     recs, duration = drive(_api(sse, exact_length_key="min_tokens"), [_req(0, 0.0), _req(1, 0.4, 8)])
     assert [r.id for r in recs] == [0, 1] and [len(r.output) for r in recs] == [5, 8]
     assert recs[0].sent_s < 0.1 and 0.4 <= recs[1].sent_s < 0.6  # sent at its arrival time
-    for r in recs:
+    for r in recs:  # causal bounds, whatever the machine's stalls: token k cannot arrive before the server wrote it
         assert r.ttft_s >= SSE.ttft_s and len(r.token_times_s) == len(r.output)
-        gaps = [b - a for a, b in zip(r.token_times_s, r.token_times_s[1:])]
-        assert min(gaps) >= SSE.itl_s * 0.9
+        for k, t in enumerate(r.token_times_s):
+            assert t - r.sent_s >= SSE.ttft_s + k * SSE.itl_s - 1e-3, (k, t - r.sent_s)
     assert duration == max(r.token_times_s[-1] for r in recs)
     m = request_metrics(recs, duration, SLOConfig())
-    assert m["tpot_ms_p50"] >= SSE.itl_s * 1e3 * 0.9 and m["ttft_ms_p50"] >= SSE.ttft_s * 1e3
+    tpots = sorted(1e3 * (r.token_times_s[-1] - r.token_times_s[0]) / (len(r.output) - 1) for r in recs)
+    assert m["tpot_ms_p50"] == pytest.approx(statistics.median(tpots), rel=1e-6)  # the stream's own per-token time
+    assert m["ttft_ms_p50"] >= SSE.ttft_s * 1e3
     # what was sent: the prompt as text, the exact-length option at max_tokens, streaming
     assert SSE.bodies[0]["prompt"] == "hello 0" and SSE.bodies[0]["min_tokens"] == 5 and SSE.bodies[0]["stream"] is True
 
