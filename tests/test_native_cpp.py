@@ -97,14 +97,16 @@ def test_cpp_step_logits_match_the_eager_engine_on_every_architecture(kind, atte
 
 @pytest.mark.parametrize("kind", ["llama", "gemma3"])
 @pytest.mark.parametrize("level", ["none", "int8-dynamic", "int4-weight"])
-def test_cpp_step_logits_do_not_depend_on_threads_or_how_they_meet(kind, level):
+@pytest.mark.parametrize("batch", [1, 3])
+def test_cpp_step_logits_do_not_depend_on_threads_or_how_they_meet(kind, level, batch):
     """The phases' chunks (rows of a GEMV, parts of a KV group's query heads) taken from counters, with futex waits,
     give the same logits as one thread and as the static split with OpenMP barriers (isw_set_sync(1)), at 2 threads
     and at 3 (more threads than this machine's cores: the descheduled-thread case the chunks exist for). Each row and
-    head is computed by one thread whatever the split; fp32 sums inside a row may group differently at a chunk edge."""
+    head is computed by one thread whatever the split; fp32 sums inside a row may group differently at a chunk edge.
+    One sequence, and 3 decoded together (isw_decode_batch's chunks over (sequence, KV group))."""
     from engine.quant import quantize_model
 
-    ids = torch.randint(3, 320, (1, 29), generator=torch.Generator().manual_seed(4))
+    ids = torch.randint(3, 320, (batch, 29), generator=torch.Generator().manual_seed(4))
     loaded = hf_tiny(kind)
     spec = QuantConfig(level=level, kernel="gemv" if level == "int4-weight" else "dequant")
     if level != "none":
@@ -118,7 +120,7 @@ def test_cpp_step_logits_do_not_depend_on_threads_or_how_they_meet(kind, level):
             lib.isw_set_sync(sync)
             for n in (1, 2, 3):
                 torch.set_num_threads(n)
-                out[sync, n] = incremental_logits(backend.new_session(1, 29), ids, 5)
+                out[sync, n] = incremental_logits(backend.new_session(batch, 29), ids, 5)
     finally:
         lib.isw_set_sync(0)
         torch.set_num_threads(threads0)

@@ -2,9 +2,10 @@
 and continuous batching's decode rows over the serving pool, each sequence at its own position through its block
 table -- every weight row read once for all B rows.
 
-Correctness only (speed: benchmarks/bench_cpp_batch.py): logits of B = 3 rows match the eager engine's step by step on
-the architectures of the single-sequence tests (Gemma 3 past its window), at 1-3 threads and both ways threads meet;
-greedy tokens equal at every weight layout; the paged cache gives the contiguous cache's logits; a model whose widths
+Correctness only (speed: benchmarks/bench_native_vs_llamacpp.py --batch B, benchmarks/bench_batch_vs_vllm.py): logits
+of B = 3 rows match the eager engine's step by step on the architectures of the single-sequence tests (Gemma 3 past
+its window; 1-3 threads both ways they meet: tests/test_native_cpp.py, parametrized by batch); greedy tokens equal at
+every weight layout; the paged cache gives the contiguous cache's logits; a model whose widths
 are not multiples of 32 (the dense kernels' packed rows); continuous batching on the C++ step gives each request the
 tokens it gets alone, with the decode steps really taken in C++.
 """
@@ -75,32 +76,6 @@ def test_the_paged_cache_gives_the_contiguous_caches_logits(kind):
     _, paged = _eager_and_cpp(loaded, kv="paged")
     torch.testing.assert_close(incremental_logits(paged.new_session(3, 29), ids, 5),
                                incremental_logits(contiguous.new_session(3, 29), ids, 5), **FP32_TOL)
-
-
-@pytest.mark.parametrize("kind", ["llama", "gemma3"])
-@pytest.mark.parametrize("level", ["none", "int8-dynamic", "int4-weight"])
-def test_batched_logits_do_not_depend_on_threads_or_how_they_meet(kind, level):
-    from engine.quant import quantize_model
-
-    ids = _batch_ids(seed=4)
-    loaded = hf_tiny(kind)
-    spec = QuantConfig(level=level, kernel="gemv" if level == "int4-weight" else "dequant")
-    if level != "none":
-        quantize_model(loaded.model, spec, loaded.model.config.num_hidden_layers)
-    backend = make_backend(loaded, _trial(loaded.spec, quant=spec))
-    lib, threads0 = backend.decode_step.lib, torch.get_num_threads()
-    out = {}
-    try:
-        for sync in (0, 1):
-            lib.isw_set_sync(sync)
-            for n in (1, 2, 3):
-                torch.set_num_threads(n)
-                out[sync, n] = incremental_logits(backend.new_session(3, 29), ids, 5)
-    finally:
-        lib.isw_set_sync(0)
-        torch.set_num_threads(threads0)
-    for key, got in out.items():
-        torch.testing.assert_close(got, out[1, 1], **FP32_TOL, msg=lambda m: f"sync, threads {key}: {m}")
 
 
 @pytest.mark.parametrize("level,kernel", [("none", "gemv-all"), ("int8-weight", "gemv"), ("int4-weight", "gemv"),

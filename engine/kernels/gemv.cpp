@@ -7,9 +7,6 @@
 #include <vector>
 
 namespace {
-// Row counts from which W8A8 takes the tiled kernel (below it: one dot per row and weight row, as decode)
-constexpr int64_t W8A8_TILED_ROWS = 4;
-
 // At least min_bytes of weight per thread: an OpenMP region costs a barrier, and on a loaded machine a descheduled
 // thread stalls it for a whole time slice
 int threads_for(int64_t weight_bytes, int64_t min_bytes, int threads) {
@@ -59,9 +56,9 @@ void isw_w8a8_gemv(const float* x, int64_t R, int64_t K, int8_t* xq, float* xs, 
                    float* y, int64_t N, int64_t min_bytes, int threads) {
   for (int64_t r = 0; r < R; ++r) xs[r] = isw::quantize_row_i8(x + r * K, K, xq + r * K);
 #if defined(ISW_VNNI)
-  if (R >= W8A8_TILED_ROWS) {  // many rows: the tiled kernel on activations offset to unsigned (bit-identical)
+  if (R >= isw::W8A8_TILED_ROWS) {  // many rows: the tiled kernel on activations offset to unsigned (bit-identical)
     std::vector<uint8_t> xu(R * K);
-    for (int64_t i = 0; i < R * K; ++i) xu[i] = (uint8_t)(xq[i] + 128);
+    isw::offset_u8(xq, R * K, xu.data());
     split_rows(N, threads_for(R * N * K, min_bytes, threads), [&](int64_t n0, int64_t n1) {  // work ~ R x weight
       isw::rows_w8a8_tiled(xq, xu.data(), xs, R, K, w, ws, y, N, n0, n1);
     });

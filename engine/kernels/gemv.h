@@ -410,6 +410,14 @@ static inline void w8a8_tile44(const uint8_t* xu, const float* xs, int64_t K, co
       y[(r0 + i) * ys + n0 + j] = (float)(_mm512_reduce_add_epi32(acc[i][j]) - o[j]) * xs[r0 + i] * ws[n0 + j];
 }
 
+// Row counts from which W8A8 takes the tiled kernel (below it: one dot per row and weight row, as decode)
+constexpr int64_t W8A8_TILED_ROWS = 4;
+
+// The tiled kernel's unsigned operand: xu = xq + 128, n values
+static inline void offset_u8(const int8_t* xq, int64_t n, uint8_t* xu) {
+  for (int64_t i = 0; i < n; ++i) xu[i] = (uint8_t)(xq[i] + 128);
+}
+
 // The whole 4 x 4 tiles here; the rows and outputs left over (fewer than 4 of each) by rows_w8a8
 static inline void rows_w8a8_tiled(const int8_t* xq, const uint8_t* xu, const float* xs, int64_t R, int64_t K,
                                    const int8_t* w, const float* ws, float* y, int64_t ys, int64_t n0, int64_t n1) {

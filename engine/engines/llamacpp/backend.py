@@ -121,24 +121,20 @@ class LlamaCppSession:
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         """tokens [B, T] -> logits [B, T, V] float32; the tokens are appended to the sequences."""
-        assert tokens.dim() == 2 and tokens.shape[0] == self._batch_size, tokens.shape
-        self._backend._check_epoch(self._epoch)
-        n = int(tokens.shape[1])
-        if self._length + n > self._max_len:
-            raise EngineError(f"sequence would exceed the session's max_len {self._max_len}")
-        logits = self._backend._decode(tokens, self._length)
-        self._length += n
-        return logits
+        return self._append(tokens, last_only=False)
 
     def prefill(self, tokens: torch.Tensor) -> torch.Tensor:
         """`forward` keeping only each row's last logits [B, V] (generate's prefill: a 16k-token Gemma 3 prompt's
         [T, V] would be 17 GB)."""
+        return self._append(tokens, last_only=True)
+
+    def _append(self, tokens: torch.Tensor, last_only: bool) -> torch.Tensor:
         assert tokens.dim() == 2 and tokens.shape[0] == self._batch_size, tokens.shape
         self._backend._check_epoch(self._epoch)
         n = int(tokens.shape[1])
         if self._length + n > self._max_len:
             raise EngineError(f"sequence would exceed the session's max_len {self._max_len}")
-        logits = self._backend._decode(tokens, self._length, last_only=True)
+        logits = self._backend._decode(tokens, self._length, last_only=last_only)
         self._length += n
         return logits
 

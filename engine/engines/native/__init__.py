@@ -66,7 +66,9 @@ class NativeEngine(LogitsEngine):
         return p + _kv_dtype_checks(trial)
 
     def kv_element_bytes(self, trial: TrialConfig):
-        return 2.0 if trial.kv_cache.dtype == "bfloat16" else None
+        from .backend import kv_dtype_of  # torch: the cost model asks at trial time, never at import
+
+        return None if trial.kv_cache.dtype == "auto" else float(kv_dtype_of(trial.kv_cache.dtype, None).itemsize)
 
     def materializes_scores(self, trial: TrialConfig) -> bool:
         return trial.attention.impl == "eager"  # our eager kernel writes softmax(QK^T); sdpa / flash fuse it

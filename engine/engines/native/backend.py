@@ -55,8 +55,7 @@ class NativeSession:
         """tokens [B, T] -> logits [B, T, V] float32; the tokens are appended to the sequences."""
         assert tokens.dim() == 2 and tokens.shape[0] == self._batch_size, tokens.shape
         n = tokens.shape[1]
-        if self.length + n > self._max_len:
-            raise EngineError(f"sequence would exceed the session's max_len {self._max_len}")
+        self._check_room(n)
         be = self._backend
         with torch.inference_mode():
             if self.cache is None:
@@ -74,8 +73,7 @@ class NativeSession:
         n = tokens.shape[1]
         if n == 1 or self.cache is None:
             return self.forward(tokens)[:, -1]
-        if self.length + n > self._max_len:
-            raise EngineError(f"sequence would exceed the session's max_len {self._max_len}")
+        self._check_room(n)
         be = self._backend
         with torch.inference_mode():
             for i in range(0, n, PREFILL_CHUNK):
@@ -83,6 +81,10 @@ class NativeSession:
                 start = self.cache.append(part.shape[1])
                 logits = be.model(part, start, be.kernel, self.cache, num_logits=1)
             return logits[:, -1]
+
+    def _check_room(self, n: int) -> None:
+        if self.length + n > self._max_len:
+            raise EngineError(f"sequence would exceed the session's max_len {self._max_len}")
 
     def rollback(self, num_tokens: int) -> None:
         if num_tokens <= 0:

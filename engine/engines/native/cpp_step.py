@@ -273,8 +273,7 @@ class CppDecodeStep:
         assert tokens.dim() == 2 and tokens.shape[1] == 1, tokens.shape
         b = int(tokens.shape[0])
         if isinstance(cache, PagedKVCache):  # its tables grow as the sequences do
-            self._blocks = cache.block_table_tensor(torch.int32).contiguous()
-            self._kv.blocks, self._kv.max_blocks = self._blocks.data_ptr(), int(self._blocks.shape[1])
+            self._use_tables(cache.block_table_tensor(torch.int32))
         return self._run(tokens[:, 0], torch.full((b,), start, dtype=torch.int64)).view(b, 1, -1)
 
     def decode_varlen(self, tokens: torch.Tensor, positions: torch.Tensor, tables: torch.Tensor, pool) -> torch.Tensor:
@@ -282,9 +281,13 @@ class CppDecodeStep:
         blocks tables[i] (int32 [B, width]) -> logits [B, V]."""
         if pool is not self._cache:
             self._bind(pool)
+        self._use_tables(tables)
+        return self._run(tokens, positions)
+
+    def _use_tables(self, tables: torch.Tensor) -> None:
+        """The pool's block tables [B, width] the next step reads (kept alive here while the layout points at them)."""
         self._blocks = tables.to(torch.int32).contiguous()
         self._kv.blocks, self._kv.max_blocks = self._blocks.data_ptr(), int(self._blocks.shape[1])
-        return self._run(tokens, positions)
 
     def profile(self) -> dict[str, float]:
         """Milliseconds per step in each phase (thread 0's wall time between the region's barriers, so a phase's

@@ -142,9 +142,9 @@ struct Input {
       q.resize(R * K + 32); row_scale.resize(R);
       for (int64_t r = 0; r < R; ++r) row_scale[r] = isw::quantize_row_i8(x + r * pad32(K), K, q.data() + r * K);
 #if defined(ISW_VNNI)
-      if (R >= 4) {
+      if (R >= isw::W8A8_TILED_ROWS) {
         qu.resize(R * K);
-        for (int64_t i = 0; i < R * K; ++i) qu[i] = (uint8_t)(q[i] + 128);
+        isw::offset_u8(q.data(), R * K, qu.data());
       }
 #endif
       have_row = true; have_blocks = false;
@@ -167,9 +167,8 @@ struct KVLayout {
   // f(j, offset) for keys j in [j0, j1), block by block (no division per key)
   template <class F> void each(int64_t b, int64_t g, int64_t j0, int64_t j1, F&& f) const {
     for (int64_t j = j0; j < j1;) {
-      const int64_t blk = j / block_size, end = std::min(j1, (blk + 1) * block_size);
-      int64_t off = (int64_t)blocks[b * max_blocks + blk] * blk_stride + (j - blk * block_size) * tok_stride + g * head_stride;
-      for (; j < end; ++j, off += tok_stride) f(j, off);
+      const int64_t end = std::min(j1, (j / block_size + 1) * block_size);
+      for (int64_t off = at(b, g, j); j < end; ++j, off += tok_stride) f(j, off);
     }
   }
   int64_t at(int64_t b, int64_t g, int64_t j) const {
@@ -191,7 +190,7 @@ inline void lin_rows(const Act& a, const Lin& L, Input& in, float* y, int64_t n0
     case I4: isw::rows_i4(in.x, R, L.G, (const uint8_t*)L.w, L.s, y, N, n0, n1); break;
     case W8A8:
 #if defined(ISW_VNNI)
-      if (R >= 4) {  // 4 x 4 tiles (bit-identical to rows_w8a8)
+      if (R >= isw::W8A8_TILED_ROWS) {  // 4 x 4 tiles (bit-identical to rows_w8a8)
         isw::rows_w8a8_tiled(in.q.data(), in.qu.data(), in.row_scale.data(), R, L.K, (const int8_t*)L.w, L.s, y, N, n0, n1);
         break;
       }
