@@ -322,6 +322,22 @@ def test_the_total_pair_is_fresh_and_a_rerun_reuses_it_with_nothing_run():
     assert again.total == first.total
 
 
+def test_a_chain_that_ended_with_an_undecided_pair_replays_from_the_store_with_nothing_run():
+    # the pair measured again while undecided (a loaded machine, every attempt), then retried at the chain's end: a
+    # rerun of the same command finds each attempt again in order -- the same rows, no trial run (the CI flake this
+    # guards: a rerun re-measured a pair the first run had left undecided)
+    load = "load: other processes used 40.3% of the CPUs (> 25.0%)"
+    syn = Synthetic(tpot_of({("kv_cache", "contiguous"): 0.5}),
+                    unstable=lambda p, a: load if p.get("kv_cache") == "contiguous" else "")
+    first = chain(syn, space={"kv_cache": ["off", "contiguous"]}, rules=rules(gate=False)).run()
+    assert first.stop == "end of chain" and UNDECIDED_PAIR in [r.decision for r in first.rows]
+    assert sum(1 for r in syn.requests if r.interleaved) > 1  # measured again
+    runs = syn.runs
+    again = chain(syn, space={"kv_cache": ["off", "contiguous"]}, rules=rules(gate=False)).run()
+    assert syn.runs == runs and again.trials == 0 and again.reused == first.trials
+    assert [r.__dict__ for r in again.rows] == [r.__dict__ for r in first.rows]
+
+
 def test_time_budget_uses_the_injected_clock():
     t = iter(range(0, 1000, 10))
     syn = Synthetic(tpot_of({("kv_cache", "contiguous"): 0.5}))

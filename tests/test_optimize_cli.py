@@ -118,16 +118,20 @@ def test_interrupt_leaves_the_optimize_run_killed(tiny_overrides, mlflow_client,
 
 @pytest.mark.slow
 def test_real_chain_on_the_tiny_model_resumes_by_hash(tiny_overrides, mlflow_client, ray_local, capsys):
+    # a budget that never binds: a chain stopped by its budget resumes on the same command (the budget counts trials
+    # run now, conf/optimize/chain.yaml), and this test is about the other case -- a chain that ended is replayed
+    # from the store (a loaded machine can leave the pair undecided after its first measurement: seen in CI)
     args = ["optimize", *tiny_overrides, "sweep_name=t-opt-real", "kv_cache=off,contiguous", GATE_OFF,
-            "optimize.max_trials=3", "optimize.remeasure=0", "optimize.rounds=3"]
+            "optimize.max_trials=20", "optimize.remeasure=0", "optimize.rounds=3"]
     main(args)
     out = capsys.readouterr().out
+    assert "stopped: end of chain;" in out
     assert "| 0 baseline | kv_cache=off | baseline |" in out and "| 1 KV cache | kv_cache=contiguous |" in out
     exp = mlflow_client.get_experiment_by_name("t-opt-real")
     (opt,) = mlflow_client.search_runs([exp.experiment_id], "tags.kind = 'optimize'")
     trials = mlflow_client.search_runs([exp.experiment_id], f"tags.`mlflow.parentRunId` = '{opt.info.run_id}'")
-    # the baseline, the pair, and (when the KV cache was kept) the total pair: final vs baseline
-    assert opt.info.status == "FINISHED" and opt.data.tags["optimize.trials"] == str(len(trials)) and len(trials) in (3, 5)
+    # the baseline, the pair (measured again while undecided), and (when the KV cache was kept) the total pair
+    assert opt.info.status == "FINISHED" and opt.data.tags["optimize.trials"] == str(len(trials)) and len(trials) >= 3
     assert all(t.data.tags.get("config_hash") for t in trials)
     arts = {a.path for a in mlflow_client.list_artifacts(opt.info.run_id, "optimize")}
     assert {"optimize/chain.md", "optimize/chain.json", "optimize/final_config.yaml", "optimize/deploy.sh"} <= arts
