@@ -114,6 +114,9 @@ class EngineConfig:
     compile: bool = False  # torch.compile the forward
     # one its engine declares (engine=native's COMPILE_MODES: engine/engines/native); added after the first schema
     compile_mode: str = field(default="dynamic", metadata=added("dynamic"))
+    # how a prompt is computed: default = the engine's own prefill (torch's GEMMs on hf and native); cpp = engine=native's
+    # C++ step over the prompt's rows (with compile_mode=cpp); one its engine declares; added after the first schema
+    prefill: str = field(default="default", metadata=added("default"))
     threads: int = 0  # torch intra-op threads; 0 = the CPUs the trial was given
 
 

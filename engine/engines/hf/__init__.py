@@ -53,6 +53,7 @@ class HFEngine(LogitsEngine):
         "kv_cache.mode": Support(("off", "contiguous"), "transformers' DynamicCache is contiguous; paged is engine=native's"),
         "batching.mode": Support(("static",), "engine=hf runs one static batch; continuous batching is engine=native's"),
         "engine.compile_mode": Support(("dynamic",), "the static compiled decode step (compile_mode=static*) is engine=native's"),
+        "engine.prefill": Support(("default",), "the C++ prefill (engine.prefill=cpp) is engine=native's C++ step's"),
         **TORCH_SUPPORT,
     }
 

@@ -48,6 +48,7 @@ class LlamaCppEngine(LogitsEngine):
         "kv_cache.dtype": Support(KV_CACHE_DTYPES, "llama.cpp's K/V types (auto = f16)"),
         "engine.compile": Support(("False",), "llama.cpp runs its own C++ graph: torch.compile does not apply"),
         "engine.compile_mode": Support(("dynamic",), "llama.cpp runs its own C++ graph: torch.compile does not apply"),
+        "engine.prefill": Support(("default",), "llama.cpp prefills with its own graph (engine.prefill=cpp is engine=native's)"),
         "quant.kernel": own_kernels("llama.cpp"),
     }
 

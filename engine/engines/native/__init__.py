@@ -30,6 +30,10 @@ COMPILE_MODES = ("dynamic", "static", "static-autotune", "cpp")
 # kv_cache.dtype: auto = model.dtype; bfloat16 = K/V stored in bf16 under any model dtype (half of fp32's bytes per
 # cached token: the bytes a long-context decode step reads), the new keys and values rounded to bf16 on every path
 KV_DTYPES = ("auto", "bfloat16")
+# engine.prefill: default = torch's GEMMs (MKL / oneDNN: AMX where the CPU has it) over the prompt; cpp = the C++ step
+# over the prompt's rows (cpp_step.py `prefill`; in serving, every step's chunks): no per-op dispatch, the row-tiled
+# kernels -- ahead on short chunks and W8A8, behind torch's GEMMs on long fp32 / bf16 prompts (BENCHMARKS.md)
+PREFILLS = ("default", "cpp")
 
 
 class NativeEngine(LogitsEngine):
@@ -39,6 +43,7 @@ class NativeEngine(LogitsEngine):
         **TORCH_SUPPORT,
         "engine.compile_mode": Support(COMPILE_MODES, "these are the ways our runtime's decode step is compiled"),
         "kv_cache.dtype": Support(KV_DTYPES, "our runtime stores K/V in model.dtype (auto) or bfloat16"),
+        "engine.prefill": Support(PREFILLS, "our runtime prefills with torch's GEMMs (default) or its C++ step (cpp)"),
     }
     serves = True
     serving_usage = "engine=native kv_cache=paged"
@@ -63,6 +68,9 @@ class NativeEngine(LogitsEngine):
             p += _serving_checks(trial)
         if trial.engine.compile_mode != "dynamic":
             p += _static_step_checks(trial, facts)
+        if trial.engine.prefill == "cpp" and not (trial.engine.compile and trial.engine.compile_mode == "cpp"):
+            p.append(("engine.prefill", "engine.prefill=cpp runs the prompt through the C++ step: use engine=native-cpp "
+                                        "(engine.compile=true engine.compile_mode=cpp)"))
         return p + _kv_dtype_checks(trial)
 
     def kv_element_bytes(self, trial: TrialConfig):

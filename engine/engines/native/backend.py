@@ -62,6 +62,8 @@ class NativeSession:
                 self._tokens = tokens if self._tokens is None else torch.cat([self._tokens, tokens], dim=1)
                 return be.model(self._tokens, 0, be.kernel, None, num_logits=n)
             start = self.cache.append(n)
+            if n > 1 and be.cpp_prefill:
+                return be.decode_step.prefill(tokens, start, self.cache, last_only=False)
             step = be.decode_step if n == 1 else be.model
             return step(tokens, start, be.kernel, self.cache)
 
@@ -79,8 +81,11 @@ class NativeSession:
             for i in range(0, n, PREFILL_CHUNK):
                 part = tokens[:, i:i + PREFILL_CHUNK]
                 start = self.cache.append(part.shape[1])
-                logits = be.model(part, start, be.kernel, self.cache, num_logits=1)
-            return logits[:, -1]
+                if be.cpp_prefill:
+                    last = be.decode_step.prefill(part, start, self.cache)
+                else:
+                    last = be.model(part, start, be.kernel, self.cache, num_logits=1)[:, -1]
+            return last
 
     def _check_room(self, n: int) -> None:
         if self.length + n > self._max_len:
@@ -123,6 +128,7 @@ class NativeBackend:
         self.decode_step = self.model
         mode = trial.engine.compile_mode
         self.cpp_step = trial.engine.compile and mode == "cpp"
+        self.cpp_prefill = self.cpp_step and trial.engine.prefill == "cpp"  # prompts through the C++ step too
         self.static_step = trial.engine.compile and mode not in ("dynamic", "cpp")
         if self.cpp_step:
             self.decode_step = CppDecodeStep(self.model, trial.attention.impl)

@@ -5,7 +5,9 @@ residual adds, KV writes, the attention call) each pay torch's dispatcher and th
 the whole layer loop of one token in one C++ call (csrc/decode_step.cpp) with one OpenMP parallel region, reading
 the model's own weight tensors (the same objects the Python path uses: nn.Linear / DenseGemvLinear fp32 or bf16,
 WeightOnlyInt8Linear, WeightOnlyInt4Linear, DynamicInt8Linear) through the kernels of engine/kernels/gemv.h, and
-writing the new K/V into the session's contiguous cache (the tensors prefill, which stays in torch, fills).
+writing the new K/V into the session's contiguous cache (the tensors prefill, in torch by default, fills). With
+`engine.prefill=cpp` the prompt runs through the same step too: its T positions as T rows (`prefill`, `step_rows`),
+every row's key and value stored before any row attends, each row attending over its sequence up to its position.
 
 It runs: the Llama family and Gemma 3; model.dtype float32 or bfloat16 (bf16 widened exactly and rounded where
 torch rounds, so it needs no bf16 arithmetic from the CPU); the K/V cache in the model's dtype or bf16
@@ -248,8 +250,7 @@ class CppDecodeStep:
         args = model.args
         hkv, d = args.num_kv_heads, args.head_dim
         if isinstance(cache, ContiguousKVCache):  # block b = sequence b's whole row [Hkv, max_len, D], head-major
-            self._blocks = torch.arange(cache.batch_size, dtype=torch.int32)
-            self._kv = _KVLayout(self._blocks.data_ptr(), 1, capacity, hkv * capacity * d, d, capacity * d)
+            self._kv = _KVLayout(0, 1, capacity, hkv * capacity * d, d, capacity * d)
         else:  # pool blocks [block_size, Hkv, D], token-major, through each sequence's block table
             bs = pool.block_size
             self._kv = _KVLayout(0, 0, bs, bs * hkv * d, hkv * d, d)
@@ -266,15 +267,53 @@ class CppDecodeStep:
 
     def __call__(self, tokens: torch.Tensor, start: int, kernel, cache) -> torch.Tensor:
         """A static batch's step: tokens [B, 1] at position `start` of every sequence -> logits [B, 1, V]."""
-        from .kv_cache import PagedKVCache
-
         if cache is not self._cache:
             self._bind(cache)
         assert tokens.dim() == 2 and tokens.shape[1] == 1, tokens.shape
         b = int(tokens.shape[0])
-        if isinstance(cache, PagedKVCache):  # its tables grow as the sequences do
-            self._use_tables(cache.block_table_tensor(torch.int32))
+        self._use_tables(self._tables_of(cache, b))
         return self._run(tokens[:, 0], torch.full((b,), start, dtype=torch.int64)).view(b, 1, -1)
+
+    def prefill(self, tokens: torch.Tensor, start: int, cache, last_only: bool = True) -> torch.Tensor:
+        """A static batch's prompt chunk in C++ (`engine.prefill=cpp`): tokens [B, T] at positions [start, start + T)
+        of every sequence, their K/V written into `cache` (already grown by T) -> the last position's logits [B, V]
+        (`last_only`), else every position's [B, T, V] (speculative verification).
+        One call for all B x T rows: every weight row read once for all of them (the kernels' row tiles), each row's
+        attention over its own sequence's cache up to its position (causal: the rows' keys are stored first)."""
+        if cache is not self._cache:
+            self._bind(cache)
+        b, t = int(tokens.shape[0]), int(tokens.shape[1])
+        tables = self._tables_of(cache, b)
+        positions = (start + torch.arange(t, dtype=torch.int64)).repeat(b)
+        out = torch.arange(1, b + 1, dtype=torch.int64) * t - 1 if last_only else torch.arange(b * t, dtype=torch.int64)
+        logits = self.step_rows(tokens.reshape(-1), positions, tables.repeat_interleave(t, dim=0), out, cache)
+        return logits if last_only else logits.view(b, t, -1)
+
+    @staticmethod
+    def _tables_of(cache, b: int) -> torch.Tensor:
+        """The block table of each of a static batch's b sequences: the paged cache's (they grow as the sequences
+        do), or the contiguous cache's one block per sequence (sequence i is block i)."""
+        from .kv_cache import PagedKVCache
+
+        if isinstance(cache, PagedKVCache):
+            return cache.block_table_tensor(torch.int32)
+        return torch.arange(b, dtype=torch.int32).view(b, 1)
+
+    def step_rows(self, tokens: torch.Tensor, positions: torch.Tensor, tables: torch.Tensor,
+                  out_rows: torch.Tensor, cache) -> torch.Tensor:
+        """R rows that may share sequences: row r is token tokens[r] at positions[r] of the sequence whose block table
+        is tables[r] (int32 [R, width]) in `cache` (a static batch's cache, or the serving pool); every row's K/V
+        stored before any row attends -> logits [len(out_rows), V] float32 of the rows out_rows (int64)."""
+        if cache is not self._cache:
+            self._bind(cache)
+        self._use_tables(tables)
+        tokens, positions = tokens.to(torch.int64).contiguous(), positions.to(torch.int64).contiguous()
+        out_rows = out_rows.to(torch.int64).contiguous()
+        logits = torch.empty(int(out_rows.shape[0]), self._m.vocab, dtype=torch.float32)
+        self.lib.isw_step_rows(ctypes.addressof(self._m), int(tokens.shape[0]), tokens.data_ptr(), positions.data_ptr(),
+                               ctypes.addressof(self._kv), int(out_rows.shape[0]), out_rows.data_ptr(),
+                               logits.data_ptr(), torch.get_num_threads())
+        return logits
 
     def decode_varlen(self, tokens: torch.Tensor, positions: torch.Tensor, tables: torch.Tensor, pool) -> torch.Tensor:
         """Continuous batching's decode rows: sequence i's token tokens[i] at positions[i], its K/V in the pool's

@@ -55,6 +55,7 @@ class VLLMEngine(Engine):
                                                                          "draft-model speculation, no self-draft"),
         "kv_cache.dtype": Support(("auto", "fp8"), "vLLM's kv_cache_dtype (auto = model.dtype)"),
         "engine.compile_mode": Support(("dynamic",), "the static compiled decode step (compile_mode=static*) is engine=native's"),
+        "engine.prefill": Support(("default",), "vLLM prefills with its own kernels (engine.prefill=cpp is engine=native's)"),
         "quant.kernel": own_kernels("vLLM"),
     }
 

@@ -333,8 +333,14 @@ extern "C" {
 // `kv` says (the contiguous cache of a static batch, or the paged pool through block tables: continuous batching).
 // Every linear reads each weight row once for all B rows (the kernels' R rows); attention runs per sequence and
 // KV group. One sequence past g_split_min positions splits its attention along the sequence (flash-decoding).
-void isw_decode_batch(const Model* m, int64_t B, const int64_t* tokens, const int64_t* pos, const KVLayout* kv,
-                      float* logits, int threads) {
+// B rows through the model: row b is token tokens[b] at position pos[b] of the sequence its KVLayout row b addresses
+// (its block table). `rows_share`: rows may belong to one sequence (a prompt's positions, a chunk of prefill beside
+// decode rows): every row's new key and value are stored in a phase of their own before any row attends, and each row
+// then reads keys [lo, pos] from the cache (causal by position); otherwise (one row per sequence: decode) each row's
+// own key is used where it is computed and stored after attention. Logits for the n_out rows out_rows (all B in order
+// when out_rows is null) into logits [n_out, V].
+static void run_rows(const Model* m, int64_t B, const int64_t* tokens, const int64_t* pos, const KVLayout* kv,
+                     float* logits, int threads, bool rows_share, int64_t n_out, const int64_t* out_rows) {
   const Act a{m->bf16 != 0};
   const int64_t H = m->hidden, I = m->inter, D = m->head_dim, Hq = m->hq, Hkv = m->hkv, S = m->max_len;
   const int64_t qn = Hq * D, kvn = Hkv * D, V = m->head.N;
@@ -377,7 +383,7 @@ void isw_decode_batch(const Model* m, int64_t B, const int64_t* tokens, const in
     std::vector<float> gate(B * I), up(B * I), attp(chunked && B == 1 ? Qs : 0, 0.f);
     Input in;
     int64_t p = 0;  // this thread's phase
-    const int64_t n_phases = m->num_layers * (gemma ? 7 : 5) + 1;
+    const int64_t n_phases = m->num_layers * ((gemma ? 7 : 5) + (rows_share ? 1 : 0)) + 1;
     // One phase: `enter()` once on this thread before its first chunk (its private norm), `body(c, C)` for each chunk
     // it takes; returns when every chunk of the phase is done. Static: chunk t of n_t, then an OpenMP barrier.
     auto phase = [&](int C, auto&& enter, auto&& body) {
@@ -480,9 +486,14 @@ void isw_decode_batch(const Model* m, int64_t B, const int64_t* tokens, const in
               float* ys[3] = {q.data(), k.data(), v.data()};
               lin_group(a, ls, ys, 3, in, c, C);
             });
+      if (rows_share)  // every row's key (normed, rotated) and value into the cache before any row attends
+        phase((int)(B * Hkv), none, [&](int c, int) {
+          new_key(c / Hkv, c % Hkv);
+          store_kv(c / Hkv, c % Hkv);
+        });
       lap(0);
       const int64_t lo0 = L.window > 0 ? std::max<int64_t>(0, pos[0] - L.window + 1) : 0;
-      const int64_t nb = B == 1 && chunks && pos[0] - lo0 + 1 >= g_split_min
+      const int64_t nb = B == 1 && !rows_share && chunks && pos[0] - lo0 + 1 >= g_split_min
                              ? std::min<int64_t>(nb_max, (pos[0] - lo0 + 1) / g_split_block) : 0;
       if (nb > 1) {  // flash-decoding (one sequence): chunk c = block c % nb of KV group c / nb, each a partial softmax
         phase((int)(Hkv * nb), none, [&](int c, int) {
@@ -561,7 +572,8 @@ void isw_decode_batch(const Model* m, int64_t B, const int64_t* tokens, const in
           fh += cnt;
         }
         // the new K/V into the cache, each (sequence, head group) by one chunk (no one reads position pos from the cache)
-        for (int64_t bg = chunks ? (c % att_s == 0 ? c / att_s : B * Hkv) : c; bg < B * Hkv; bg += chunks ? B * Hkv : C) {
+        for (int64_t bg = rows_share ? B * Hkv : chunks ? (c % att_s == 0 ? c / att_s : B * Hkv) : c; bg < B * Hkv;
+             bg += chunks ? B * Hkv : C) {
           new_key(bg / Hkv, bg % Hkv);
           store_kv(bg / Hkv, bg % Hkv);
         }
@@ -640,14 +652,22 @@ void isw_decode_batch(const Model* m, int64_t B, const int64_t* tokens, const in
       }
     }
     // --- final norm and LM head ---
-    phase(lin_C, [&] { norm_rows(gemma, x.data(), Hs, m->final_norm); in.set(h.data(), H, B); },
+    phase(lin_C, [&] {
+            if (out_rows == nullptr) {
+              norm_rows(gemma, x.data(), Hs, m->final_norm);
+            } else {  // only the rows whose logits are asked for
+              for (int64_t o = 0; o < n_out; ++o)
+                rms_norm(a, gemma, x.data() + out_rows[o] * Hs, H, m->final_norm, m->eps, h.data() + o * Hs);
+            }
+            in.set(h.data(), H, n_out);
+          },
           [&](int c, int C) {
             int64_t n0, n1;
             rows(V, c, C, n0, n1);
             lin_rows(a, m->head, in, logits, n0, n1);
             if (m->softcap != 0.0) {
               const float cap = (float)m->softcap;
-              for (int64_t b = 0; b < B; ++b)
+              for (int64_t b = 0; b < n_out; ++b)
                 for (int64_t n = n0; n < n1; ++n) logits[b * V + n] = std::tanh(logits[b * V + n] / cap) * cap;
             }
           });
@@ -656,6 +676,19 @@ void isw_decode_batch(const Model* m, int64_t B, const int64_t* tokens, const in
   }
   g_prof[6] += (now() - t_start) - inside;
   ++g_prof_steps;
+}
+
+// One decode token for each of B sequences (row b: sequence b's token at pos[b]) -> logits [B, V]
+void isw_decode_batch(const Model* m, int64_t B, const int64_t* tokens, const int64_t* pos, const KVLayout* kv,
+                      float* logits, int threads) {
+  run_rows(m, B, tokens, pos, kv, logits, threads, false, B, nullptr);
+}
+
+// R rows that may share sequences (a prompt's positions, prefill chunks beside decode rows: see run_rows), their K/V
+// written into the cache at their positions -> logits [n_out, V] of rows out_rows only
+void isw_step_rows(const Model* m, int64_t R, const int64_t* tokens, const int64_t* pos, const KVLayout* kv,
+                   int64_t n_out, const int64_t* out_rows, float* logits, int threads) {
+  run_rows(m, R, tokens, pos, kv, logits, threads, true, n_out, out_rows);
 }
 
 // How the threads meet between phases (0: chunks and futex waits, the default; 1: static split, OpenMP barriers);

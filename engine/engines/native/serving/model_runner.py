@@ -1,7 +1,8 @@
 """The only place that turns a scheduled batch into tensors: it owns the KV pool and runs the native
 model's varlen forward (engine/engines/native/varlen.py) over the flattened chunks of every scheduled sequence --
 or, with the C++ decode step (engine.compile_mode=cpp), a step whose every chunk is one decode token in one C++ call
-(cpp_step.py `decode_varlen`: each sequence at its own position, through its block table); prefill stays in torch.
+(cpp_step.py `decode_varlen`: each sequence at its own position, through its block table); prefill stays in torch
+unless engine.prefill=cpp, which makes every step one C++ call: prompt chunks beside decode rows (`step_rows`).
 """
 from __future__ import annotations
 
@@ -23,6 +24,23 @@ class ModelRunner:
         self.pool = KVPool(args.num_layers, num_blocks, block_size, args.num_kv_heads, args.head_dim,
                            backend.kv_dtype, backend.device)
 
+    def _cpp_rows(self, chunks, tokens: torch.Tensor) -> torch.Tensor:
+        """Every chunk's tokens as rows of one C++ step (cpp_step.py `step_rows`): row i of a chunk at its own
+        position, through its sequence's block table; logits of each sampling chunk's last row."""
+        width = max(len(c.block_table) for c in chunks)
+        tables, positions, out, row = [], [], [], 0
+        for c in chunks:
+            n = len(c.tokens)
+            tables += [list(c.block_table) + [0] * (width - len(c.block_table))] * n
+            positions += range(c.end - n, c.end)
+            row += n
+            if c.sample:
+                out.append(row - 1)
+        with torch.inference_mode():
+            return self.backend.decode_step.step_rows(tokens, torch.tensor(positions, dtype=torch.long),
+                                                      torch.tensor(tables, dtype=torch.int32),
+                                                      torch.tensor(out, dtype=torch.long), self.pool)
+
     def execute(self, batch: ScheduledBatch) -> torch.Tensor:
         """One forward pass over every chunk -> logits [R, V] float32, one row per sampling chunk in order."""
         chunks = batch.chunks
@@ -37,6 +55,8 @@ class ModelRunner:
             positions = torch.tensor([c.end - 1 for c in chunks], dtype=torch.long)
             with torch.inference_mode():
                 return be.decode_step.decode_varlen(tokens, positions, tables, self.pool)
+        if be.cpp_prefill:  # engine.prefill=cpp: prefill chunks and decode rows in one C++ call
+            return self._cpp_rows(chunks, tokens)
         meta = VarlenBatch(self.pool, [len(c.tokens) for c in chunks], [c.end for c in chunks],
                            [list(c.block_table) for c in chunks])
         rows, row = [], 0

@@ -1,0 +1,166 @@
+"""The prompt through the C++ step (`engine.prefill=cpp`, issue 42 item 1): a prompt's T positions as T rows of one
+call -- every row's key and value stored before any row attends, each row attending over its own sequence up to its
+position (causal by position, no T x T matrix) -- for static batches (`NativeSession.prefill` / multi-token `forward`)
+and for continuous batching, where every step (prompt chunks beside decode rows) becomes one C++ call.
+
+Correctness only (speed: benchmarks/bench_cpp_prefill.py): the last position's logits match the eager engine's
+(torch's GEMMs) within float rounding on every architecture of the decode-step tests, over the contiguous and the
+paged cache, over a second chunk that continues a cached prefix, past Gemma 3's window; every position's logits (a
+multi-token step: speculative verification); greedy tokens at every weight layout; continuous batching with chunked
+prefill gives each request its tokens alone with every step taken in C++; refusals; config hashes kept.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine.config import BatchingConfig, ModelConfig, QuantConfig, SamplingConfig, replace
+from engine.engines import make_backend
+from engine.generate import generate
+from engine.models import load_model
+from engine.validation import check_trial
+from support import make_trial
+from test_native import hf_tiny
+from test_native_cpp import FP32_TOL, _trial
+from test_native_cpp_batch import _batch_ids
+
+TINY = ModelConfig(name="tiny", path="tiny://llama")
+GREEDY = SamplingConfig(temperature=0.0)
+
+
+def _backends(loaded, attention="sdpa", kv="contiguous", quant=None, dtype="float32", kv_dtype="auto"):
+    """The eager engine (torch's prefill and step) and the C++ step with engine.prefill=cpp."""
+    out = []
+    for mode, compile, prefill in (("dynamic", False, "default"), ("cpp", True, "cpp")):
+        t = _trial(loaded.spec, mode=mode, compile=compile, attention=attention, kv_cache=kv, quant=quant)
+        t = replace(replace(replace(t, "engine.prefill", prefill), "model.dtype", dtype), "kv_cache.dtype", kv_dtype)
+        out.append(make_backend(loaded, t))
+    assert out[1].cpp_prefill and not out[0].cpp_prefill
+    return out
+
+
+def _prefill_then_more(backend, ids: torch.Tensor, cut: int):
+    """prefill ids[:, :cut] (last logits), then the rest as one multi-token forward (every position's logits),
+    then one decode step: the three outputs."""
+    s = backend.new_session(int(ids.shape[0]), int(ids.shape[1]) + 2)
+    with torch.inference_mode():
+        first = s.prefill(ids[:, :cut])
+        rest = s.forward(ids[:, cut:])
+        step = s.forward(ids[:, :1])
+    return first, rest, step
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2", "gemma3", "gemma3-softcap"])
+@pytest.mark.parametrize("attention", ["sdpa", "eager"])
+@pytest.mark.parametrize("kv", ["contiguous", "paged"])
+def test_prefill_in_cpp_matches_torchs_prefill(kind, attention, kv):
+    """B = 2 prompts of 20 tokens, then 9 more in one step (its every position), then a decode step -- 30 positions,
+    past Gemma 3's window of 8: fp32 within float rounding of the eager engine at each."""
+    loaded = hf_tiny(kind, attn=attention)
+    eager, cpp = _backends(loaded, attention, kv)
+    ids = _batch_ids(2, 29)
+    for got, ref in zip(_prefill_then_more(cpp, ids, 20), _prefill_then_more(eager, ids, 20)):
+        assert got.shape == ref.shape
+        torch.testing.assert_close(got, ref, **FP32_TOL)
+
+
+def test_bf16_activations_and_a_bf16_cache_stay_within_their_rounding():
+    """bf16 model: torch's bf16 GEMMs over T rows round elsewhere than the step's fp32 sums (an ulp of bf16 logits);
+    fp32 model with kv_cache.dtype=bfloat16: the keys and values rounded as stored on both paths, so fp32 rounding."""
+    ids = _batch_ids(2, 29, seed=4)
+    loaded = hf_tiny("llama")
+    eager, cpp = _backends(loaded, kv_dtype="bfloat16")
+    for got, ref in zip(_prefill_then_more(cpp, ids, 20), _prefill_then_more(eager, ids, 20)):
+        torch.testing.assert_close(got, ref, **FP32_TOL)
+    loaded.model.to(torch.bfloat16)
+    eager, cpp = _backends(loaded, dtype="bfloat16")
+    for got, ref in zip(_prefill_then_more(cpp, ids, 20), _prefill_then_more(eager, ids, 20)):
+        assert (got.float() - ref.float()).abs().max() < 0.1
+
+
+@pytest.mark.parametrize("level,kernel", [("none", "gemv-all"), ("int8-weight", "gemv"), ("int4-weight", "gemv"),
+                                          ("int4-weight", "gemv-q8"), ("int8-dynamic", "dequant")])
+def test_greedy_tokens_equal_torchs_prefill_at_every_weight_layout(level, kernel):
+    """fp32 activations, 3 prompts of 21 tokens, 12 greedy tokens: prefill=cpp vs the default prefill, both decoding
+    in C++ -- the same tokens at every weight layout the step reads."""
+    spec = QuantConfig(level=level, kernel=kernel)
+    loaded = load_model(TINY, attention="sdpa", quant=spec)
+    prompts = _batch_ids(3, 21, seed=5)
+    tokens = {}
+    for prefill in ("default", "cpp"):
+        be = make_backend(loaded, replace(_trial(TINY, quant=spec), "engine.prefill", prefill))
+        tokens[prefill] = torch.as_tensor(generate(be.new_session(3, 21 + 12), prompts, 12, GREEDY, seed=0,
+                                                   sync=lambda: None).tokens)
+    assert torch.equal(tokens["cpp"], tokens["default"])
+
+
+@pytest.mark.parametrize("chunked", [False, True])
+def test_continuous_batching_runs_every_step_in_cpp_with_each_requests_own_tokens(chunked):
+    """The serving scheduler over the paged pool with engine.prefill=cpp: every step -- prompt chunks (cut to 16
+    tokens a step when chunked) beside decode rows -- one C++ call; each request's greedy tokens equal its tokens
+    decoded alone by the eager engine."""
+    from engine.engines.native.serving.serve import ServingSetup
+    from engine.serving.requests import make_requests
+    from test_serving import CORPUS, serving
+
+    loaded = load_model(TINY, attention="sdpa", quant=QuantConfig())
+    spec = serving(n=8, inp=(3, 30), out=(2, 12))
+    requests = make_requests(spec, CORPUS, 0)
+    alone = make_backend(loaded, make_trial(TINY, backend="native"))
+    ref = [generate(alone.new_session(1, r.prompt_len + r.max_new_tokens), torch.tensor([r.prompt]),
+                    r.max_new_tokens, GREEDY, 0, lambda: None).tokens[0].tolist() for r in requests]
+    trial = make_trial(TINY, backend="native", kv_cache="paged", kv_block_size=4, serving=spec, compile=True,
+                       batching=BatchingConfig("continuous", 4, 16 if chunked else 2048, chunked))
+    trial = replace(replace(trial, "engine.compile_mode", "cpp"), "engine.prefill", "cpp")
+    assert check_trial(trial, gpu_available=False) == []
+    be = make_backend(loaded, trial)
+    be.decode_step.profile()  # reset the step counter
+    trace = ServingSetup(trial, be, check_invariants=True).run(requests)
+    assert [list(r.output) for r in trace.requests] == ref
+    assert trace.step_seqs / trace.steps > 1.5  # really batched
+    assert be.decode_step.profile()["steps"] == trace.steps  # every step, prefill too, in C++
+
+
+def test_prefill_cpp_is_refused_where_it_cannot_run_and_keeps_the_hashes():
+    from experiments.config.hashing import config_hash
+
+    hf = make_trial(TINY, backend="hf")
+    assert any(k == "engine.prefill" and "engine=native" in m
+               for k, m in check_trial(replace(hf, "engine.prefill", "cpp"), gpu_available=False))
+    native = make_trial(TINY, backend="native", kv_cache="contiguous")
+    why = [m for k, m in check_trial(replace(native, "engine.prefill", "cpp"), gpu_available=False)
+           if k == "engine.prefill"]
+    assert why and "engine=native-cpp" in why[0]
+    assert check_trial(replace(_trial(TINY), "engine.prefill", "cpp"), gpu_available=False) == []
+    # the default leaves every earlier config's hash as it was; cpp is a configuration of its own
+    cfg = {"engine": {"backend": "native", "compile": True, "compile_mode": "cpp"}, "model": {"path": "tiny://llama"}}
+    with_default = {**cfg, "engine": {**cfg["engine"], "prefill": "default"}}
+    with_cpp = {**cfg, "engine": {**cfg["engine"], "prefill": "cpp"}}
+    assert config_hash(with_default) == config_hash(cfg) != config_hash(with_cpp)
+
+
+def _real(name: str):
+    from conftest import need_prepared
+    from engine.models import prepare_model
+
+    need_prepared(name)
+    prepare_model(name)
+    model = ModelConfig(name=name, path=f"prepared://{name}")
+    return model, load_model(model, attention="sdpa", quant=QuantConfig(kernel="gemv-all"))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name,n,new", [("smollm2-135m-instruct", 300, 16), ("gemma-3-270m", 600, 8)])
+def test_real_models_prefill_in_cpp_gives_the_eager_engines_tokens(name, n, new):
+    """The real SmolLM2-135M (a 300-token prompt) and Gemma 3 270M (600 tokens: past its 512-token sliding window,
+    the windowed layers drop keys inside the prompt's own rows), fp32, 2 sequences: prefill=cpp's greedy tokens are
+    the eager engine's, and its last-position logits within float rounding of torch's prefill."""
+    model, loaded = _real(name)
+    ids = torch.randint(1000, 40000, (2, n), generator=torch.Generator().manual_seed(13))
+    eager, cpp = _backends(loaded)
+    with torch.inference_mode():
+        last = [be.new_session(2, n).prefill(ids) for be in (cpp, eager)]
+    torch.testing.assert_close(last[0], last[1], atol=2e-3, rtol=1e-4)  # 30 / 18 layers of fp32 sums in another order
+    toks = [torch.as_tensor(generate(be.new_session(2, n + new), ids, new, GREEDY, seed=0, sync=lambda: None).tokens)
+            for be in (cpp, eager)]
+    assert torch.equal(toks[0], toks[1])
