@@ -71,11 +71,27 @@ ALL = {  # name -> (backend, model dtype, attention, quant[, engine.compile_mode
     # issue 42 item 2: the C++ step over a bf16 K/V cache (kv_cache.dtype=bfloat16; llama.cpp's default K/V is f16)
     "native-fp32-cpp-kvbf16": ("native", "float32", "sdpa", QuantConfig(kernel="gemv-all"), "cpp"),
     "native-w8a8-cpp-kvbf16": ("native", "float32", "sdpa", QuantConfig(level="int8-dynamic", skip_modules=[]), "cpp"),
+    # issue 42 item 1: the prompt through the C++ step as well (engine.prefill=cpp)
+    "native-fp32-cpp-pf": ("native", "float32", "sdpa", QuantConfig(kernel="gemv-all"), "cpp"),
+    "native-bf16-cpp-pf": ("native", "bfloat16", "sdpa", QuantConfig(kernel="gemv-all"), "cpp"),
+    "native-w8a8-cpp-pf": ("native", "float32", "sdpa", QuantConfig(level="int8-dynamic", skip_modules=[]), "cpp"),
     "llamacpp-f32": ("llamacpp", "float32", "flash", QuantConfig()),
     "llamacpp-q8_0": ("llamacpp", "float32", "flash", QuantConfig(level="gguf-q8_0")),
     "llamacpp-q4_0": ("llamacpp", "float32", "flash", QuantConfig(level="gguf-q4_0")),
 }
 KV_DTYPE = {"native-fp32-cpp-kvbf16": "bfloat16", "native-w8a8-cpp-kvbf16": "bfloat16"}  # kv_cache.dtype, else auto
+PREFILL = {n: "cpp" for n in ALL if n.endswith("-cpp-pf")}  # engine.prefill, else default (torch's GEMMs)
+# (label, new, base, goal): the prefill goals, as ratios of prefill tok/s (one interleaved group)
+PREFILL_GOALS = [
+    ("native fp32 (torch's GEMMs) vs llama.cpp f32", "native-fp32", "llamacpp-f32", ">= x1.0"),
+    ("native fp32, C++ prefill vs llama.cpp f32", "native-fp32-cpp-pf", "llamacpp-f32", ">= x1.0"),
+    ("native fp32, C++ prefill vs torch's", "native-fp32-cpp-pf", "native-fp32", "-"),
+    ("native bf16 vs native fp32 (torch's GEMMs)", "native-bf16", "native-fp32", ">= x1.6"),
+    ("native bf16 vs fp32, both C++ prefill", "native-bf16-cpp-pf", "native-fp32-cpp-pf", ">= x1.6"),
+    ("native W8A8, C++ prefill vs llama.cpp Q8_0", "native-w8a8-cpp-pf", "llamacpp-q8_0", ">= x1.0"),
+    ("native W8A8, torch-side prefill vs llama.cpp Q8_0", "native-w8a8-cpp", "llamacpp-q8_0", ">= x1.0"),
+    ("native W8A8, C++ prefill vs torch-side", "native-w8a8-cpp-pf", "native-w8a8-cpp", "-"),
+]
 # (label, new, base, goal): the issue's goals table, as ratios of decode tok/s
 GOALS = [
     ("native fp32 vs llama.cpp f32", "native-fp32", "llamacpp-f32", ">= x0.8"),
@@ -172,7 +188,8 @@ def trial(name: str, threads: int, wl: WorkloadConfig) -> TrialConfig:
     backend, dtype, attn, quant, *mode = ALL[name]
     engine = EngineConfig(backend=backend, threads=threads)
     if mode:  # a compiled decode step (issue 36: cpp)
-        engine = EngineConfig(backend=backend, threads=threads, compile=True, compile_mode=mode[0])
+        engine = EngineConfig(backend=backend, threads=threads, compile=True, compile_mode=mode[0],
+                              prefill=PREFILL.get(name, "default"))
     kv = KVCacheConfig(dtype=KV_DTYPE.get(name, "auto"))
     return TrialConfig(model=ModelConfig(**MODEL, dtype=dtype), engine=engine, kv_cache=kv,
                        attention=AttentionConfig(impl=attn), quant=quant, workload=wl, eval=EvalConfig(enabled=PPL))
@@ -202,6 +219,17 @@ def prefill_table(a, flags: set[str]) -> dict:
         print(f"| {n} | {sp.median:.0f} [{sp.ci_lo:.0f}, {sp.ci_hi:.0f}] | {r.metrics.get('ttft_ms_p50', float('nan')):.0f} | "
               f"{gfs:.0f} | {'-' if util is None else f'{100 * util:.0f}%'} | {goal} |")
         out[n] = dict(prefill_tok_s=s, compute_util=util, flops=flops)
+    goals = [(label, new, base, goal) for label, new, base, goal in PREFILL_GOALS if new in res and base in res]
+    if goals:
+        print("\n| prefill goal | ratio (median of per-round ratios) [95% CI] | goal | met |")
+        print("|---|---|---|---|")
+    for label, new, base, goal in goals:
+        pr = paired_ratio(res[base].samples["prefill_tok_s"], res[new].samples["prefill_tok_s"])
+        if pr is None:
+            continue
+        met = "-" if goal == "-" else ("yes" if pr.value >= float(goal.split("x")[1]) else "no")
+        print(f"| {label} | x{pr.value:.2f} [{pr.lo:.2f}, {pr.hi:.2f}] | {goal} | {met} |")
+        out.setdefault("goals", []).append(dict(label=label, ratio=pr.value, lo=pr.lo, hi=pr.hi, goal=goal))
     return out
 
 

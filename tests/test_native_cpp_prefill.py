@@ -78,6 +78,52 @@ def test_bf16_activations_and_a_bf16_cache_stay_within_their_rounding():
         assert (got.float() - ref.float()).abs().max() < 0.1
 
 
+def _odd_llama():
+    """hidden 48, intermediate 80, head_dim 16: widths that are not multiples of 32 (the packed rows), of 64 (the
+    outer-product kernels' 64-row panels) or of 6 (their weight tiles)."""
+    import transformers as tf
+
+    from engine.models import LoadedModel
+    from engine.tokenizer import ByteTokenizer
+
+    cfg = tf.LlamaConfig(vocab_size=320, hidden_size=48, intermediate_size=80, num_hidden_layers=2,
+                         num_attention_heads=3, num_key_value_heads=1, max_position_embeddings=256,
+                         initializer_range=0.15, tie_word_embeddings=True)
+    cfg._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    return LoadedModel(model=tf.LlamaForCausalLM(cfg).eval(), tokenizer=ByteTokenizer(),
+                       spec=ModelConfig(name="odd", path="tiny://odd"), load_s=0.0)
+
+
+@pytest.mark.parametrize("tier", __import__("engine.quant_kernels", fromlist=["cpu_tiers"]).cpu_tiers()[:-1])
+@pytest.mark.parametrize("case", ["llama", "llama-int8", "llama-bf16-kv", "gemma3", "odd"])
+def test_long_prompts_match_torch_on_every_isa_tier(case, tier, monkeypatch):
+    """2 prompts of 100 tokens (200 rows: the linears' outer-product kernels from 64 rows, 64-row panels with a
+    remainder; the tiled attention's blocks of 16 rows over key blocks of 64 positions, its running maximum rescaled
+    block to block; Gemma 3's window of 8 inside the prompt), then 9 more tokens: fp32 within float rounding of the
+    eager engine -- built for each ISA tier this CPU runs (AVX-512: those kernels; AVX2: the row tiles and the
+    per-row attention), each its own build."""
+    from engine import quant_kernels as qk
+
+    monkeypatch.setenv(qk.ISA_ENV, tier)
+    kind = case.split("-")[0]
+    if kind == "odd":
+        loaded = _odd_llama()
+        kw = {}
+    elif case == "llama-int8":
+        spec = QuantConfig(level="int8-weight", kernel="gemv")
+        loaded = load_model(TINY, attention="sdpa", quant=spec)
+        kw = {"quant": spec}
+    else:
+        loaded = hf_tiny(kind)
+        kw = {"kv_dtype": "bfloat16"} if case == "llama-bf16-kv" else {}
+    eager, cpp = _backends(loaded, **kw)
+    assert cpp.decode_step.isa == tier
+    ids = _batch_ids(2, 109, seed=7)
+    for got, ref in zip(_prefill_then_more(cpp, ids, 100), _prefill_then_more(eager, ids, 100)):
+        torch.testing.assert_close(got, ref, atol=1e-4, rtol=1e-5)  # 100 positions of fp32 sums in another order
+
+
 @pytest.mark.parametrize("level,kernel", [("none", "gemv-all"), ("int8-weight", "gemv"), ("int4-weight", "gemv"),
                                           ("int4-weight", "gemv-q8"), ("int8-dynamic", "dequant")])
 def test_greedy_tokens_equal_torchs_prefill_at_every_weight_layout(level, kernel):

@@ -118,6 +118,9 @@ struct Input {
   const float* x = nullptr;
   int64_t K = 0, R = 1;
   std::vector<float> dense_rows;
+  std::vector<float> xt;  // the rows transposed [K, Rp] (isw::transpose_rows), for the outer-product kernels
+  int64_t Rp = 0;
+  bool have_t = false;
   std::vector<int8_t> q;
   std::vector<uint8_t> qu;  // W8A8 at 4+ rows: q + 128 (the tiled VNNI kernel's unsigned operand)
   std::vector<float> row_scale;
@@ -126,8 +129,19 @@ struct Input {
   bool have_dense = false, have_row = false, have_blocks = false;
 
   void set(const float* x_, int64_t K_, int64_t R_ = 1) {
-    x = x_; K = K_; R = R_; have_dense = have_row = have_blocks = false;
+    x = x_; K = K_; R = R_; have_dense = have_row = have_blocks = have_t = false;
   }
+#if defined(ISW_AVX512)
+  const float* transposed() {
+    if (!have_t) {
+      Rp = (R + 63) / 64 * 64;
+      xt.resize(K * Rp);
+      isw::transpose_rows(x, R, K, pad32(K), xt.data(), Rp);
+      have_t = true;
+    }
+    return xt.data();
+  }
+#endif
   const float* dense() {  // the rows at stride K
     if (R == 1 || K % 32 == 0) return x;
     if (!have_dense) {
@@ -183,6 +197,14 @@ inline void lin_rows(const Act& a, const Lin& L, Input& in, float* y, int64_t n0
   if (n0 >= n1) return;
   in.need(L.kind);
   const int64_t R = in.R, N = L.N;
+#if defined(ISW_AVX512)
+  if (R >= isw::OUTER_ROWS && (L.kind == F32 || L.kind == BF16 || L.kind == I8)) {  // a prompt's rows: compute-bound
+    const float* xt = in.transposed();
+    if (L.kind == F32) isw::rows_w_outer(xt, R, in.Rp, L.K, (const float*)L.w, nullptr, y, N, n0, n1);
+    else if (L.kind == BF16) isw::rows_w_outer(xt, R, in.Rp, L.K, (const uint16_t*)L.w, nullptr, y, N, n0, n1);
+    else isw::rows_w_outer(xt, R, in.Rp, L.K, (const int8_t*)L.w, L.s, y, N, n0, n1);
+  } else
+#endif
   switch (L.kind) {
     case F32: isw::rows_w(in.dense(), R, L.K, (const float*)L.w, nullptr, y, N, n0, n1); break;
     case BF16: isw::rows_w(in.dense(), R, L.K, (const uint16_t*)L.w, nullptr, y, N, n0, n1); break;
@@ -326,6 +348,29 @@ inline float gelu_tanh(float x) {
 
 }  // namespace
 
+#if defined(ISW_AVX512)
+// e^x for x <= 0 (a softmax's shifted scores; -inf and anything below -87 give 0): 2^n * p(r), x = n ln2 + r, |r| <=
+// ln2 / 2, p a degree-6 Taylor polynomial (relative error ~2e-7, a float's rounding)
+inline __m512 exp_le0(__m512 x) {
+  const __mmask16 tiny = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.0f), _CMP_LT_OQ);
+  x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);  // ln2 in two parts (Cody-Waite)
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.0f / 720);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+  return _mm512_maskz_mov_ps(~tiny, _mm512_scalef_ps(p, n));
+}
+#endif
+// a run of consecutive rows of one sequence attends tile by tile: QB rows x the group's heads against KB keys at once
+constexpr int64_t QB = 16, KB = 64, KV16 = KB / 16;
+
 extern "C" {
 
 // One decode step of B sequences: token tokens[b] at position pos[b] of sequence b (its cache already holds the
@@ -366,6 +411,23 @@ static void run_rows(const Model* m, int64_t B, const int64_t* tokens, const int
   const int64_t att_s = chunked ? std::min<int64_t>(group, std::max<int64_t>(1, (CHUNKS_PER_THREAD / 2 * nt + B * Hkv - 1) / (B * Hkv))) : 1;
   const int att_C = chunked ? (int)(B * Hkv * att_s) : nt;
   Phases ph(chunked ? m->num_layers * 8 + 2 : 0, nt);
+  // rows_share, fp32 activations, AVX-512: the attention is tiled -- runs of consecutive positions of one sequence
+  // (one block table) cut into blocks of up to QB rows, one chunk per (block, KV group)
+  std::vector<int64_t> qblk{0};
+#if defined(ISW_AVX512)
+  const bool tiled = rows_share && !a.bf && D % 16 == 0 && D <= 256;
+  if (tiled)
+    for (int64_t r = 1; r < B; ++r) {
+      const bool same = pos[r] == pos[r - 1] + 1 && r - qblk.back() < QB &&
+                        std::memcmp(kv->blocks + r * kv->max_blocks, kv->blocks + (r - 1) * kv->max_blocks,
+                                    kv->max_blocks * sizeof(int32_t)) == 0;
+      if (!same) qblk.push_back(r);
+    }
+#else
+  const bool tiled = false;
+#endif
+  qblk.push_back(B);
+  const int64_t n_qblk = (int64_t)qblk.size() - 1;
   // the split attention's blocks per KV group (enough chunks for two per thread) and their partials, per query head
   const int64_t nb_max = chunked && B == 1 ? std::min<int64_t>(64, std::max<int64_t>(2, (2 * nt + Hkv - 1) / Hkv)) : 1;
   std::vector<float> part_m(chunked && B == 1 ? Hq * nb_max : 0), part_l(part_m.size()), part_o(part_m.size() * D);
@@ -381,6 +443,11 @@ static void run_rows(const Model* m, int64_t B, const int64_t* tokens, const int
     };
     std::vector<float> h(B * Hs, 0.f), kh(D), qh(4 * D), tmp(D), scores(4 * S), outh(4 * D);
     std::vector<float> gate(B * I), up(B * I), attp(chunked && B == 1 ? Qs : 0, 0.f);
+    // the tile's queries [QB * group, D], keys transposed [D, KB], values [KB, D], outputs, running max and sum
+    // (queries padded to a multiple of 4 with zeros: the kernel takes 4 at a time, its accumulators in registers)
+    const int64_t tqn = (QB * group + 3) / 4 * 4;
+    std::vector<float> tq(tiled ? tqn * D : 0), tkt(tiled ? D * KB : 0), tv(tiled ? KB * D : 0);
+    std::vector<float> to(tiled ? tqn * D : 0), tm(tiled ? tqn : 0), tl(tiled ? tqn : 0);
     Input in;
     int64_t p = 0;  // this thread's phase
     const int64_t n_phases = m->num_layers * ((gemma ? 7 : 5) + (rows_share ? 1 : 0)) + 1;
@@ -527,7 +594,119 @@ static void run_rows(const Model* m, int64_t B, const int64_t* tokens, const int
           }
           if (bl == 0) store_kv(0, g);  // the new K/V into the cache (no chunk reads position pos from it)
         });
-      } else
+      }
+#if defined(ISW_AVX512)
+      else if (tiled) {  // chunk c: block c / Hkv of rows, KV group c % Hkv; every key of the block's span read once
+        const int64_t n_tiles = n_qblk * Hkv;
+        phase(chunks ? (int)n_tiles : n_t, none, [&](int c0, int C) {
+         // chunks: tile c0; the static split: tiles c0, c0 + C, ...
+         for (int64_t c = c0; c < (chunks ? c0 + 1 : n_tiles); c += C) {
+          const int64_t r0 = qblk[c / Hkv], r1 = qblk[c / Hkv + 1], g = c % Hkv, nr = r1 - r0;
+          const int64_t nq = nr * group;  // query (row, head) pairs, row-major
+          for (int64_t r = r0; r < r1; ++r)
+            for (int64_t hi = 0; hi < group; ++hi) {
+              float* qr = tq.data() + ((r - r0) * group + hi) * D;
+              std::memcpy(qr, q.data() + r * qn + (g * group + hi) * D, D * sizeof(float));
+              if (gemma) rms_norm(a, true, qr, D, L.q_norm, m->eps, qr);
+              rope(a, qr, D, ctab + pos[r] * D, stab + pos[r] * D, tmp.data());
+            }
+          const int64_t nq4 = (nq + 3) / 4 * 4;  // padded with zero queries (their outputs dropped)
+          std::fill(tq.begin() + nq * D, tq.begin() + nq4 * D, 0.f);
+          std::fill(to.begin(), to.begin() + nq4 * D, 0.f);
+          std::fill(tm.begin(), tm.begin() + nq4, -INFINITY);
+          std::fill(tl.begin(), tl.begin() + nq4, 0.f);
+          int64_t jlo = pos[r0], jhi = pos[r1 - 1];  // the keys any row reads: [min lo, max P]
+          for (int64_t r = r0; r < r1; ++r) jlo = std::min(jlo, L.window > 0 ? std::max<int64_t>(0, pos[r] - L.window + 1) : 0);
+          const int64_t DV = D / 16;
+          for (int64_t j0 = jlo; j0 <= jhi; j0 += KB) {
+            const int64_t nk = std::min<int64_t>(KB, jhi + 1 - j0);
+            for (int64_t jj = 0; jj < KB; ++jj) {  // keys transposed, values as rows (zeros past the span)
+              if (jj >= nk) {
+                for (int64_t i = 0; i < D; ++i) tkt[i * KB + jj] = 0.f;
+                std::memset(tv.data() + jj * D, 0, D * sizeof(float));
+                continue;
+              }
+              const int64_t off = kv->at(r0, g, j0 + jj);
+              if (kvbf) {
+                const uint16_t* kr = (const uint16_t*)L.k_cache + off;
+                const uint16_t* vr = (const uint16_t*)L.v_cache + off;
+                for (int64_t i = 0; i < D; ++i) tkt[i * KB + jj] = isw::bf16_to_f(kr[i]);
+                for (int64_t i = 0; i < D; ++i) tv[jj * D + i] = isw::bf16_to_f(vr[i]);
+              } else {
+                const float* kr = (const float*)L.k_cache + off;
+                for (int64_t i = 0; i < D; ++i) tkt[i * KB + jj] = kr[i];
+                std::memcpy(tv.data() + jj * D, (const float*)L.v_cache + off, D * sizeof(float));
+              }
+            }
+            const __m512i iota = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+            for (int64_t qi = 0; qi < nq4; qi += 4) {
+              constexpr int cq = 4;
+              __m512 s[4][KV16];
+              for (int u = 0; u < 4; ++u)
+                for (int w = 0; w < KV16; ++w) s[u][w] = _mm512_setzero_ps();
+              const float* qp = tq.data() + qi * D;
+              for (int64_t i = 0; i < D; ++i) {  // KB keys' scores per query, 4 queries at once
+                __m512 kt[KV16];
+                for (int w = 0; w < KV16; ++w) kt[w] = _mm512_loadu_ps(tkt.data() + i * KB + 16 * w);
+                for (int u = 0; u < cq; ++u) {
+                  const __m512 qb = _mm512_set1_ps(qp[u * D + i]);
+                  for (int w = 0; w < KV16; ++w) s[u][w] = _mm512_fmadd_ps(qb, kt[w], s[u][w]);
+                }
+              }
+              alignas(64) float pj[4][KB];
+              for (int u = 0; u < cq; ++u) {
+                const int64_t row = std::min(r1 - 1, r0 + (qi + u) / group), P = pos[row];
+                const int64_t lo = L.window > 0 ? std::max<int64_t>(0, P - L.window + 1) : 0;
+                __m512 mx = _mm512_set1_ps(-INFINITY);
+                for (int w = 0; w < KV16; ++w) {
+                  const __m512i jv = _mm512_add_epi32(_mm512_set1_epi32((int)(j0 + 16 * w)), iota);
+                  const __mmask16 ok = _mm512_cmp_epi32_mask(jv, _mm512_set1_epi32((int)lo), _MM_CMPINT_NLT) &
+                                       _mm512_cmp_epi32_mask(jv, _mm512_set1_epi32((int)P), _MM_CMPINT_LE);
+                  s[u][w] = _mm512_mask_blend_ps(ok, _mm512_set1_ps(-INFINITY), _mm512_mul_ps(s[u][w], _mm512_set1_ps(scale)));
+                  mx = _mm512_max_ps(mx, s[u][w]);
+                }
+                const float mold = tm[qi + u], mnew = std::max(mold, _mm512_reduce_max_ps(mx));
+                if (mnew == -INFINITY) {  // no key of this block for this row yet
+                  std::fill(pj[u], pj[u] + KB, 0.f);
+                  continue;
+                }
+                __m512 sum = _mm512_setzero_ps();
+                for (int w = 0; w < KV16; ++w) {
+                  const __m512 p = exp_le0(_mm512_sub_ps(s[u][w], _mm512_set1_ps(mnew)));
+                  sum = _mm512_add_ps(sum, p);
+                  _mm512_store_ps(pj[u] + 16 * w, p);
+                }
+                const float alpha = mold == -INFINITY ? 0.f : std::exp(mold - mnew);
+                tl[qi + u] = tl[qi + u] * alpha + _mm512_reduce_add_ps(sum);
+                tm[qi + u] = mnew;
+                if (alpha != 1.f) {
+                  float* o = to.data() + (qi + u) * D;
+                  for (int64_t i = 0; i < D; i += 16)
+                    _mm512_storeu_ps(o + i, _mm512_mul_ps(_mm512_loadu_ps(o + i), _mm512_set1_ps(alpha)));
+                }
+              }
+              for (int64_t dv = 0; dv < DV; ++dv) {  // o += sum_j p_j v_j: each value vector read once for 4 queries
+                __m512 o[4];
+                for (int u = 0; u < cq; ++u) o[u] = _mm512_loadu_ps(to.data() + (qi + u) * D + dv * 16);
+                for (int64_t jj = 0; jj < nk; ++jj) {
+                  const __m512 vv = _mm512_loadu_ps(tv.data() + jj * D + dv * 16);
+                  for (int u = 0; u < cq; ++u) o[u] = _mm512_fmadd_ps(_mm512_set1_ps(pj[u][jj]), vv, o[u]);
+                }
+                for (int u = 0; u < cq; ++u) _mm512_storeu_ps(to.data() + (qi + u) * D + dv * 16, o[u]);
+              }
+            }
+          }
+          for (int64_t qi = 0; qi < nq; ++qi) {
+            const int64_t row = r0 + qi / group, hh = g * group + qi % group;
+            const float inv = 1.0f / tl[qi];
+            float* ao = att.data() + row * Qs + hh * D;
+            for (int64_t i = 0; i < D; ++i) ao[i] = to[qi * D + i] * inv;
+          }
+         }
+        });
+      }
+#endif
+      else
       phase(chunks ? att_C : n_t, none, [&](int c, int C) {
         int64_t h0, h1;  // over the B * Hq (sequence, query head) pairs
         if (chunks) {  // part c % att_s of (sequence, KV group) c / att_s
@@ -624,6 +803,28 @@ static void run_rows(const Model* m, int64_t B, const int64_t* tokens, const int
         rows(I, c, C, n0, n1);
         lin_rows(a, L.gate, in, gate.data(), n0, n1);
         lin_rows(a, L.up, in, up.data(), n0, n1);
+#if defined(ISW_AVX512)
+        if (!gemma && !a.bf && B >= isw::OUTER_ROWS) {  // a prompt's rows: SiLU(gate) * up 16 at a time
+          for (int64_t b = 0; b < B; ++b) {
+            int64_t n = n0;
+            for (; n + 16 <= n1; n += 16) {
+              const __m512 gv = _mm512_loadu_ps(gate.data() + b * I + n);
+              // sigmoid(g) from e = exp(-|g|) <= 1: 1 / (1 + e) for g >= 0, e / (1 + e) below
+              const __m512 e = exp_le0(_mm512_sub_ps(_mm512_setzero_ps(), _mm512_abs_ps(gv)));
+              const __m512 inv = _mm512_div_ps(_mm512_set1_ps(1.0f), _mm512_add_ps(_mm512_set1_ps(1.0f), e));
+              const __mmask16 neg = _mm512_cmp_ps_mask(gv, _mm512_setzero_ps(), _CMP_LT_OQ);
+              const __m512 sig = _mm512_mask_mul_ps(inv, neg, inv, e);
+              _mm512_storeu_ps(mid.data() + b * Is + n,
+                               _mm512_mul_ps(_mm512_mul_ps(gv, sig), _mm512_loadu_ps(up.data() + b * I + n)));
+            }
+            for (; n < n1; ++n) {
+              const float gv = gate[b * I + n];
+              mid[b * Is + n] = gv / (1.0f + std::exp(-gv)) * up[b * I + n];
+            }
+          }
+          return;
+        }
+#endif
         for (int64_t b = 0; b < B; ++b)
           for (int64_t n = n0; n < n1; ++n) {
             const float gv = gate[b * I + n];
