@@ -124,6 +124,26 @@ def test_long_prompts_match_torch_on_every_isa_tier(case, tier, monkeypatch):
         torch.testing.assert_close(got, ref, atol=1e-4, rtol=1e-5)  # 100 positions of fp32 sums in another order
 
 
+def test_a_prompt_longer_than_one_calls_rows_is_cut_into_calls(monkeypatch):
+    """At most CPP_PREFILL_ROWS rows (sequences x positions) per C++ call: 2 x 100 positions at 48 rows a call are 5
+    calls of 24 positions (and a multi-token step likewise), the same logits as one long call and as torch."""
+    from engine.engines.native import backend as nb
+
+    loaded = hf_tiny("gemma3")
+    eager, cpp = _backends(loaded)
+    ids = _batch_ids(2, 109, seed=8)
+    whole = _prefill_then_more(cpp, ids, 100)
+    monkeypatch.setattr(nb, "CPP_PREFILL_ROWS", 48)
+    calls = []
+    real = cpp.decode_step.prefill
+    monkeypatch.setattr(cpp.decode_step, "prefill", lambda t, *a, **k: calls.append(t.shape[1]) or real(t, *a, **k))
+    cut = _prefill_then_more(cpp, ids, 100)
+    assert calls == [24, 24, 24, 24, 4, 9]
+    for got, one, ref in zip(cut, whole, _prefill_then_more(eager, ids, 100)):
+        torch.testing.assert_close(got, one, **FP32_TOL)
+        torch.testing.assert_close(got, ref, atol=1e-4, rtol=1e-5)
+
+
 @pytest.mark.parametrize("level,kernel", [("none", "gemv-all"), ("int8-weight", "gemv"), ("int4-weight", "gemv"),
                                           ("int4-weight", "gemv-q8"), ("int8-dynamic", "dequant")])
 def test_greedy_tokens_equal_torchs_prefill_at_every_weight_layout(level, kernel):

@@ -23,6 +23,9 @@ from .support import window_exceeded
 
 
 PREFILL_CHUNK = 2048  # prompt positions a prefill computes at once (NativeSession.prefill)
+# rows (sequences x positions) one C++ prefill call takes (engine.prefill=cpp): its buffers grow with the rows
+# (~50 KB a row on SmolLM2: activations, gate/up per thread), and past a few hundred rows the GEMMs gain nothing
+CPP_PREFILL_ROWS = 512
 
 
 class NativeSession:
@@ -61,9 +64,10 @@ class NativeSession:
             if self.cache is None:
                 self._tokens = tokens if self._tokens is None else torch.cat([self._tokens, tokens], dim=1)
                 return be.model(self._tokens, 0, be.kernel, None, num_logits=n)
-            start = self.cache.append(n)
             if n > 1 and be.cpp_prefill:
-                return be.decode_step.prefill(tokens, start, self.cache, last_only=False)
+                return torch.cat([be.decode_step.prefill(part, self.cache.append(part.shape[1]), self.cache, last_only=False)
+                                  for part in self._cpp_parts(tokens)], dim=1)
+            start = self.cache.append(n)
             step = be.decode_step if n == 1 else be.model
             return step(tokens, start, be.kernel, self.cache)
 
@@ -78,14 +82,20 @@ class NativeSession:
         self._check_room(n)
         be = self._backend
         with torch.inference_mode():
+            if be.cpp_prefill:
+                for part in self._cpp_parts(tokens):
+                    last = be.decode_step.prefill(part, self.cache.append(part.shape[1]), self.cache)
+                return last
             for i in range(0, n, PREFILL_CHUNK):
                 part = tokens[:, i:i + PREFILL_CHUNK]
                 start = self.cache.append(part.shape[1])
-                if be.cpp_prefill:
-                    last = be.decode_step.prefill(part, start, self.cache)
-                else:
-                    last = be.model(part, start, be.kernel, self.cache, num_logits=1)[:, -1]
-            return last
+                logits = be.model(part, start, be.kernel, self.cache, num_logits=1)
+            return logits[:, -1]
+
+    def _cpp_parts(self, tokens: torch.Tensor) -> list[torch.Tensor]:
+        """tokens [B, T] cut along T so that one C++ call takes at most CPP_PREFILL_ROWS rows (B x its positions)."""
+        step = max(1, CPP_PREFILL_ROWS // self._batch_size)
+        return [tokens[:, i:i + step] for i in range(0, tokens.shape[1], step)]
 
     def _check_room(self, n: int) -> None:
         if self.length + n > self._max_len:
