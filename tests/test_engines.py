@@ -21,7 +21,8 @@ ALLOWED = {"kv_cache.mode": KV_CACHE_MODES, "batching.mode": BATCHING_MODES, "at
            "quant.level": engines.values("quant.level"), "speculative.method": SPECULATIVE_METHODS,
            "kv_cache.dtype": engines.values("kv_cache.dtype"),
            "quant.kernel": engines.values("quant.kernel"),
-           "engine.compile": ("True", "False"), "engine.compile_mode": engines.values("engine.compile_mode")}
+           "engine.compile": ("True", "False"), "engine.compile_mode": engines.values("engine.compile_mode"),
+           "engine.prefill": ("default", "cpp")}
 
 
 def _trial(engine: str, **kw) -> TrialConfig:

@@ -144,6 +144,31 @@ def test_a_prompt_longer_than_one_calls_rows_is_cut_into_calls(monkeypatch):
         torch.testing.assert_close(got, ref, atol=1e-4, rtol=1e-5)
 
 
+@pytest.mark.parametrize("rows", [40, 200])
+def test_prefill_logits_do_not_depend_on_threads_or_how_they_meet(rows):
+    """1, 2 and 3 threads, with the phases' chunks taken from counters (the default) and with the static split and
+    OpenMP barriers (isw_set_sync(1)): the same logits -- each phase's every chunk (the store phase's (row, group)
+    pairs, the attention's tiles) done whoever takes it. 40 rows (the row tiles) and 200 (the outer products)."""
+    loaded = hf_tiny("gemma3")
+    eager, cpp = _backends(loaded)
+    ids = _batch_ids(2, rows // 2 + 9, seed=9)
+    lib, threads0 = cpp.decode_step.lib, torch.get_num_threads()
+    out = {}
+    try:
+        for sync in (0, 1):
+            lib.isw_set_sync(sync)
+            for n in (1, 2, 3):
+                torch.set_num_threads(n)
+                out[sync, n] = _prefill_then_more(cpp, ids, rows // 2)
+    finally:
+        lib.isw_set_sync(0)
+        torch.set_num_threads(threads0)
+    ref = _prefill_then_more(eager, ids, rows // 2)
+    for key, got in out.items():
+        for g, r in zip(got, ref):
+            torch.testing.assert_close(g, r, atol=1e-4, rtol=1e-5, msg=lambda m: f"sync, threads {key}: {m}")
+
+
 @pytest.mark.parametrize("level,kernel", [("none", "gemv-all"), ("int8-weight", "gemv"), ("int4-weight", "gemv"),
                                           ("int4-weight", "gemv-q8"), ("int8-dynamic", "dequant")])
 def test_greedy_tokens_equal_torchs_prefill_at_every_weight_layout(level, kernel):

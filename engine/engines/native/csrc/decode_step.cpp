@@ -554,9 +554,11 @@ static void run_rows(const Model* m, int64_t B, const int64_t* tokens, const int
               lin_group(a, ls, ys, 3, in, c, C);
             });
       if (rows_share)  // every row's key (normed, rotated) and value into the cache before any row attends
-        phase((int)(B * Hkv), none, [&](int c, int) {
-          new_key(c / Hkv, c % Hkv);
-          store_kv(c / Hkv, c % Hkv);
+        phase(chunks ? (int)(B * Hkv) : n_t, none, [&](int c0, int C) {  // chunks: (row, group) c0; static: c0, c0 + C, ...
+          for (int64_t c = c0; c < (chunks ? c0 + 1 : B * Hkv); c += C) {
+            new_key(c / Hkv, c % Hkv);
+            store_kv(c / Hkv, c % Hkv);
+          }
         });
       lap(0);
       const int64_t lo0 = L.window > 0 ? std::max<int64_t>(0, pos[0] - L.window + 1) : 0;
