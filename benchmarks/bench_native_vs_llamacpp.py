@@ -195,6 +195,17 @@ def trial(name: str, threads: int, wl: WorkloadConfig) -> TrialConfig:
                        attention=AttentionConfig(impl=attn), quant=quant, workload=wl, eval=EvalConfig(enabled=PPL))
 
 
+def goal_row(label: str, base: list[float], new: list[float], goal: str):
+    """One goals-table row: the paired ratio new / base (median of per-round ratios, its 95% interval) against
+    `goal` (">= xR", or "-" for none), printed; its record, or None where the samples do not pair."""
+    pr = paired_ratio(base, new)
+    if pr is None:
+        return None
+    met = "-" if goal == "-" else ("yes" if pr.value >= float(goal.split("x")[1]) else "no")
+    print(f"| {label} | x{pr.value:.2f} [{pr.lo:.2f}, {pr.hi:.2f}] | {goal} | {met} |")
+    return dict(label=label, ratio=pr.value, lo=pr.lo, hi=pr.hi, goal=goal)
+
+
 def prefill_table(a, flags: set[str]) -> dict:
     """The prefill goal: native prefill of `--prefill-context` tokens (batch 1) as a share of the probe's FLOP peak
     (the cost model's FLOPs of that prefill / measured prefill time / hw_flops: `prefill_compute_util`), with
@@ -224,12 +235,9 @@ def prefill_table(a, flags: set[str]) -> dict:
         print("\n| prefill goal | ratio (median of per-round ratios) [95% CI] | goal | met |")
         print("|---|---|---|---|")
     for label, new, base, goal in goals:
-        pr = paired_ratio(res[base].samples["prefill_tok_s"], res[new].samples["prefill_tok_s"])
-        if pr is None:
-            continue
-        met = "-" if goal == "-" else ("yes" if pr.value >= float(goal.split("x")[1]) else "no")
-        print(f"| {label} | x{pr.value:.2f} [{pr.lo:.2f}, {pr.hi:.2f}] | {goal} | {met} |")
-        out.setdefault("goals", []).append(dict(label=label, ratio=pr.value, lo=pr.lo, hi=pr.hi, goal=goal))
+        row = goal_row(label, res[base].samples["prefill_tok_s"], res[new].samples["prefill_tok_s"], goal)
+        if row is not None:
+            out.setdefault("goals", []).append(row)
     return out
 
 
@@ -303,13 +311,9 @@ def main() -> None:
     for label, new, base, goal in GOALS:
         if new not in res or base not in res:
             continue
-        label = goal_label(label, a.shape)
-        pr = paired_ratio(res[base].samples["decode_tok_s"], res[new].samples["decode_tok_s"])
-        if pr is None:
-            continue
-        met = "-" if goal == "-" else ("yes" if pr.value >= float(goal.split("x")[1]) else "no")
-        print(f"| {label} | x{pr.value:.2f} [{pr.lo:.2f}, {pr.hi:.2f}] | {goal} | {met} |")
-        out["goals"].append(dict(label=label, ratio=pr.value, lo=pr.lo, hi=pr.hi, goal=goal))
+        row = goal_row(goal_label(label, a.shape), res[base].samples["decode_tok_s"], res[new].samples["decode_tok_s"], goal)
+        if row is not None:
+            out["goals"].append(row)
     ref = res.get("native-fp32")
     if ref is not None:
         print("\nGreedy tokens equal native fp32's: " + ", ".join(

@@ -37,6 +37,22 @@ def _trial(model: ModelConfig, mode: str = "cpp", compile: bool = True, attentio
     return replace(t, "engine.compile_mode", mode)
 
 
+def over_threads_and_sync(lib, run) -> dict:
+    """run() at 1, 2 and 3 torch threads, with the phases' chunks (isw_set_sync(0), the default) and with the static
+    split and OpenMP barriers (1): {(sync, threads): its result}; the library's mode and torch's threads restored."""
+    threads0, out = torch.get_num_threads(), {}
+    try:
+        for sync in (0, 1):
+            lib.isw_set_sync(sync)
+            for n in (1, 2, 3):
+                torch.set_num_threads(n)
+                out[sync, n] = run()
+    finally:
+        lib.isw_set_sync(0)
+        torch.set_num_threads(threads0)
+    return out
+
+
 def _greedy(backend, prompts, new=NEW):
     session = backend.new_session(int(prompts.shape[0]), int(prompts.shape[1]) + new)
     return torch.as_tensor(generate(session, prompts, new, GREEDY, seed=0, sync=lambda: None).tokens)
@@ -113,17 +129,7 @@ def test_cpp_step_logits_do_not_depend_on_threads_or_how_they_meet(kind, level, 
         quantize_model(loaded.model, spec, loaded.model.config.num_hidden_layers)
     trial = _trial(loaded.spec, quant=spec)
     backend = make_backend(loaded, trial)
-    lib, threads0 = backend.decode_step.lib, torch.get_num_threads()
-    out = {}
-    try:
-        for sync in (0, 1):
-            lib.isw_set_sync(sync)
-            for n in (1, 2, 3):
-                torch.set_num_threads(n)
-                out[sync, n] = incremental_logits(backend.new_session(batch, 29), ids, 5)
-    finally:
-        lib.isw_set_sync(0)
-        torch.set_num_threads(threads0)
+    out = over_threads_and_sync(backend.decode_step.lib, lambda: incremental_logits(backend.new_session(batch, 29), ids, 5))
     ref = out[1, 1]
     for key, got in out.items():
         torch.testing.assert_close(got, ref, **FP32_TOL, msg=lambda m: f"sync, threads {key}: {m}")

@@ -32,6 +32,12 @@ def _batch_ids(b: int = 3, n: int = 29, seed: int = 1) -> torch.Tensor:
     return torch.randint(3, 320, (b, n), generator=torch.Generator().manual_seed(seed))
 
 
+def alone_tokens(backend, requests) -> list[list[int]]:
+    """Each serving request's greedy tokens, decoded alone (a one-sequence session of `backend`)."""
+    return [generate(backend.new_session(1, r.prompt_len + r.max_new_tokens), torch.tensor([r.prompt]),
+                     r.max_new_tokens, GREEDY, 0, lambda: None).tokens[0].tolist() for r in requests]
+
+
 def _eager_and_cpp(loaded, dtype="float32", attention="sdpa", kv="contiguous", quant=None, kv_dtype="auto"):
     out = []
     for mode, compile in (("dynamic", False), ("cpp", True)):
@@ -134,9 +140,8 @@ def test_continuous_batching_decodes_in_cpp_with_each_requests_own_tokens(kv_dty
     loaded = load_model(TINY, attention="sdpa", quant=spec_q)
     spec = serving(n=8, inp=(3, 30), out=(2, 12))
     requests = make_requests(spec, CORPUS, 0)
-    alone = make_backend(loaded, replace(make_trial(TINY, backend="native", quant=spec_q), "kv_cache.dtype", kv_dtype))
-    ref = [generate(alone.new_session(1, r.prompt_len + r.max_new_tokens), torch.tensor([r.prompt]),
-                    r.max_new_tokens, GREEDY, 0, lambda: None).tokens[0].tolist() for r in requests]
+    ref = alone_tokens(make_backend(loaded, replace(make_trial(TINY, backend="native", quant=spec_q), "kv_cache.dtype",
+                                                    kv_dtype)), requests)
     trial = make_trial(TINY, backend="native", kv_cache="paged", kv_block_size=4, serving=spec, compile=True,
                        quant=spec_q, batching=BatchingConfig("continuous", 4, 2048, False))
     trial = replace(replace(trial, "engine.compile_mode", "cpp"), "kv_cache.dtype", kv_dtype)
@@ -187,9 +192,8 @@ def test_smollm2_continuous_batching_on_the_cpp_step_gives_each_request_its_own_
     corpus = torch.randint(1000, 40000, (5000,), generator=torch.Generator().manual_seed(12))
     spec = serving(n=8, inp=(20, 120), out=(4, 16))
     requests = make_requests(spec, corpus, 0)
-    alone = make_backend(loaded, make_trial(model, backend="native", quant=QuantConfig(kernel="gemv-all")))
-    ref = [generate(alone.new_session(1, r.prompt_len + r.max_new_tokens), torch.tensor([r.prompt]),
-                    r.max_new_tokens, GREEDY, 0, lambda: None).tokens[0].tolist() for r in requests]
+    ref = alone_tokens(make_backend(loaded, make_trial(model, backend="native", quant=QuantConfig(kernel="gemv-all"))),
+                       requests)
     trial = make_trial(model, backend="native", kv_cache="paged", serving=spec, compile=True,
                        quant=QuantConfig(kernel="gemv-all"), batching=BatchingConfig("continuous", 4, 2048, False))
     trial = replace(trial, "engine.compile_mode", "cpp")

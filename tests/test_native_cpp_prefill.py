@@ -21,8 +21,8 @@ from engine.models import load_model
 from engine.validation import check_trial
 from support import make_trial
 from test_native import hf_tiny
-from test_native_cpp import FP32_TOL, _trial
-from test_native_cpp_batch import _batch_ids
+from test_native_cpp import FP32_TOL, _trial, over_threads_and_sync
+from test_native_cpp_batch import _batch_ids, alone_tokens
 
 TINY = ModelConfig(name="tiny", path="tiny://llama")
 GREEDY = SamplingConfig(temperature=0.0)
@@ -152,17 +152,7 @@ def test_prefill_logits_do_not_depend_on_threads_or_how_they_meet(rows):
     loaded = hf_tiny("gemma3")
     eager, cpp = _backends(loaded)
     ids = _batch_ids(2, rows // 2 + 9, seed=9)
-    lib, threads0 = cpp.decode_step.lib, torch.get_num_threads()
-    out = {}
-    try:
-        for sync in (0, 1):
-            lib.isw_set_sync(sync)
-            for n in (1, 2, 3):
-                torch.set_num_threads(n)
-                out[sync, n] = _prefill_then_more(cpp, ids, rows // 2)
-    finally:
-        lib.isw_set_sync(0)
-        torch.set_num_threads(threads0)
+    out = over_threads_and_sync(cpp.decode_step.lib, lambda: _prefill_then_more(cpp, ids, rows // 2))
     ref = _prefill_then_more(eager, ids, rows // 2)
     for key, got in out.items():
         for g, r in zip(got, ref):
@@ -197,9 +187,7 @@ def test_continuous_batching_runs_every_step_in_cpp_with_each_requests_own_token
     loaded = load_model(TINY, attention="sdpa", quant=QuantConfig())
     spec = serving(n=8, inp=(3, 30), out=(2, 12))
     requests = make_requests(spec, CORPUS, 0)
-    alone = make_backend(loaded, make_trial(TINY, backend="native"))
-    ref = [generate(alone.new_session(1, r.prompt_len + r.max_new_tokens), torch.tensor([r.prompt]),
-                    r.max_new_tokens, GREEDY, 0, lambda: None).tokens[0].tolist() for r in requests]
+    ref = alone_tokens(make_backend(loaded, make_trial(TINY, backend="native")), requests)
     trial = make_trial(TINY, backend="native", kv_cache="paged", kv_block_size=4, serving=spec, compile=True,
                        batching=BatchingConfig("continuous", 4, 16 if chunked else 2048, chunked))
     trial = replace(replace(trial, "engine.compile_mode", "cpp"), "engine.prefill", "cpp")

@@ -280,8 +280,6 @@ class CppDecodeStep:
         (`last_only`), else every position's [B, T, V] (speculative verification).
         One call for all B x T rows: every weight row read once for all of them (the kernels' row tiles), each row's
         attention over its own sequence's cache up to its position (causal: the rows' keys are stored first)."""
-        if cache is not self._cache:
-            self._bind(cache)
         b, t = int(tokens.shape[0]), int(tokens.shape[1])
         tables = self._tables_of(cache, b)
         positions = (start + torch.arange(t, dtype=torch.int64)).repeat(b)

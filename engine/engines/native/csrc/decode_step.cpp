@@ -470,6 +470,13 @@ static void run_rows(const Model* m, int64_t B, const int64_t* tokens, const int
       ++p;
     };
     auto none = [] {};
+    // A phase of n work items, each done by whoever takes it: with chunks, item c is chunk c; in the static split,
+    // thread t does items t, t + n_t, ... (a phase whose items are not one per thread must not read c as its only one)
+    auto each = [&](int64_t n, auto&& item) {
+      phase(chunks ? (int)n : n_t, none, [&](int c0, int C) {
+        for (int64_t c = c0; c < (chunks ? c0 + 1 : n); c += C) item(c);
+      });
+    };
     auto rows = [](int64_t n, int c, int C, int64_t& n0, int64_t& n1) { split(n, c, C, n0, n1); };
     // the norm of each of the B rows of src (row stride ss) into h (stride Hs)
     auto norm_rows = [&](bool gem, const float* src, int64_t ss, const void* w) {
@@ -554,14 +561,14 @@ static void run_rows(const Model* m, int64_t B, const int64_t* tokens, const int
               lin_group(a, ls, ys, 3, in, c, C);
             });
       if (rows_share)  // every row's key (normed, rotated) and value into the cache before any row attends
-        phase(chunks ? (int)(B * Hkv) : n_t, none, [&](int c0, int C) {  // chunks: (row, group) c0; static: c0, c0 + C, ...
-          for (int64_t c = c0; c < (chunks ? c0 + 1 : B * Hkv); c += C) {
-            new_key(c / Hkv, c % Hkv);
-            store_kv(c / Hkv, c % Hkv);
-          }
+        each(B * Hkv, [&](int64_t c) {  // item c: row c / Hkv, KV group c % Hkv
+          new_key(c / Hkv, c % Hkv);
+          store_kv(c / Hkv, c % Hkv);
         });
       lap(0);
-      const int64_t lo0 = L.window > 0 ? std::max<int64_t>(0, pos[0] - L.window + 1) : 0;
+      // the first key position P's query sees (Gemma 3's sliding layers drop the older ones)
+      auto window_lo = [&](int64_t P) { return L.window > 0 ? std::max<int64_t>(0, P - L.window + 1) : (int64_t)0; };
+      const int64_t lo0 = window_lo(pos[0]);
       const int64_t nb = B == 1 && !rows_share && chunks && pos[0] - lo0 + 1 >= g_split_min
                              ? std::min<int64_t>(nb_max, (pos[0] - lo0 + 1) / g_split_block) : 0;
       if (nb > 1) {  // flash-decoding (one sequence): chunk c = block c % nb of KV group c / nb, each a partial softmax
@@ -598,11 +605,8 @@ static void run_rows(const Model* m, int64_t B, const int64_t* tokens, const int
         });
       }
 #if defined(ISW_AVX512)
-      else if (tiled) {  // chunk c: block c / Hkv of rows, KV group c % Hkv; every key of the block's span read once
-        const int64_t n_tiles = n_qblk * Hkv;
-        phase(chunks ? (int)n_tiles : n_t, none, [&](int c0, int C) {
-         // chunks: tile c0; the static split: tiles c0, c0 + C, ...
-         for (int64_t c = c0; c < (chunks ? c0 + 1 : n_tiles); c += C) {
+      else if (tiled) {  // item c: block c / Hkv of rows, KV group c % Hkv; every key of the block's span read once
+        each(n_qblk * Hkv, [&](int64_t c) {
           const int64_t r0 = qblk[c / Hkv], r1 = qblk[c / Hkv + 1], g = c % Hkv, nr = r1 - r0;
           const int64_t nq = nr * group;  // query (row, head) pairs, row-major
           for (int64_t r = r0; r < r1; ++r)
@@ -618,7 +622,7 @@ static void run_rows(const Model* m, int64_t B, const int64_t* tokens, const int
           std::fill(tm.begin(), tm.begin() + nq4, -INFINITY);
           std::fill(tl.begin(), tl.begin() + nq4, 0.f);
           int64_t jlo = pos[r0], jhi = pos[r1 - 1];  // the keys any row reads: [min lo, max P]
-          for (int64_t r = r0; r < r1; ++r) jlo = std::min(jlo, L.window > 0 ? std::max<int64_t>(0, pos[r] - L.window + 1) : 0);
+          for (int64_t r = r0; r < r1; ++r) jlo = std::min(jlo, window_lo(pos[r]));
           const int64_t DV = D / 16;
           for (int64_t j0 = jlo; j0 <= jhi; j0 += KB) {
             const int64_t nk = std::min<int64_t>(KB, jhi + 1 - j0);
@@ -658,7 +662,7 @@ static void run_rows(const Model* m, int64_t B, const int64_t* tokens, const int
               alignas(64) float pj[4][KB];
               for (int u = 0; u < cq; ++u) {
                 const int64_t row = std::min(r1 - 1, r0 + (qi + u) / group), P = pos[row];
-                const int64_t lo = L.window > 0 ? std::max<int64_t>(0, P - L.window + 1) : 0;
+                const int64_t lo = window_lo(P);
                 __m512 mx = _mm512_set1_ps(-INFINITY);
                 for (int w = 0; w < KV16; ++w) {
                   const __m512i jv = _mm512_add_epi32(_mm512_set1_epi32((int)(j0 + 16 * w)), iota);
@@ -704,7 +708,6 @@ static void run_rows(const Model* m, int64_t B, const int64_t* tokens, const int
             float* ao = att.data() + row * Qs + hh * D;
             for (int64_t i = 0; i < D; ++i) ao[i] = to[qi * D + i] * inv;
           }
-         }
         });
       }
 #endif
@@ -722,7 +725,7 @@ static void run_rows(const Model* m, int64_t B, const int64_t* tokens, const int
         // a run of up to 4 of this chunk's query heads sharing one KV head reads each key and value once
         for (int64_t fh = h0; fh < h1;) {
           const int64_t b = fh / Hq, hh = fh % Hq, g = hh / group, P = pos[b];
-          const int64_t lo = L.window > 0 ? std::max<int64_t>(0, P - L.window + 1) : 0;
+          const int64_t lo = window_lo(P);
           const int cnt = (int)std::min<int64_t>({h1 - fh, (g + 1) * group - hh, (int64_t)4});
           new_key(b, g);
           float mx[4];
